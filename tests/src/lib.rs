@@ -1,0 +1,1 @@
+//! Shared helpers for convene end-to-end tests.
