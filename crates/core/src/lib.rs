@@ -1,1 +1,25 @@
-//! placeholder
+//! convene's domain, free of I/O.
+//!
+//! Everything here is a pure function of its inputs, so the same inputs give the same
+//! answer in the supervisor, in tests and in recovery:
+//!
+//! - [`validate`]: validated conversions from the wire types; an invalid message yields a
+//!   [`ValidationError`] that names the field and the rule it broke.
+//! - [`join`]: the deterministic join — (contract, delegations, results, evidence, now)
+//!   → decision.
+//! - [`limits`]: depth, width with overflow, rounds, budget, and the no-progress detector.
+//! - [`permissions`]: structured scopes, their intersection, and risk levels.
+//! - [`ids`]: deterministic delegation identities.
+//! - [`model`]: the validated domain types the rest works on.
+#![forbid(unsafe_code)]
+
+pub mod error;
+pub mod ids;
+pub mod join;
+pub mod limits;
+pub mod model;
+pub mod permissions;
+pub mod time;
+pub mod validate;
+
+pub use error::{Rule, ValidationError};

@@ -108,7 +108,10 @@ mod tests {
             goal: "find the cause".into(),
             join: Some(JoinContract {
                 strategy: JoinStrategy::TimeoutPartial as i32,
-                timeout: Some(prost_types::Duration { seconds: 30, nanos: 0 }),
+                timeout: Some(prost_types::Duration {
+                    seconds: 30,
+                    nanos: 0,
+                }),
                 ..Default::default()
             }),
             ..Default::default()

@@ -1,0 +1,1 @@
+//! The deterministic join (being written).

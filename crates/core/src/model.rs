@@ -1,0 +1,208 @@
+//! Validated domain types. Built from wire messages by [`crate::validate`]; everything
+//! here already satisfies the contracts' rules, so the logic working on it does not
+//! re-check them.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, SystemTime};
+
+use crate::permissions::{Permission, TimeWindow};
+
+/// When the join may decide (`JoinStrategy` on the wire).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum JoinStrategy {
+    /// Wait for every expected delegation (or the deadline).
+    All,
+    /// Decide once the required delegations are in and the minimum is met.
+    Quorum,
+    /// Wait for every expected delegation; at the deadline decide on what is there.
+    TimeoutPartial,
+    /// Decide on the first valid result (ties broken by plan order).
+    FirstValid,
+}
+
+/// What the deadline does to an undecided join.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum OnTimeout {
+    /// Decide on what has arrived.
+    #[default]
+    EmitPartial,
+    /// Decide INSUFFICIENT_EVIDENCE unless everything is in.
+    Fail,
+}
+
+/// How conflicts are handled (they are never dropped).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum OnConflict {
+    /// Keep both claims and escalate to a human.
+    #[default]
+    PreserveAndEscalate,
+    /// Keep both claims, propose a follow-up query, then escalate.
+    FollowUp,
+}
+
+/// What a result arriving after the decision does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum LateResultPolicy {
+    /// Record it; the decision stays.
+    #[default]
+    Discard,
+    /// Compute a new revision including it; the run is not reopened.
+    AppendRevision,
+}
+
+/// The evidence threshold of a join.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct JoinMinimum {
+    /// Accepted results needed (at least 1).
+    pub count: u32,
+    /// Sum of accepted delegations' weights needed (0: no weight threshold).
+    pub weight: f64,
+    /// Evidence kinds accepted claims must cite between them.
+    pub required_evidence_kinds: Vec<String>,
+}
+
+/// A validated join contract. References in `required`/`optional`/`weights` name a
+/// delegation (by plan name) or a profile (by id).
+#[derive(Debug, Clone, PartialEq)]
+pub struct JoinContract {
+    /// Contract name.
+    pub join_id: String,
+    /// References whose delegations must be accepted.
+    pub required: Vec<String>,
+    /// References that are waited for but not required.
+    pub optional: Vec<String>,
+    /// When the join may decide.
+    pub strategy: JoinStrategy,
+    /// The evidence threshold.
+    pub minimum: JoinMinimum,
+    /// Absolute deadline, if any.
+    pub deadline: Option<SystemTime>,
+    /// What the deadline does.
+    pub on_timeout: OnTimeout,
+    /// How conflicts are handled.
+    pub on_conflict: OnConflict,
+    /// What late results do.
+    pub late_result: LateResultPolicy,
+    /// Weight per reference; default 1.
+    pub weights: BTreeMap<String, f64>,
+}
+
+/// What happens to delegations beyond the width limit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Overflow {
+    /// Run the rest in waves.
+    #[default]
+    Queue,
+    /// Drop the rest and record which.
+    Truncate,
+    /// Refuse the batch.
+    Reject,
+}
+
+/// Validated run limits with defaults applied.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Limits {
+    /// Maximum delegation depth (top level is 1). Default 3.
+    pub max_depth: u32,
+    /// Maximum delegations running at once per batch. Default 4.
+    pub max_parallel_workers: u32,
+    /// Overflow behaviour. Default QUEUE.
+    pub overflow: Overflow,
+    /// Agent-loop iterations per worker. Default 12.
+    pub max_iterations: u32,
+    /// Planning rounds. Default 1.
+    pub max_rounds: u32,
+    /// Re-dispatches of one delegation after transient failures. Default 2.
+    pub max_redelegations: u32,
+    /// Absolute deadline of the run.
+    pub deadline: SystemTime,
+    /// Tool calls across the run (None: unlimited).
+    pub max_tool_calls: Option<u32>,
+    /// Model tokens across the run (None: unlimited).
+    pub max_tokens: Option<u64>,
+    /// Cost across the run (None: unlimited).
+    pub max_cost: Option<f64>,
+    /// Rounds without progress before NO_PROGRESS. Default 2.
+    pub no_progress_rounds: u32,
+}
+
+impl Limits {
+    /// Default maximum depth.
+    pub const DEFAULT_MAX_DEPTH: u32 = 3;
+    /// Default width.
+    pub const DEFAULT_MAX_PARALLEL_WORKERS: u32 = 4;
+    /// Default iterations per worker.
+    pub const DEFAULT_MAX_ITERATIONS: u32 = 12;
+    /// Default rounds for a static plan.
+    pub const DEFAULT_MAX_ROUNDS: u32 = 1;
+    /// Default re-dispatches per delegation.
+    pub const DEFAULT_MAX_REDELEGATIONS: u32 = 2;
+    /// Default run timeout.
+    pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);
+    /// Default no-progress rounds.
+    pub const DEFAULT_NO_PROGRESS_ROUNDS: u32 = 2;
+}
+
+/// Structured task scope: resource selectors and a time window.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct TaskScope {
+    /// Resource selectors (exact or `*`-suffixed prefixes); empty: no restriction.
+    pub resources: Vec<String>,
+    /// Time window.
+    pub time_range: TimeWindow,
+}
+
+/// Budget of a delegation or run (None: no limit of this kind).
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Budget {
+    /// Tool calls.
+    pub max_tool_calls: Option<u32>,
+    /// Model tokens.
+    pub max_tokens: Option<u64>,
+    /// Cost.
+    pub max_cost: Option<f64>,
+}
+
+/// One validated entry of a static plan (or of a nested Delegate call).
+#[derive(Debug, Clone, PartialEq)]
+pub struct PlannedTask {
+    /// Unique name within the plan.
+    pub name: String,
+    /// Profile that handles it.
+    pub profile_id: String,
+    /// What to find out.
+    pub goal: String,
+    /// What a complete answer contains.
+    pub acceptance_criteria: Vec<String>,
+    /// Resource selectors and time window.
+    pub scope: TaskScope,
+    /// Input artifact URIs.
+    pub input_refs: Vec<String>,
+    /// Tools asked for (`name@version`); empty: the profile's defaults.
+    pub allowed_tools: Vec<String>,
+    /// Permissions the task needs.
+    pub required_scopes: Vec<Permission>,
+    /// Time the worker has from dispatch.
+    pub timeout: Option<Duration>,
+    /// What it may spend.
+    pub budget: Budget,
+    /// Whether it may delegate further.
+    pub may_redelegate: bool,
+}
+
+/// A validated run spec.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RunSpec {
+    /// What the run must establish.
+    pub goal: String,
+    /// Idempotency key (None: none).
+    pub idempotency_key: Option<String>,
+    /// The static plan, in order.
+    pub plan: Vec<PlannedTask>,
+    /// The join contract, with its deadline resolved.
+    pub join: JoinContract,
+    /// Limits with defaults applied and the deadline resolved.
+    pub limits: Limits,
+    /// Labels.
+    pub labels: BTreeMap<String, String>,
+}

@@ -1,0 +1,1 @@
+//! Validated conversions from the wire types (being written).
