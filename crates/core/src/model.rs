@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, SystemTime};
 
-use crate::permissions::{Permission, TimeWindow};
+use crate::permissions::{Permission, PermissionSet, TimeWindow};
 
 /// When the join may decide (`JoinStrategy` on the wire).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -141,6 +141,49 @@ impl Limits {
     pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);
     /// Default no-progress rounds.
     pub const DEFAULT_NO_PROGRESS_ROUNDS: u32 = 2;
+
+    /// Largest accepted `max_depth`. Every level multiplies the fan-out, so deeper trees
+    /// are almost always a planning loop rather than real work.
+    pub const MAX_DEPTH_CAP: u32 = 16;
+    /// Largest accepted `max_parallel_workers`; beyond it a batch is a flood, not a plan.
+    pub const MAX_PARALLEL_WORKERS_CAP: u32 = 1024;
+    /// Largest accepted `max_iterations` per worker: an agent loop that needs more is
+    /// not converging.
+    pub const MAX_ITERATIONS_CAP: u32 = 1000;
+    /// Largest accepted `max_rounds`, for the same reason at the run's level.
+    pub const MAX_ROUNDS_CAP: u32 = 1000;
+    /// Largest accepted `max_redelegations`: retries of a transient failure beyond this
+    /// only add load to whatever is failing.
+    pub const MAX_REDELEGATIONS_CAP: u32 = 16;
+    /// Largest accepted `no_progress_rounds` (more is never reached under
+    /// [`Self::MAX_ROUNDS_CAP`]).
+    pub const MAX_NO_PROGRESS_ROUNDS_CAP: u32 = 1000;
+
+    /// The budget part of the limits (tool calls, tokens, cost).
+    pub fn budget(&self) -> Budget {
+        Budget {
+            max_tool_calls: self.max_tool_calls,
+            max_tokens: self.max_tokens,
+            max_cost: self.max_cost,
+        }
+    }
+
+    /// Defaults everywhere, with the deadline [`Self::DEFAULT_TIMEOUT`] after `run_start`.
+    pub fn defaults(run_start: SystemTime) -> Self {
+        Self {
+            max_depth: Self::DEFAULT_MAX_DEPTH,
+            max_parallel_workers: Self::DEFAULT_MAX_PARALLEL_WORKERS,
+            overflow: Overflow::default(),
+            max_iterations: Self::DEFAULT_MAX_ITERATIONS,
+            max_rounds: Self::DEFAULT_MAX_ROUNDS,
+            max_redelegations: Self::DEFAULT_MAX_REDELEGATIONS,
+            deadline: run_start + Self::DEFAULT_TIMEOUT,
+            max_tool_calls: None,
+            max_tokens: None,
+            max_cost: None,
+            no_progress_rounds: Self::DEFAULT_NO_PROGRESS_ROUNDS,
+        }
+    }
 }
 
 /// Structured task scope: resource selectors and a time window.
@@ -205,4 +248,61 @@ pub struct RunSpec {
     pub limits: Limits,
     /// Labels.
     pub labels: BTreeMap<String, String>,
+}
+
+/// A validated worker profile: a kind of specialist, the tools and scopes it may ever
+/// hold, and the evidence it may cite.
+#[derive(Debug, Clone, PartialEq)]
+pub struct WorkerProfile {
+    /// Stable id, e.g. `logs-investigator`.
+    pub id: String,
+    /// Display name (the id when none was given).
+    pub name: String,
+    /// Version, reported in results as `id@version`.
+    pub version: String,
+    /// What the profile is for.
+    pub description: String,
+    /// Instructions given to the profile's model.
+    pub instructions: String,
+    /// Tools it may use (`name@version`); a token can only narrow them.
+    pub default_tools: Vec<String>,
+    /// Model name for its provider (empty for providers without models).
+    pub model: String,
+    /// Model provider, e.g. `playbook`.
+    pub provider: String,
+    /// Agent-loop iteration limit. Default 12.
+    pub max_iterations: u32,
+    /// Model token limit per task. Default 8192.
+    pub max_tokens: u32,
+    /// Sampling temperature in `0..=2`. Default 0.4.
+    pub temperature: f64,
+    /// Scopes this profile may ever hold.
+    pub capabilities: PermissionSet,
+    /// Evidence URI prefixes its claims may cite, e.g. `logs://`.
+    pub evidence_prefixes: Vec<String>,
+    /// Whether a delegation to it completes without awaiting external input.
+    pub supports_parallel_completion: bool,
+}
+
+impl WorkerProfile {
+    /// Default agent-loop iterations.
+    pub const DEFAULT_MAX_ITERATIONS: u32 = 12;
+    /// Default model tokens per task.
+    pub const DEFAULT_MAX_TOKENS: u32 = 8192;
+    /// Default sampling temperature.
+    pub const DEFAULT_TEMPERATURE: f64 = 0.4;
+    /// Highest accepted sampling temperature.
+    pub const MAX_TEMPERATURE: f64 = 2.0;
+
+    /// `id@version`, the form results report the profile in.
+    pub fn reference(&self) -> String {
+        format!("{}@{}", self.id, self.version)
+    }
+
+    /// Whether `evidence_ref` lies inside one of the profile's evidence prefixes.
+    pub fn allows_evidence(&self, evidence_ref: &str) -> bool {
+        self.evidence_prefixes
+            .iter()
+            .any(|p| evidence_ref.starts_with(p.as_str()))
+    }
 }
