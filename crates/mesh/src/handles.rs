@@ -1,0 +1,195 @@
+//! One handle per service: the tonic-generated service trait behind an `Arc`.
+//!
+//! In one process (`convene up`, tests) a handle is the service value itself, so a call
+//! is a direct async call: no socket, no protobuf encoding. Across processes it is a
+//! `Grpc*` adapter that forwards each request — metadata included — over a shared,
+//! multiplexed HTTP/2 channel. Both paths run the same service code behind the trait.
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use convene_proto::v1::{
+    self, approval_client::ApprovalClient, approval_server::Approval,
+    evidence_store_client::EvidenceStoreClient, evidence_store_server::EvidenceStore,
+    policy_client::PolicyClient, policy_server::Policy, supervisor_client::SupervisorClient,
+    supervisor_server::Supervisor, worker_client::WorkerClient,
+    worker_registry_client::WorkerRegistryClient, worker_registry_server::WorkerRegistry,
+    worker_server::Worker,
+};
+use futures::Stream;
+use tonic::transport::{Channel, Endpoint};
+use tonic::{Request, Response, Status};
+
+/// A boxed stream of messages, the stream type of every streaming RPC in the mesh.
+pub type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + 'static>>;
+
+/// The policy service.
+pub type PolicyHandle = Arc<dyn Policy>;
+/// The evidence store.
+pub type EvidenceHandle = Arc<dyn EvidenceStore>;
+/// The approval service.
+pub type ApprovalHandle = Arc<dyn Approval>;
+/// A worker.
+pub type WorkerHandle = Arc<dyn Worker>;
+/// The supervisor's worker registry.
+pub type RegistryHandle = Arc<dyn WorkerRegistry>;
+/// The supervisor.
+pub type SupervisorHandle = Arc<
+    dyn Supervisor<
+            WatchRunStream = BoxStream<v1::WatchRunResponse>,
+            WatchEventsStream = BoxStream<v1::WatchEventsResponse>,
+        >,
+>;
+
+/// Largest message a mesh client accepts or sends (servers enforce their own limit).
+pub const MAX_CLIENT_MESSAGE_BYTES: usize = 16 * 1024 * 1024;
+
+/// Errors opening a channel.
+#[derive(Debug, thiserror::Error)]
+#[error("invalid endpoint {endpoint:?}: {detail}; use a URL such as http://127.0.0.1:7400")]
+pub struct EndpointError {
+    /// The endpoint as given.
+    pub endpoint: String,
+    /// What is wrong with it.
+    pub detail: String,
+}
+
+/// A lazily connecting channel to `endpoint` (`http://host:port`). It connects on the
+/// first call and reconnects after failures, so services may start in any order.
+pub fn channel(endpoint: &str) -> Result<Channel, EndpointError> {
+    let endpoint = if endpoint.contains("://") {
+        endpoint.to_owned()
+    } else {
+        format!("http://{endpoint}")
+    };
+    let ep = Endpoint::from_shared(endpoint.clone()).map_err(|e| EndpointError {
+        endpoint: endpoint.clone(),
+        detail: e.to_string(),
+    })?;
+    Ok(ep
+        .connect_timeout(Duration::from_secs(5))
+        .tcp_nodelay(true)
+        .http2_keep_alive_interval(Duration::from_secs(30))
+        .keep_alive_while_idle(true)
+        .connect_lazy())
+}
+
+macro_rules! grpc_adapter {
+    (
+        $(#[$doc:meta])*
+        $adapter:ident, $client:ident, $service:ident {
+            $($method:ident: $req:ident => $resp:ident),* $(,)?
+        }
+        $(streaming { $($smethod:ident: $sreq:ident => $sresp:ident as $stype:ident),* $(,)? })?
+    ) => {
+        $(#[$doc])*
+        #[derive(Debug, Clone)]
+        pub struct $adapter {
+            client: $client<Channel>,
+        }
+
+        impl $adapter {
+            /// An adapter over `channel`.
+            pub fn new(channel: Channel) -> Self {
+                Self {
+                    client: $client::new(channel)
+                        .max_decoding_message_size(MAX_CLIENT_MESSAGE_BYTES)
+                        .max_encoding_message_size(MAX_CLIENT_MESSAGE_BYTES),
+                }
+            }
+
+            /// An adapter connecting lazily to `endpoint`.
+            pub fn connect(endpoint: &str) -> Result<Self, EndpointError> {
+                Ok(Self::new(channel(endpoint)?))
+            }
+        }
+
+        #[tonic::async_trait]
+        impl $service for $adapter {
+            $(
+                async fn $method(
+                    &self,
+                    request: Request<v1::$req>,
+                ) -> Result<Response<v1::$resp>, Status> {
+                    self.client.clone().$method(request).await
+                }
+            )*
+            $($(
+                type $stype = BoxStream<v1::$sresp>;
+
+                async fn $smethod(
+                    &self,
+                    request: Request<v1::$sreq>,
+                ) -> Result<Response<Self::$stype>, Status> {
+                    let response = self.client.clone().$smethod(request).await?;
+                    Ok(response.map(|s| Box::pin(s) as BoxStream<v1::$sresp>))
+                }
+            )*)?
+        }
+    };
+}
+
+grpc_adapter!(
+    /// The policy service over gRPC.
+    GrpcPolicy, PolicyClient, Policy {
+        issue_task_token: IssueTaskTokenRequest => IssueTaskTokenResponse,
+        authorize: AuthorizeRequest => AuthorizeResponse,
+        revoke: RevokeRequest => RevokeResponse,
+        get_signing_keys: GetSigningKeysRequest => GetSigningKeysResponse,
+    }
+);
+
+grpc_adapter!(
+    /// The evidence store over gRPC.
+    GrpcEvidenceStore, EvidenceStoreClient, EvidenceStore {
+        put_artifact: PutArtifactRequest => PutArtifactResponse,
+        get_artifact: GetArtifactRequest => GetArtifactResponse,
+        record_evidence: RecordEvidenceRequest => RecordEvidenceResponse,
+        get_evidence: GetEvidenceRequest => GetEvidenceResponse,
+        verify_chain: VerifyChainRequest => VerifyChainResponse,
+    }
+);
+
+grpc_adapter!(
+    /// The approval service over gRPC.
+    GrpcApproval, ApprovalClient, Approval {
+        request_approval: RequestApprovalRequest => RequestApprovalResponse,
+        decide: DecideRequest => DecideResponse,
+        get_approval: GetApprovalRequest => GetApprovalResponse,
+        list_approvals: ListApprovalsRequest => ListApprovalsResponse,
+        execute: ApprovalExecuteRequest => ApprovalExecuteResponse,
+    }
+);
+
+grpc_adapter!(
+    /// A worker over gRPC.
+    GrpcWorker, WorkerClient, Worker {
+        execute: WorkerExecuteRequest => WorkerExecuteResponse,
+        cancel: WorkerCancelRequest => WorkerCancelResponse,
+    }
+);
+
+grpc_adapter!(
+    /// The worker registry over gRPC.
+    GrpcWorkerRegistry, WorkerRegistryClient, WorkerRegistry {
+        register: RegisterRequest => RegisterResponse,
+        heartbeat: HeartbeatRequest => HeartbeatResponse,
+        deregister: DeregisterRequest => DeregisterResponse,
+    }
+);
+
+grpc_adapter!(
+    /// The supervisor over gRPC.
+    GrpcSupervisor, SupervisorClient, Supervisor {
+        start_run: StartRunRequest => StartRunResponse,
+        get_run: GetRunRequest => GetRunResponse,
+        cancel_run: CancelRunRequest => CancelRunResponse,
+        list_runs: ListRunsRequest => ListRunsResponse,
+        delegate: DelegateRequest => DelegateResponse,
+    }
+    streaming {
+        watch_run: WatchRunRequest => WatchRunResponse as WatchRunStream,
+        watch_events: WatchEventsRequest => WatchEventsResponse as WatchEventsStream,
+    }
+);

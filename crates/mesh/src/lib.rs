@@ -1,0 +1,16 @@
+//! How convene services reach and trust each other.
+//!
+//! - [`handles`]: one handle type per service. A handle is the tonic-generated service
+//!   trait behind an `Arc`; it is implemented by the service itself (in-process: no
+//!   sockets, no serialization) and by a forwarding gRPC adapter (separate processes).
+//!   Code above a handle cannot tell which it has, so checks that matter live in the
+//!   services, never in the transport.
+//! - [`auth`]: who is calling. A bearer credential in `authorization` metadata is either a
+//!   principal's credential (looked up by its SHA-256 in the policy file) or a task token
+//!   (verified offline against the policy service's public keys).
+//! - [`policy_file`]: the policy file schema shared by the services that read it.
+#![forbid(unsafe_code)]
+
+pub mod auth;
+pub mod handles;
+pub mod policy_file;
