@@ -1,1 +1,39 @@
-//! placeholder
+//! The gRPC plumbing every convene service shares.
+//!
+//! - [`GrpcServer`]: the server builder. Health, reflection, message-size limits, request
+//!   timeouts, load shedding and graceful shutdown for every service alike.
+//! - [`Shutdown`]: the shutdown signal passed into servers (and, at the binary edge,
+//!   raised by SIGTERM/SIGINT).
+//! - [`config`]: layered configuration (defaults → file → `CONVENE_*` env → flags) with
+//!   unknown keys rejected, and [`ServerSettings`], the `server` section services embed.
+//! - [`ErrorCode`], [`ServiceError`], [`into_status`]: the one place service errors
+//!   become gRPC statuses.
+//! - [`cli`]: the flags every service binary shares, and logging setup.
+//! - `test_util` (feature `test-util`): free ports, wait-until-ready, background servers.
+//!
+//! A service is a library exposing `run(config, shutdown)`; its `main.rs` parses
+//! [`cli::ServiceArgs`], loads config, calls [`cli::init_logging`] and
+//! [`Shutdown::from_signals`], then runs. Nothing outside [`cli`] and
+//! [`Shutdown::from_signals`] touches process-global state, so `convene up` can host
+//! several services in one process.
+#![forbid(unsafe_code)]
+
+pub mod builder;
+pub mod cli;
+pub mod config;
+mod error;
+mod settings;
+mod shutdown;
+#[cfg(feature = "test-util")]
+pub mod test_util;
+
+pub use builder::{
+    Error as ServeError, GrpcServer, HEALTH_SERVICE, MessageLimits, REFLECTION_SERVICES, bind,
+};
+pub use config::{ConfigLoader, Error as ConfigError, Format, dump};
+pub use error::{ErrorCode, ServiceError, into_status, invalid_field};
+pub use settings::{
+    DEFAULT_CONCURRENCY_LIMIT, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_REQUEST_TIMEOUT,
+    DEFAULT_SHUTDOWN_GRACE, SERVER_SECTION, ServerSettings, SettingsError,
+};
+pub use shutdown::Shutdown;

@@ -1,0 +1,206 @@
+//! Binary-edge helpers: the flags every service binary shares, and logging setup.
+//!
+//! Each service flattens [`ServiceArgs`] into its own clap parser
+//! (`#[command(flatten)] common: ServiceArgs`), so `--listen`, `--config`,
+//! `--dump-config` and `--log-format` mean the same everywhere. [`ServiceArgs::load`] and
+//! [`init_logging`] read process state (environment, global subscriber) and belong in
+//! `main`, never in a service's library code.
+
+use std::{net::SocketAddr, path::PathBuf};
+
+use serde::{Serialize, de::DeserializeOwned};
+use tracing_subscriber::EnvFilter;
+
+use crate::{
+    config::{self, ConfigLoader, Format},
+    settings::SERVER_SECTION,
+};
+
+/// How log lines are written (to standard error).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    /// One human-readable line per event.
+    #[default]
+    Text,
+    /// One JSON object per event, for log collectors.
+    Json,
+}
+
+/// The command-line flags every convene service binary accepts.
+#[derive(Clone, Debug, Default, PartialEq, Eq, clap::Args)]
+pub struct ServiceArgs {
+    /// Address the gRPC server listens on, e.g. 0.0.0.0:7001 to accept connections from
+    /// other hosts. Overrides `server.listen` from the config file and the
+    /// CONVENE_SERVER__LISTEN environment variable. [default: the service's own port on
+    /// 127.0.0.1]
+    #[arg(long, value_name = "ADDR")]
+    pub listen: Option<SocketAddr>,
+
+    /// Config file, TOML (*.toml) or YAML (*.yaml, *.yml). Its values override the
+    /// built-in defaults; CONVENE_* environment variables override the file (nested keys
+    /// joined with `__`, e.g. CONVENE_SERVER__REQUEST_TIMEOUT=60s sets
+    /// `server.request_timeout`); flags override both. Unknown keys are errors.
+    #[arg(long, value_name = "FILE", env = "CONVENE_CONFIG")]
+    pub config: Option<PathBuf>,
+
+    /// Print the effective configuration (defaults, file, environment and flags merged)
+    /// and exit. The output is a valid config file. FORMAT is toml or yaml.
+    #[arg(
+        long,
+        value_name = "FORMAT",
+        value_enum,
+        num_args = 0..=1,
+        require_equals = true,
+        default_missing_value = "toml"
+    )]
+    pub dump_config: Option<Format>,
+
+    /// Log line format: text for people, json for log collectors. The level is set by
+    /// RUST_LOG (default `info`), e.g. RUST_LOG=info,convene_supervisor=debug.
+    #[arg(
+        long,
+        value_name = "FORMAT",
+        value_enum,
+        default_value_t = LogFormat::Text,
+        env = "CONVENE_LOG_FORMAT"
+    )]
+    pub log_format: LogFormat,
+}
+
+impl ServiceArgs {
+    /// A loader with the file from `--config` and the `--listen` override applied, but no
+    /// environment: add it with [`ConfigLoader::env`]. Services embed their
+    /// [`ServerSettings`](crate::ServerSettings) under the key `server`.
+    pub fn config_loader(&self) -> ConfigLoader {
+        let mut loader = ConfigLoader::new();
+        if let Some(path) = &self.config {
+            loader = loader.file(path);
+        }
+        if let Some(listen) = self.listen {
+            loader = loader.set(format!("{SERVER_SECTION}.listen"), listen.to_string());
+        }
+        loader
+    }
+
+    /// Loads the service's configuration from the defaults, `--config`, the process
+    /// environment and the flags. For `main` only: it reads `std::env::vars()`.
+    ///
+    /// # Errors
+    ///
+    /// Any [`config::Error`], naming the offending key and its source.
+    pub fn load<T>(&self) -> Result<T, config::Error>
+    where
+        T: Serialize + DeserializeOwned + Default,
+    {
+        self.config_loader().env(std::env::vars()).load()
+    }
+}
+
+/// Installs the global `tracing` subscriber: `RUST_LOG`-style filtering (default
+/// `info`), text or JSON lines on standard error.
+///
+/// Idempotent: if a subscriber is already installed (by an earlier call, another service
+/// in the same process, or a test harness) it is left alone and `false` is returned.
+pub fn init_logging(format: LogFormat) -> bool {
+    let (filter, filter_error) = match EnvFilter::try_from_default_env() {
+        Ok(filter) => (filter, None),
+        Err(error) => (
+            EnvFilter::new("info"),
+            // An unset RUST_LOG is the normal case; only a malformed one is worth a word.
+            std::env::var_os(EnvFilter::DEFAULT_ENV).map(|_| error),
+        ),
+    };
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    let installed = match format {
+        LogFormat::Text => builder.try_init().is_ok(),
+        LogFormat::Json => builder.json().try_init().is_ok(),
+    };
+    if installed && let Some(error) = filter_error {
+        tracing::warn!(%error, "RUST_LOG is invalid; logging at info level");
+    }
+    installed
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+    use crate::ServerSettings;
+
+    #[derive(Debug, Parser)]
+    struct Cli {
+        #[command(flatten)]
+        common: ServiceArgs,
+    }
+
+    #[derive(Debug, Default, PartialEq, Serialize, serde::Deserialize)]
+    #[serde(deny_unknown_fields, default)]
+    struct Config {
+        server: ServerSettings,
+    }
+
+    #[test]
+    fn flags_parse_with_their_defaults() {
+        let cli = Cli::try_parse_from(["svc"]).unwrap();
+        assert_eq!(cli.common.listen, None);
+        assert_eq!(cli.common.dump_config, None);
+        assert_eq!(cli.common.log_format, LogFormat::Text);
+
+        let cli = Cli::try_parse_from([
+            "svc",
+            "--listen",
+            "0.0.0.0:7001",
+            "--dump-config",
+            "--log-format",
+            "json",
+        ])
+        .unwrap();
+        assert_eq!(cli.common.listen, Some("0.0.0.0:7001".parse().unwrap()));
+        assert_eq!(cli.common.dump_config, Some(Format::Toml));
+        assert_eq!(cli.common.log_format, LogFormat::Json);
+
+        let cli = Cli::try_parse_from(["svc", "--dump-config=yaml"]).unwrap();
+        assert_eq!(cli.common.dump_config, Some(Format::Yaml));
+
+        let err = Cli::try_parse_from(["svc", "--listen", "not-an-address"]).unwrap_err();
+        assert!(err.to_string().contains("not-an-address"), "{err}");
+    }
+
+    #[test]
+    fn help_names_the_environment_variables() {
+        let help = <Cli as clap::CommandFactory>::command()
+            .render_long_help()
+            .to_string();
+        for needle in [
+            "CONVENE_SERVER__LISTEN",
+            "CONVENE_CONFIG",
+            "CONVENE_LOG_FORMAT",
+            "RUST_LOG",
+        ] {
+            assert!(help.contains(needle), "help lacks {needle}:\n{help}");
+        }
+    }
+
+    #[test]
+    fn listen_flag_overrides_the_environment() {
+        let cli = Cli::try_parse_from(["svc", "--listen", "127.0.0.1:9100"]).unwrap();
+        let config: Config = cli
+            .common
+            .config_loader()
+            .env([("CONVENE_SERVER__LISTEN", "127.0.0.1:9200")])
+            .load()
+            .unwrap();
+        assert_eq!(config.server.listen, "127.0.0.1:9100".parse().unwrap());
+    }
+
+    #[test]
+    fn init_logging_is_idempotent() {
+        // Whichever call installs first, a second one must not panic and must report
+        // that it did nothing.
+        let _ = init_logging(LogFormat::Text);
+        assert!(!init_logging(LogFormat::Json));
+    }
+}
