@@ -373,6 +373,94 @@ impl Policy {
     }
 }
 
+impl Policy {
+    /// Gives every principal that has no credential listed a development credential,
+    /// created once in `dir` (`<dir>/<principal>.secret`, mode 0600) and reused after.
+    /// Returns the principals that received one.
+    pub fn with_dev_credentials(&mut self, dir: &Path) -> Result<Vec<String>, Error> {
+        let io = |source: std::io::Error| Error::Read {
+            path: dir.display().to_string(),
+            source,
+        };
+        let listed: BTreeSet<&String> = self.credentials.values().collect();
+        let missing: Vec<String> = self
+            .principals
+            .keys()
+            .filter(|id| !listed.contains(id))
+            .cloned()
+            .collect();
+        if missing.is_empty() {
+            return Ok(missing);
+        }
+        std::fs::create_dir_all(dir).map_err(io)?;
+        for id in &missing {
+            let secret = dev_credential(dir, id).map_err(io)?;
+            self.credentials
+                .insert(credential_hash(&secret), id.clone());
+        }
+        Ok(missing)
+    }
+}
+
+/// Path of a principal's development credential in `dir`.
+pub fn dev_credential_path(dir: &Path, principal: &str) -> std::path::PathBuf {
+    let safe: String = principal
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || "@._-".contains(c) {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    dir.join(format!("{safe}.secret"))
+}
+
+/// Reads a principal's development credential from `dir`, creating it when absent.
+pub fn dev_credential(dir: &Path, principal: &str) -> std::io::Result<String> {
+    let path = dev_credential_path(dir, principal);
+    match std::fs::read_to_string(&path) {
+        Ok(s) if !s.trim().is_empty() => return Ok(s.trim().to_owned()),
+        Ok(_) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e),
+    }
+    let secret = format!(
+        "cvn_{}{}",
+        uuid::Uuid::new_v4().simple(),
+        uuid::Uuid::new_v4().simple()
+    );
+    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    {
+        let mut options = std::fs::OpenOptions::new();
+        options.write(true).create_new(true);
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::OpenOptionsExt as _;
+            options.mode(0o600);
+        }
+        let mut f = options.open(&tmp)?;
+        std::io::Write::write_all(&mut f, secret.as_bytes())?;
+        f.sync_all()?;
+    }
+    // Another process may have created it meanwhile: the first one wins.
+    match std::fs::hard_link(&tmp, &path) {
+        Ok(()) => {
+            let _ = std::fs::remove_file(&tmp);
+            Ok(secret)
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+            let _ = std::fs::remove_file(&tmp);
+            Ok(std::fs::read_to_string(&path)?.trim().to_owned())
+        }
+        Err(e) => {
+            let _ = std::fs::remove_file(&tmp);
+            Err(e)
+        }
+    }
+}
+
 /// Hex SHA-256 of a credential, as stored in `credential_sha256`.
 pub fn credential_hash(credential: &str) -> String {
     use sha2::Digest as _;
@@ -665,6 +753,52 @@ rules:
                 .denying_rule(profile, &policy.tools["search_logs@1"])
                 .is_none()
         );
+    }
+
+    #[test]
+    fn dev_credentials_are_created_once_and_authenticate() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut policy = PolicyFile::parse(SAMPLE, Some("yaml"), "s.yaml")
+            .unwrap()
+            .compile("s.yaml")
+            .unwrap();
+        // oncall@acme already has a credential listed; nobody else exists.
+        assert!(policy.with_dev_credentials(dir.path()).unwrap().is_empty());
+        let text = SAMPLE.replace("credential_sha256: [\"2c26b46b68ffc68ff99b453c1d30413413422d706483bfa0f98a5e886266e7ae\"]", "");
+        let mut policy = PolicyFile::parse(&text, Some("yaml"), "s.yaml")
+            .unwrap()
+            .compile("s.yaml")
+            .unwrap();
+        assert_eq!(
+            policy.with_dev_credentials(dir.path()).unwrap(),
+            vec!["oncall@acme".to_owned()]
+        );
+        let secret = dev_credential(dir.path(), "oncall@acme").unwrap();
+        assert!(secret.starts_with("cvn_") && secret.len() > 60);
+        assert_eq!(
+            policy.principal_by_credential(&secret).unwrap().id,
+            "oncall@acme"
+        );
+        // A second load reuses the same secret.
+        let mut again = PolicyFile::parse(&text, Some("yaml"), "s.yaml")
+            .unwrap()
+            .compile("s.yaml")
+            .unwrap();
+        again.with_dev_credentials(dir.path()).unwrap();
+        assert!(again.principal_by_credential(&secret).is_some());
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt as _;
+            let mode = std::fs::metadata(dev_credential_path(dir.path(), "oncall@acme"))
+                .unwrap()
+                .permissions()
+                .mode();
+            assert_eq!(
+                mode & 0o077,
+                0,
+                "credential file must not be readable by others"
+            );
+        }
     }
 
     #[test]
