@@ -1,0 +1,78 @@
+//! The approval service (`convene.v1.Approval`): holds actions with side effects above
+//! R1 until the right people approve them, then executes each approved action exactly
+//! once.
+//!
+//! - A request binds an action, its parameters and their hash
+//!   ([`canonical::parameters_hash`]), a risk level that is never lower than the policy's
+//!   action catalog says, an idempotency key, the requester, evidence and an expiry.
+//! - R2 needs one approver, R3 two distinct ones; approvers are people with the
+//!   `approvals:decide` role, never the requester, and their votes bind to the parameters
+//!   hash, so changed parameters need a new request.
+//! - Execution happens once, through an [`Executor`]; every later Execute returns the
+//!   first [`ExecutionRecord`](convene_proto::v1::ExecutionRecord).
+//!
+//! # Entry points
+//!
+//! - [`ApprovalService`]: the service. `Arc<ApprovalService>` is also an in-process
+//!   [`ApprovalHandle`](convene_mesh::handles::ApprovalHandle); across processes, use
+//!   [`GrpcApproval`](convene_mesh::handles::GrpcApproval). The supervisor files requests
+//!   for a run's principal through either handle, with its own service credential and
+//!   `on_behalf_of` set to that principal.
+//! - [`add_to_server`]: adds the service to a [`GrpcServer`], so `convene up` can host it
+//!   beside the others on one listener.
+//! - [`run`]: the standalone service, as the `convene-approval` binary runs it.
+//!
+//! Storage is in memory behind [`ApprovalStore`] for now; the trait is a versioned
+//! compare-and-set store so a durable one can replace it without changing the service.
+#![forbid(unsafe_code)]
+
+pub mod canonical;
+pub mod clock;
+pub mod config;
+pub mod error;
+pub mod executor;
+pub mod model;
+pub mod service;
+pub mod store;
+
+use std::sync::Arc;
+
+use convene_proto::v1::approval_server::ApprovalServer;
+use convene_server::{GrpcServer, Shutdown};
+
+pub use clock::{Clock, ManualClock, SystemClock};
+pub use config::{Config, ExecutorKind};
+pub use error::{ApprovalError, Error};
+pub use executor::{ExecutionOutcome, Executor, ExecutorError, RecordOnlyExecutor};
+pub use service::{
+    ApprovalService, DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE, ROLE_DECIDE, ROLE_EXECUTE, ROLE_REQUEST,
+};
+pub use store::{ApprovalStore, MemoryStore};
+
+/// Adds the approval service to `server`. The same `Arc` can be kept as the in-process
+/// handle, so calls through the socket and in-process calls share one state.
+#[must_use]
+pub fn add_to_server(server: GrpcServer, service: Arc<ApprovalService>) -> GrpcServer {
+    server.add_service(ApprovalServer::from_arc(service))
+}
+
+/// Runs the approval service as configured until `shutdown` triggers, then drains.
+///
+/// # Errors
+///
+/// The configuration or policy is invalid, the listen address cannot be bound, or the
+/// server fails.
+pub async fn run(config: Config, shutdown: Shutdown) -> Result<(), Error> {
+    let service = Arc::new(ApprovalService::from_config(&config)?);
+    let listener = convene_server::bind(config.server.listen).await?;
+    tracing::info!(
+        listen = %config.server.listen,
+        executor = config.executor.as_str(),
+        default_ttl = %humantime::format_duration(config.default_ttl),
+        "approval service starting"
+    );
+    add_to_server(GrpcServer::new(config.server), service)
+        .serve(listener, shutdown)
+        .await?;
+    Ok(())
+}

@@ -1,0 +1,92 @@
+//! `convene-approval`: the approval service as a standalone binary.
+
+use std::{path::PathBuf, process::ExitCode, time::Duration};
+
+use anyhow::Context as _;
+use clap::Parser;
+use convene_approval::Config;
+use convene_server::{Shutdown, cli::ServiceArgs};
+
+/// The convene approval service: holds R2/R3 actions until enough distinct people
+/// approve them (one for R2, two for R3, never the requester), then executes each
+/// approved action exactly once.
+///
+/// Without --config it starts on the development settings of the payment-incident
+/// example: 127.0.0.1:7403, the example policy built into the binary, and development
+/// credentials in ./.convene/credentials (one <principal>.secret file per principal).
+#[derive(Debug, Parser)]
+#[command(name = "convene-approval", version)]
+struct Cli {
+    #[command(flatten)]
+    common: ServiceArgs,
+
+    /// Policy file (YAML or TOML) naming the principals who may request, decide and
+    /// execute approvals, and the action catalog with risk levels. Overrides
+    /// `policy_file` from the config file and CONVENE_POLICY_FILE. [default: the
+    /// payment-incident example policy built into the binary]
+    #[arg(long, value_name = "FILE")]
+    policy_file: Option<PathBuf>,
+
+    /// Directory for the service's data; development credentials are written to
+    /// DIR/credentials. Overrides `data_dir` and CONVENE_DATA_DIR. [default: ./.convene]
+    #[arg(long, value_name = "DIR")]
+    data_dir: Option<PathBuf>,
+
+    /// How long a request waits for its approvers when it does not say (expires_in 0),
+    /// e.g. 30m or 4h. Overrides `default_ttl` and CONVENE_DEFAULT_TTL. [default: 1h]
+    #[arg(long, value_name = "DURATION", value_parser = humantime::parse_duration)]
+    default_ttl: Option<Duration>,
+}
+
+impl Cli {
+    fn load(&self) -> anyhow::Result<Config> {
+        let mut loader = self.common.config_loader().env(std::env::vars());
+        if let Some(path) = &self.policy_file {
+            loader = loader.set("policy_file", path.display().to_string());
+        }
+        if let Some(dir) = &self.data_dir {
+            loader = loader.set("data_dir", dir.display().to_string());
+        }
+        if let Some(ttl) = self.default_ttl {
+            loader = loader.set("default_ttl", humantime::format_duration(ttl).to_string());
+        }
+        Ok(loader.load()?)
+    }
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    match main_inner().await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            // Standard error, not the log: the failure may come before logging is set up.
+            eprintln!("convene-approval: {error:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn main_inner() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    let config = cli.load()?;
+    if let Some(format) = cli.common.dump_config {
+        print!("{}", convene_server::dump(&config, format)?);
+        return Ok(());
+    }
+    convene_server::cli::init_logging(cli.common.log_format);
+    if cli.common.config.is_none() {
+        tracing::info!(
+            "no --config given: using the development settings of the payment-incident \
+             example (data dir {}, development credentials in {}, policy {})",
+            config.data_dir.display(),
+            config.credentials_dir().display(),
+            config.policy_file.as_ref().map_or_else(
+                || "built into the binary".to_owned(),
+                |p| p.display().to_string()
+            ),
+        );
+    }
+    let shutdown = Shutdown::from_signals().context("cannot install the signal handlers")?;
+    convene_approval::run(config, shutdown).await?;
+    Ok(())
+}

@@ -1,0 +1,436 @@
+//! Where approval requests are kept: the [`ApprovalStore`] trait and its in-memory
+//! implementation, [`MemoryStore`].
+//!
+//! The trait is shaped for a durable SQL store as much as for memory:
+//!
+//! - every stored request carries a version; [`ApprovalStore::update`] is a
+//!   compare-and-set on it and never overwrites a request someone else changed since it
+//!   was read (the caller re-reads and re-applies its change);
+//! - [`ApprovalStore::create`] is idempotent on (requester, idempotency key) in the
+//!   store itself, so two concurrent filings with one key create one request;
+//! - [`ApprovalStore::list`] filters and orders in the store (newest first, by
+//!   `created_at` then `approval_id`) and resumes after a [`Cursor`], which a SQL store
+//!   answers with an index range scan.
+
+use std::{
+    cmp::Reverse,
+    collections::{BTreeMap, HashMap},
+    fmt::Debug,
+    sync::Mutex,
+    time::SystemTime,
+};
+
+use async_trait::async_trait;
+use convene_server::ErrorCode;
+
+use crate::model::{ApprovalRequest, State};
+
+/// A request with the version it was stored at.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Versioned {
+    /// Starts at 1 and grows by one with each update.
+    pub version: u64,
+    /// The request.
+    pub request: ApprovalRequest,
+}
+
+/// What [`ApprovalStore::create`] did.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Created {
+    /// The request was stored.
+    New(Versioned),
+    /// The requester had used the idempotency key already: this is the request stored
+    /// under it, which may differ from the one offered.
+    Existing(Versioned),
+}
+
+/// Who is looking: the tenant they act in and their principal id. A viewer sees the
+/// requests of its tenant and those it filed itself (the supervisor, which lives in the
+/// `system` tenant, sees the requests it filed for runs of any tenant).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Viewer {
+    /// The viewer's tenant.
+    pub tenant: String,
+    /// The viewer's principal id.
+    pub principal: String,
+}
+
+impl Viewer {
+    /// Whether the viewer may see `request`.
+    pub fn can_see(&self, request: &ApprovalRequest) -> bool {
+        request.tenant == self.tenant || request.filed_by == self.principal
+    }
+}
+
+/// Where a listing resumes: strictly after (older than) this request in list order.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Cursor {
+    /// The last listed request's creation time.
+    pub created_at: SystemTime,
+    /// The last listed request's id.
+    pub approval_id: String,
+}
+
+/// What to list.
+#[derive(Clone, Debug)]
+pub struct ListQuery {
+    /// Whose view.
+    pub viewer: Viewer,
+    /// Only requests in these states (as seen at `now`); empty: all.
+    pub states: Vec<State>,
+    /// Only requests of this run; `None`: all.
+    pub run_id: Option<String>,
+    /// The time states are judged at (pending past expiry counts as expired).
+    pub now: SystemTime,
+    /// Resume after this request.
+    pub after: Option<Cursor>,
+    /// At most this many.
+    pub limit: usize,
+}
+
+impl ListQuery {
+    /// Whether `request` passes the query's filters (not the cursor or the limit).
+    pub fn matches(&self, request: &ApprovalRequest) -> bool {
+        self.viewer.can_see(request)
+            && (self.states.is_empty() || self.states.contains(&request.state_at(self.now)))
+            && self.run_id.as_ref().is_none_or(|r| *r == request.run_id)
+    }
+}
+
+/// Why a store operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The request changed since it was read; re-read and re-apply.
+    #[error("approval request {approval_id} is at version {actual}, not {expected}")]
+    Conflict {
+        /// The request.
+        approval_id: String,
+        /// The version the caller read.
+        expected: u64,
+        /// The version stored now.
+        actual: u64,
+    },
+    /// The request to update does not exist.
+    #[error("approval request {approval_id} does not exist")]
+    Missing {
+        /// The request.
+        approval_id: String,
+    },
+    /// A request with this id exists already.
+    #[error("approval request {approval_id} exists already")]
+    DuplicateId {
+        /// The request.
+        approval_id: String,
+    },
+    /// The storage backend failed.
+    #[error("storage backend failed: {0}")]
+    Backend(#[source] Box<dyn std::error::Error + Send + Sync>),
+}
+
+impl StoreError {
+    /// The error code the failure maps to when it reaches a caller.
+    pub fn code(&self) -> ErrorCode {
+        match self {
+            StoreError::Conflict { .. } => ErrorCode::Aborted,
+            StoreError::Missing { .. }
+            | StoreError::DuplicateId { .. }
+            | StoreError::Backend(_) => ErrorCode::Internal,
+        }
+    }
+}
+
+/// Storage for approval requests. See the [module docs](self) for the contract.
+#[async_trait]
+pub trait ApprovalStore: Debug + Send + Sync {
+    /// Stores `request` at version 1, unless its requester already used its
+    /// idempotency key: then returns the request stored under that key, unchanged.
+    async fn create(&self, request: ApprovalRequest) -> Result<Created, StoreError>;
+
+    /// The request with this id, whoever's it is (visibility is the caller's check).
+    async fn get(&self, approval_id: &str) -> Result<Option<Versioned>, StoreError>;
+
+    /// Replaces the request with the same id if it is still at version `expected`, and
+    /// returns it at version `expected + 1`.
+    ///
+    /// # Errors
+    ///
+    /// [`StoreError::Conflict`] if someone else updated it since, [`StoreError::Missing`]
+    /// if it does not exist.
+    async fn update(
+        &self,
+        expected: u64,
+        request: ApprovalRequest,
+    ) -> Result<Versioned, StoreError>;
+
+    /// Up to `query.limit` requests matching `query`, newest first (by `created_at`, then
+    /// by `approval_id`, both descending), after `query.after`.
+    async fn list(&self, query: &ListQuery) -> Result<Vec<Versioned>, StoreError>;
+}
+
+/// Sort key: list order is ascending order of this key.
+type OrderKey = (Reverse<SystemTime>, Reverse<String>);
+
+fn order_key(created_at: SystemTime, approval_id: &str) -> OrderKey {
+    (Reverse(created_at), Reverse(approval_id.to_owned()))
+}
+
+/// Requests in memory; lost when the process ends.
+#[derive(Debug, Default)]
+pub struct MemoryStore {
+    inner: Mutex<Memory>,
+}
+
+#[derive(Debug, Default)]
+struct Memory {
+    by_id: HashMap<String, Versioned>,
+    /// (requester, idempotency key) → approval id.
+    by_key: HashMap<(String, String), String>,
+    /// List order → approval id.
+    order: BTreeMap<OrderKey, String>,
+}
+
+impl MemoryStore {
+    /// An empty store.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Memory> {
+        // Every critical section leaves the maps consistent before it can panic, so a
+        // poisoned lock still guards valid data.
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+#[async_trait]
+impl ApprovalStore for MemoryStore {
+    async fn create(&self, request: ApprovalRequest) -> Result<Created, StoreError> {
+        let mut memory = self.lock();
+        let key = (request.requester.clone(), request.idempotency_key.clone());
+        if let Some(existing) = memory.by_key.get(&key).and_then(|id| memory.by_id.get(id)) {
+            return Ok(Created::Existing(existing.clone()));
+        }
+        if memory.by_id.contains_key(&request.approval_id) {
+            return Err(StoreError::DuplicateId {
+                approval_id: request.approval_id,
+            });
+        }
+        let id = request.approval_id.clone();
+        memory.by_key.insert(key, id.clone());
+        memory
+            .order
+            .insert(order_key(request.created_at, &id), id.clone());
+        let stored = Versioned {
+            version: 1,
+            request,
+        };
+        memory.by_id.insert(id, stored.clone());
+        Ok(Created::New(stored))
+    }
+
+    async fn get(&self, approval_id: &str) -> Result<Option<Versioned>, StoreError> {
+        Ok(self.lock().by_id.get(approval_id).cloned())
+    }
+
+    async fn update(
+        &self,
+        expected: u64,
+        request: ApprovalRequest,
+    ) -> Result<Versioned, StoreError> {
+        let mut memory = self.lock();
+        let Some(current) = memory.by_id.get_mut(&request.approval_id) else {
+            return Err(StoreError::Missing {
+                approval_id: request.approval_id,
+            });
+        };
+        if current.version != expected {
+            return Err(StoreError::Conflict {
+                approval_id: request.approval_id,
+                expected,
+                actual: current.version,
+            });
+        }
+        // The identity, the idempotency key and the creation time never change after
+        // creation, so the secondary maps stay valid.
+        debug_assert_eq!(current.request.requester, request.requester);
+        debug_assert_eq!(current.request.idempotency_key, request.idempotency_key);
+        debug_assert_eq!(current.request.created_at, request.created_at);
+        *current = Versioned {
+            version: expected + 1,
+            request,
+        };
+        Ok(current.clone())
+    }
+
+    async fn list(&self, query: &ListQuery) -> Result<Vec<Versioned>, StoreError> {
+        let memory = self.lock();
+        let start = match &query.after {
+            // Excluded: the cursor is the last request already listed.
+            Some(c) => std::ops::Bound::Excluded(order_key(c.created_at, &c.approval_id)),
+            None => std::ops::Bound::Unbounded,
+        };
+        Ok(memory
+            .order
+            .range((start, std::ops::Bound::Unbounded))
+            .filter_map(|(_, id)| memory.by_id.get(id))
+            .filter(|stored| query.matches(&stored.request))
+            .take(query.limit)
+            .cloned()
+            .collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use convene_core::permissions::RiskLevel;
+    use prost_types::Struct;
+
+    use super::*;
+
+    fn t(secs: u64) -> SystemTime {
+        SystemTime::UNIX_EPOCH + Duration::from_secs(1_700_000_000 + secs)
+    }
+
+    fn request(id: &str, requester: &str, key: &str, created: u64) -> ApprovalRequest {
+        ApprovalRequest {
+            approval_id: id.into(),
+            tenant: "acme".into(),
+            action: "traffic:shift".into(),
+            parameters: Struct::default(),
+            parameters_hash: "sha256:00".into(),
+            risk: RiskLevel::R2,
+            idempotency_key: key.into(),
+            requester: requester.into(),
+            filed_by: requester.into(),
+            evidence_refs: vec![],
+            expires_at: t(1_000),
+            state: State::Pending,
+            votes: vec![],
+            execution: None,
+            executing: None,
+            run_id: String::new(),
+            rationale: String::new(),
+            created_at: t(created),
+        }
+    }
+
+    fn viewer() -> Viewer {
+        Viewer {
+            tenant: "acme".into(),
+            principal: "alice".into(),
+        }
+    }
+
+    #[tokio::test]
+    async fn create_is_idempotent_per_requester_and_key() {
+        let store = MemoryStore::new();
+        let first = store.create(request("a", "oncall", "k1", 0)).await.unwrap();
+        assert!(matches!(first, Created::New(ref v) if v.version == 1));
+        let again = store.create(request("b", "oncall", "k1", 1)).await.unwrap();
+        let Created::Existing(existing) = again else {
+            panic!("the key is used: {again:?}");
+        };
+        assert_eq!(existing.request.approval_id, "a");
+        // Another requester may use the same key.
+        let other = store
+            .create(request("c", "analyst", "k1", 2))
+            .await
+            .unwrap();
+        assert!(matches!(other, Created::New(_)));
+        assert!(store.get("b").await.unwrap().is_none());
+    }
+
+    #[tokio::test]
+    async fn update_is_compare_and_set() {
+        let store = MemoryStore::new();
+        store.create(request("a", "oncall", "k", 0)).await.unwrap();
+        let mut changed = request("a", "oncall", "k", 0);
+        changed.state = State::Rejected;
+        let v2 = store.update(1, changed.clone()).await.unwrap();
+        assert_eq!(v2.version, 2);
+        // A writer still holding version 1 loses and overwrites nothing.
+        let mut stale = request("a", "oncall", "k", 0);
+        stale.state = State::Approved;
+        let err = store.update(1, stale).await.unwrap_err();
+        assert!(
+            matches!(
+                err,
+                StoreError::Conflict {
+                    expected: 1,
+                    actual: 2,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        assert_eq!(
+            store.get("a").await.unwrap().unwrap().request.state,
+            State::Rejected
+        );
+        let err = store
+            .update(1, request("zzz", "oncall", "k9", 0))
+            .await
+            .unwrap_err();
+        assert!(matches!(err, StoreError::Missing { .. }), "{err}");
+    }
+
+    #[tokio::test]
+    async fn list_is_newest_first_filtered_and_resumable() {
+        let store = MemoryStore::new();
+        for (i, id) in ["r1", "r2", "r3", "r4", "r5"].iter().enumerate() {
+            let mut r = request(id, "oncall", id, i as u64);
+            if *id == "r3" {
+                r.tenant = "globex".into();
+            }
+            if *id == "r4" {
+                r.run_id = "run-9".into();
+            }
+            store.create(r).await.unwrap();
+        }
+        let query = |after: Option<Cursor>, limit| ListQuery {
+            viewer: viewer(),
+            states: vec![],
+            run_id: None,
+            now: t(10),
+            after,
+            limit,
+        };
+        let ids = |v: Vec<Versioned>| -> Vec<String> {
+            v.into_iter().map(|s| s.request.approval_id).collect()
+        };
+        let page = store.list(&query(None, 2)).await.unwrap();
+        let cursor = Cursor {
+            created_at: page[1].request.created_at,
+            approval_id: page[1].request.approval_id.clone(),
+        };
+        assert_eq!(ids(page), ["r5", "r4"]);
+        // r3 belongs to another tenant and is skipped.
+        assert_eq!(
+            ids(store.list(&query(Some(cursor), 10)).await.unwrap()),
+            ["r2", "r1"]
+        );
+
+        let by_run = ListQuery {
+            run_id: Some("run-9".into()),
+            ..query(None, 10)
+        };
+        assert_eq!(ids(store.list(&by_run).await.unwrap()), ["r4"]);
+        let expired = ListQuery {
+            states: vec![State::Expired],
+            now: t(5_000),
+            ..query(None, 10)
+        };
+        assert_eq!(
+            ids(store.list(&expired).await.unwrap()),
+            ["r5", "r4", "r2", "r1"]
+        );
+        let pending = ListQuery {
+            states: vec![State::Pending],
+            now: t(5_000),
+            ..query(None, 10)
+        };
+        assert!(store.list(&pending).await.unwrap().is_empty());
+    }
+}
