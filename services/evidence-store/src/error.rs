@@ -1,0 +1,114 @@
+//! The evidence store's error type and its gRPC codes.
+
+use convene_server::{ErrorCode, ServiceError};
+
+use crate::catalog::CatalogError;
+
+/// Everything that can go wrong in the evidence store: refused requests (whose text is
+/// what the caller sees, so it says what to change) and failures at start.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A request field is invalid.
+    #[error("invalid {field}: {message}")]
+    InvalidArgument {
+        /// Path of the field from the request root, e.g. `evidence.evidence_id`.
+        field: String,
+        /// What is wrong and what to send instead.
+        message: String,
+    },
+    /// An artifact is larger than the store accepts.
+    #[error(
+        "artifact is {size} bytes; the limit is {limit} (max_artifact_bytes): store a smaller \
+         excerpt, or raise the limit"
+    )]
+    TooLarge {
+        /// The artifact's size.
+        size: usize,
+        /// The configured limit.
+        limit: usize,
+    },
+    /// No acceptable task token was presented.
+    #[error("{0}")]
+    Unauthenticated(String),
+    /// The token may not do this (scope, audience, tenant).
+    #[error("{0}")]
+    PermissionDenied(String),
+    /// The named artifact does not exist.
+    #[error("{0}")]
+    NotFound(String),
+    /// The request refers to something that is not in the state it needs (an artifact
+    /// that does not exist, a hash that does not match).
+    #[error("{0}")]
+    FailedPrecondition(String),
+    /// An evidence record with this id exists with other content.
+    #[error("{0}")]
+    AlreadyExists(String),
+    /// Stored bytes are missing or no longer hash to their recorded hash.
+    #[error("{0}")]
+    DataLoss(String),
+    /// The policy service cannot be reached for its signing keys.
+    #[error("{0}")]
+    PolicyUnavailable(String),
+    /// The metadata catalog failed.
+    #[error(transparent)]
+    Catalog(#[from] CatalogError),
+    /// The artifact bytes could not be read or written.
+    #[error("artifact storage failed: {0}")]
+    Storage(#[from] object_store::Error),
+    /// The data directory cannot be prepared.
+    #[error("cannot prepare the artifact directory {path}: {source}")]
+    DataDir {
+        /// The directory.
+        path: String,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// The configuration cannot work.
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    /// The gRPC server failed.
+    #[error(transparent)]
+    Serve(#[from] convene_server::ServeError),
+}
+
+impl Error {
+    /// An [`Error::InvalidArgument`] for `field`.
+    pub fn invalid(field: impl Into<String>, message: impl Into<String>) -> Self {
+        Error::InvalidArgument {
+            field: field.into(),
+            message: message.into(),
+        }
+    }
+}
+
+impl From<convene_core::ValidationError> for Error {
+    fn from(e: convene_core::ValidationError) -> Self {
+        Error::invalid(e.field, e.message)
+    }
+}
+
+impl ServiceError for Error {
+    fn code(&self) -> ErrorCode {
+        match self {
+            Error::InvalidArgument { .. } | Error::TooLarge { .. } => ErrorCode::InvalidArgument,
+            Error::Unauthenticated(_) => ErrorCode::Unauthenticated,
+            Error::PermissionDenied(_) => ErrorCode::PermissionDenied,
+            Error::NotFound(_) => ErrorCode::NotFound,
+            Error::FailedPrecondition(_) => ErrorCode::FailedPrecondition,
+            Error::AlreadyExists(_) => ErrorCode::AlreadyExists,
+            Error::DataLoss(_) => ErrorCode::DataLoss,
+            Error::PolicyUnavailable(_) | Error::Catalog(CatalogError::Unavailable(_)) => {
+                ErrorCode::Unavailable
+            }
+            Error::Storage(_) | Error::DataDir { .. } | Error::Config(_) | Error::Serve(_) => {
+                ErrorCode::Internal
+            }
+        }
+    }
+}
+
+impl From<Error> for tonic::Status {
+    fn from(e: Error) -> Self {
+        convene_server::into_status(&e)
+    }
+}

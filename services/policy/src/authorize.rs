@@ -1,0 +1,385 @@
+//! Authorize: one decision per tool call, in a fixed order, each deny naming what would
+//! have to change.
+//!
+//! The order is: the token verifies (signature, key, validity window); it is not revoked
+//! (by itself or through its run); the presenter is in its audience; the tenant matches;
+//! the tool is in the catalog and in the token; no runtime rule denies the tool to the
+//! token's profile; the tool's catalog action covers the asked action; the token's scopes
+//! cover action, resource and data scope; and finally the call is counted against
+//! `max_calls`. Only a call that passes every check consumes a call.
+
+use std::time::SystemTime;
+
+use convene_core::permissions::{
+    DataConstraints, Denial, Pattern, TimeWindow, time_window_from_proto,
+};
+use convene_mesh::policy_file::Tool;
+use convene_proto::v1::{self, AuthorizeReason};
+use convene_tokens::Claims;
+
+use crate::Error;
+use crate::decision_log::{AuthorizeRecord, LogEntry};
+use crate::issue::{describe, describe_data, list};
+use crate::service::Inner;
+use crate::state::{CallError, RevokeTarget};
+
+/// A decision before it is logged.
+struct Outcome {
+    /// The verified claims, when the token verified.
+    claims: Option<Claims>,
+    /// `Ok(calls used)` when allowed, else the reason and what would have to change.
+    verdict: Result<u32, (AuthorizeReason, String)>,
+}
+
+impl Outcome {
+    fn deny(claims: Option<Claims>, reason: AuthorizeReason, detail: String) -> Self {
+        Self {
+            claims,
+            verdict: Err((reason, detail)),
+        }
+    }
+}
+
+impl Inner {
+    /// Decides, logs and answers one Authorize request.
+    pub(crate) async fn authorize(
+        &self,
+        request: &v1::AuthorizeRequest,
+    ) -> Result<v1::AuthorizeResponse, Error> {
+        let data = data_constraints(request.data_scope.as_ref())?;
+        let now = (self.clock)();
+        let tool = self.policy.tools.get(&request.tool);
+        let outcome = self.decide(request, tool, &data, now).await?;
+
+        let (allowed, reason, detail, calls_used) = match outcome.verdict {
+            Ok(used) => {
+                let max = outcome.claims.as_ref().map_or(0, |c| c.max_calls);
+                let detail = format!(
+                    "allowed: `{}` on `{}` with tool `{}` (call {used} of {max})",
+                    effective_action(request, tool),
+                    request.resource,
+                    request.tool
+                );
+                (true, AuthorizeReason::Allowed, detail, used)
+            }
+            Err((reason, detail)) => {
+                let used = match &outcome.claims {
+                    Some(c) => self.state.calls_used(&c.token_id).await?,
+                    None => 0,
+                };
+                (false, reason, detail, used)
+            }
+        };
+
+        let decision_id = uuid::Uuid::now_v7().to_string();
+        let claims = outcome.claims.as_ref();
+        let field = |f: fn(&Claims) -> &String| claims.map(f).cloned().unwrap_or_default();
+        let record = AuthorizeRecord {
+            decision_id: decision_id.clone(),
+            time: humantime::format_rfc3339_millis(now).to_string(),
+            token_id: field(|c| &c.token_id),
+            run_id: field(|c| &c.run_id),
+            delegation_id: field(|c| &c.delegation_id),
+            tenant: field(|c| &c.tenant),
+            principal: field(|c| &c.subject),
+            profile_id: field(|c| &c.profile_id),
+            audience: request.audience.clone(),
+            tool: request.tool.clone(),
+            action: request.action.clone(),
+            resource: request.resource.clone(),
+            tool_call_id: request.tool_call_id.clone(),
+            allowed,
+            reason: reason.as_str_name().to_owned(),
+            detail: detail.clone(),
+            calls_used,
+        };
+        // A decision is answered only once it is logged: an allow that the log lost would
+        // be a tool call nobody can account for.
+        self.log.append(LogEntry::Authorize(record)).await?;
+        tracing::debug!(
+            %decision_id,
+            allowed,
+            reason = reason.as_str_name(),
+            tool = %request.tool,
+            token_id = claims.map_or("", |c| c.token_id.as_str()),
+            "authorization decided"
+        );
+
+        let risk_level = tool.map_or(v1::RiskLevel::Unspecified, |t| t.risk.to_proto());
+        Ok(v1::AuthorizeResponse {
+            allowed,
+            reason: reason.into(),
+            detail,
+            decision_id,
+            calls_used,
+            risk_level: risk_level.into(),
+        })
+    }
+
+    async fn decide(
+        &self,
+        request: &v1::AuthorizeRequest,
+        tool: Option<&Tool>,
+        data: &DataConstraints,
+        now: SystemTime,
+    ) -> Result<Outcome, Error> {
+        let keys = self.keys.current();
+        let claims = match keys.verifier.verify(&request.token, now) {
+            Ok(claims) => claims,
+            Err(e) => return Ok(Outcome::deny(None, e.reason(), e.to_string())),
+        };
+        if let Some(revocation) = self
+            .state
+            .is_revoked(&claims.token_id, &claims.run_id)
+            .await?
+        {
+            let detail = match &revocation.target {
+                RevokeTarget::Token(id) => format!(
+                    "token {id} was revoked ({}); ask the supervisor for a new task token",
+                    revocation.reason
+                ),
+                RevokeTarget::Run(id) => format!(
+                    "run {id} was revoked ({}); every token of the run is refused",
+                    revocation.reason
+                ),
+            };
+            return Ok(Outcome::deny(
+                Some(claims),
+                AuthorizeReason::Revoked,
+                detail,
+            ));
+        }
+        if let Err(e) = claims.check_audience(&request.audience) {
+            let detail = if request.audience.is_empty() {
+                format!(
+                    "audience is empty; set it to who presents the token, one of [{}]",
+                    claims.audience.join(", ")
+                )
+            } else {
+                e.to_string()
+            };
+            return Ok(Outcome::deny(Some(claims), e.reason(), detail));
+        }
+        if !request.tenant.is_empty() && request.tenant != claims.tenant {
+            let detail = format!(
+                "the resource belongs to tenant `{}` but the token is bound to tenant `{}`; a \
+                 task token never crosses tenants",
+                request.tenant, claims.tenant
+            );
+            return Ok(Outcome::deny(
+                Some(claims),
+                AuthorizeReason::WrongTenant,
+                detail,
+            ));
+        }
+        let Some(tool) = tool else {
+            let detail = format!(
+                "tool `{}` is not in the tool catalog; known tools: {}",
+                request.tool,
+                list(self.policy.tools.keys())
+            );
+            return Ok(Outcome::deny(
+                Some(claims),
+                AuthorizeReason::UnknownTool,
+                detail,
+            ));
+        };
+        if !claims.tools.contains(&tool.name) {
+            let detail = format!(
+                "tool `{}` is not among the token's tools [{}]; ask for a token whose tools \
+                 include it",
+                tool.name,
+                claims.tools.join(", ")
+            );
+            return Ok(Outcome::deny(
+                Some(claims),
+                AuthorizeReason::ToolNotGranted,
+                detail,
+            ));
+        }
+        match self.policy.profiles.get(&claims.profile_id) {
+            None => {
+                let detail = format!(
+                    "profile `{}` is no longer in the policy file; its tokens may not call tools",
+                    claims.profile_id
+                );
+                return Ok(Outcome::deny(
+                    Some(claims),
+                    AuthorizeReason::PolicyDenied,
+                    detail,
+                ));
+            }
+            Some(profile) => {
+                if let Some(rule) = self.policy.denying_rule(profile, tool) {
+                    let detail = format!(
+                        "runtime rule `{}` denies tools of risk {} and above to profile {}, and \
+                         tool `{}` is {}; request an approval for the action instead",
+                        rule.name, rule.deny_from, profile.id, tool.name, tool.risk
+                    );
+                    return Ok(Outcome::deny(
+                        Some(claims),
+                        AuthorizeReason::PolicyDenied,
+                        detail,
+                    ));
+                }
+            }
+        }
+        let action = effective_action(request, Some(tool));
+        if !action_covered(&tool.action, action) {
+            let detail = if action.is_empty() {
+                format!(
+                    "action is empty and tool `{}` performs `{}`, a pattern; name the action \
+                     the call performs",
+                    tool.name, tool.action
+                )
+            } else {
+                format!(
+                    "tool `{}` performs `{}`, which does not cover action `{action}`; use a tool \
+                     whose catalog action covers it",
+                    tool.name, tool.action
+                )
+            };
+            return Ok(Outcome::deny(
+                Some(claims),
+                AuthorizeReason::ScopeNotGranted,
+                detail,
+            ));
+        }
+        let scopes = match claims.permissions() {
+            Ok(scopes) => scopes,
+            Err(e) => return Ok(Outcome::deny(Some(claims), e.reason(), e.to_string())),
+        };
+        match scopes.check(action, &request.resource, data) {
+            Ok(()) => {}
+            Err(Denial::ScopeNotGranted) => {
+                let detail = format!(
+                    "no scope of the token covers `{action}` on `{}`; the token allows {}",
+                    request.resource,
+                    describe(&scopes)
+                );
+                return Ok(Outcome::deny(
+                    Some(claims),
+                    AuthorizeReason::ScopeNotGranted,
+                    detail,
+                ));
+            }
+            Err(Denial::DataScopeExceeded) => {
+                let detail = format!(
+                    "the token covers `{action}` on `{}` but not the asked data scope ({}); the \
+                     token allows {}: narrow the time range or the rows to fit",
+                    request.resource,
+                    describe_data(data),
+                    describe(&scopes)
+                );
+                return Ok(Outcome::deny(
+                    Some(claims),
+                    AuthorizeReason::DataScopeExceeded,
+                    detail,
+                ));
+            }
+        }
+        let expiry = claims.expiry().unwrap_or(now);
+        match self
+            .state
+            .record_call(&claims.token_id, claims.max_calls, expiry, now)
+            .await
+        {
+            Ok(used) => Ok(Outcome {
+                claims: Some(claims),
+                verdict: Ok(used),
+            }),
+            Err(CallError::LimitExceeded { max, .. }) => {
+                let detail = format!(
+                    "the token's {max} authorized calls are used up (max_calls); ask the \
+                     supervisor for a new task token"
+                );
+                Ok(Outcome::deny(
+                    Some(claims),
+                    AuthorizeReason::CallLimitExceeded,
+                    detail,
+                ))
+            }
+            Err(CallError::State(e)) => Err(e.into()),
+        }
+    }
+}
+
+/// The asked action, or the tool's catalog action when none was named and the catalog
+/// names exactly one.
+fn effective_action<'a>(request: &'a v1::AuthorizeRequest, tool: Option<&'a Tool>) -> &'a str {
+    match tool {
+        Some(t) if request.action.is_empty() && !t.action.contains('*') => &t.action,
+        _ => &request.action,
+    }
+}
+
+/// Whether the catalog action pattern of a tool covers `action`.
+fn action_covered(catalog_action: &str, action: &str) -> bool {
+    !action.is_empty() && Pattern::parse(catalog_action).is_ok_and(|p| p.matches(action))
+}
+
+/// The request's data scope as constraints (unset: unconstrained).
+fn data_constraints(scope: Option<&v1::DataScope>) -> Result<DataConstraints, Error> {
+    let Some(scope) = scope else {
+        return Ok(DataConstraints::unconstrained());
+    };
+    let time = match &scope.time_range {
+        Some(tr) => time_window_from_proto(tr, "data_scope.time_range")?,
+        None => TimeWindow::unbounded(),
+    };
+    Ok(DataConstraints {
+        time,
+        max_rows: (scope.max_rows > 0).then_some(scope.max_rows),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn catalog_actions_cover_exact_and_prefix_actions() {
+        assert!(action_covered("logs:read", "logs:read"));
+        assert!(action_covered("logs:*", "logs:read"));
+        assert!(!action_covered("logs:read", "logs:write"));
+        assert!(!action_covered("logs:*", ""));
+    }
+
+    #[test]
+    fn data_scope_is_described_for_the_caller() {
+        assert_eq!(
+            describe_data(&DataConstraints::unconstrained()),
+            "no time range, no row limit"
+        );
+        let data = data_constraints(Some(&v1::DataScope {
+            time_range: Some(v1::TimeRange {
+                start: Some(prost_types::Timestamp {
+                    seconds: 0,
+                    nanos: 0,
+                }),
+                end: None,
+            }),
+            max_rows: 10,
+        }))
+        .unwrap();
+        assert_eq!(
+            describe_data(&data),
+            "time [1970-01-01T00:00:00Z, unbounded), max_rows 10"
+        );
+        let bad = data_constraints(Some(&v1::DataScope {
+            time_range: Some(v1::TimeRange {
+                start: Some(prost_types::Timestamp {
+                    seconds: 10,
+                    nanos: 0,
+                }),
+                end: Some(prost_types::Timestamp {
+                    seconds: 5,
+                    nanos: 0,
+                }),
+            }),
+            max_rows: 0,
+        }))
+        .unwrap_err();
+        assert!(bad.to_string().contains("data_scope.time_range"), "{bad}");
+    }
+}

@@ -1,0 +1,499 @@
+//! [`PolicyService`]: the `convene.v1.Policy` implementation, which is also its own
+//! in-process handle.
+
+use std::sync::Arc;
+
+use convene_core::time::to_timestamp;
+use convene_mesh::auth::{Authenticator, Caller};
+use convene_mesh::policy_file::{Policy, PrincipalKind};
+use convene_proto::v1::{self, policy_server::PolicyServer, revoke_request::Target};
+use convene_server::GrpcServer;
+use convene_tokens::{KeyRing, from_unix_seconds};
+use tonic::{Request, Response, Status};
+
+use crate::Error;
+use crate::clock::{Clock, system_clock};
+use crate::config::{Config, DecisionLogTarget};
+use crate::decision_log::{
+    DecisionLog, JsonlDecisionLog, LogEntry, MemoryDecisionLog, RevokeRecord,
+};
+use crate::issue::{MAX_GRANTS, Origin, Planned, list, plan};
+use crate::keys::Keys;
+use crate::state::{IssuedToken, MemoryState, PolicyState, RevokeTarget};
+
+/// The role a principal needs to issue task tokens (and to revoke any token).
+pub const ISSUE_ROLE: &str = "tokens:issue";
+
+/// The policy service. Cloning is cheap and every clone is the same service, so a clone
+/// can be handed to other services in the same process as their
+/// [`PolicyHandle`](convene_mesh::handles::PolicyHandle).
+#[derive(Clone)]
+pub struct PolicyService {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for PolicyService {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PolicyService")
+            .field("principals", &self.inner.policy.principals.len())
+            .field("profiles", &self.inner.policy.profiles.len())
+            .field("state", &self.inner.state)
+            .field("decision_log", &self.inner.log)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What every call shares.
+pub(crate) struct Inner {
+    pub(crate) policy: Arc<Policy>,
+    pub(crate) auth: Authenticator,
+    pub(crate) keys: Keys,
+    pub(crate) state: Arc<dyn PolicyState>,
+    pub(crate) log: Arc<dyn DecisionLog>,
+    pub(crate) clock: Clock,
+}
+
+/// Builds a [`PolicyService`] from its parts; see [`PolicyService::builder`].
+pub struct PolicyServiceBuilder {
+    policy: Policy,
+    ring: KeyRing,
+    state: Option<Arc<dyn PolicyState>>,
+    log: Option<Arc<dyn DecisionLog>>,
+    clock: Option<Clock>,
+}
+
+impl PolicyServiceBuilder {
+    /// Keeps counters and revocations in `state` (default: a fresh [`MemoryState`]).
+    #[must_use]
+    pub fn state(mut self, state: Arc<dyn PolicyState>) -> Self {
+        self.state = Some(state);
+        self
+    }
+
+    /// Logs decisions to `log` (default: a fresh [`MemoryDecisionLog`]).
+    #[must_use]
+    pub fn decision_log(mut self, log: Arc<dyn DecisionLog>) -> Self {
+        self.log = Some(log);
+        self
+    }
+
+    /// Reads the time from `clock` (default: [`system_clock`]).
+    #[must_use]
+    pub fn clock(mut self, clock: Clock) -> Self {
+        self.clock = Some(clock);
+        self
+    }
+
+    /// The service.
+    pub fn build(self) -> PolicyService {
+        let policy = Arc::new(self.policy);
+        PolicyService {
+            inner: Arc::new(Inner {
+                auth: Authenticator::principals_only(policy.clone()),
+                policy,
+                keys: Keys::new(self.ring),
+                state: self.state.unwrap_or_else(|| Arc::new(MemoryState::new())),
+                log: self
+                    .log
+                    .unwrap_or_else(|| Arc::new(MemoryDecisionLog::new())),
+                clock: self.clock.unwrap_or_else(system_clock),
+            }),
+        }
+    }
+}
+
+impl PolicyService {
+    /// A builder over a compiled policy and an open key ring.
+    pub fn builder(policy: Policy, ring: KeyRing) -> PolicyServiceBuilder {
+        PolicyServiceBuilder {
+            policy,
+            ring,
+            state: None,
+            log: None,
+            clock: None,
+        }
+    }
+
+    /// Opens the service as `config` says: loads the policy file (creating development
+    /// credentials when enabled), opens the key ring (creating a first key) and the
+    /// decision log (whose writer is a thread of its own, so no runtime is needed here).
+    ///
+    /// # Errors
+    ///
+    /// An invalid policy file, an unreadable or unwritable data directory.
+    pub fn open(config: &Config) -> Result<Self, Error> {
+        Self::open_with_clock(config, system_clock())
+    }
+
+    /// Like [`open`](Self::open), reading the time from `clock`.
+    ///
+    /// # Errors
+    ///
+    /// As [`open`](Self::open).
+    pub fn open_with_clock(config: &Config, clock: Clock) -> Result<Self, Error> {
+        let (policy, with_dev_credentials) = config.load_policy()?;
+        if !with_dev_credentials.is_empty() {
+            tracing::info!(
+                dir = %config.credentials_dir().display(),
+                principals = ?with_dev_credentials,
+                "development credentials for principals without a listed credential hash"
+            );
+        }
+        let ring = KeyRing::open(config.keys_dir())?;
+        let log: Arc<dyn DecisionLog> = match config.decision_log {
+            DecisionLogTarget::File => {
+                Arc::new(JsonlDecisionLog::open(config.decision_log_path())?)
+            }
+            DecisionLogTarget::Memory => Arc::new(MemoryDecisionLog::new()),
+        };
+        tracing::info!(
+            policy = %config.policy_source(),
+            principals = policy.principals.len(),
+            profiles = policy.profiles.len(),
+            tools = policy.tools.len(),
+            signing_key = ring.active().kid(),
+            decision_log = ?config.decision_log,
+            "policy loaded"
+        );
+        Ok(Self::builder(policy, ring)
+            .decision_log(log)
+            .clock(clock)
+            .build())
+    }
+
+    /// The compiled policy the service decides with.
+    pub fn policy(&self) -> &Arc<Policy> {
+        &self.inner.policy
+    }
+
+    /// Makes a new signing key active at once. Tokens signed by the previous key keep
+    /// verifying (GetSigningKeys lists both, the new one first). Returns the new key id.
+    /// Writes the key ring file, so it blocks briefly.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Keys`] when the ring cannot be saved; the previous key stays active.
+    pub fn rotate_key(&self) -> Result<String, Error> {
+        let kid = self.inner.keys.rotate()?;
+        tracing::info!(signing_key = %kid, "signing key rotated; the previous key still verifies");
+        Ok(kid)
+    }
+
+    /// Adds the `convene.v1.Policy` gRPC service to `server`.
+    #[must_use]
+    pub fn add_to(&self, server: GrpcServer) -> GrpcServer {
+        server.add_service(PolicyServer::new(self.clone()))
+    }
+}
+
+impl Inner {
+    async fn issue(
+        &self,
+        caller: &Caller,
+        request: &v1::IssueTaskTokenRequest,
+    ) -> Result<v1::IssueTaskTokenResponse, Error> {
+        let issuer = match caller {
+            Caller::Principal(p) if p.has_role(ISSUE_ROLE) => p,
+            other => {
+                return Err(Error::PermissionDenied(format!(
+                    "principal {} lacks role {ISSUE_ROLE}, which IssueTaskToken needs; add it \
+                     to the principal's roles in the policy file",
+                    other.principal_id()
+                )));
+            }
+        };
+        if request.grants.is_empty() {
+            return Err(Error::invalid(
+                "grants",
+                "must not be empty: ask for one token per delegation",
+            ));
+        }
+        if request.grants.len() > MAX_GRANTS {
+            return Err(Error::invalid(
+                "grants",
+                format!(
+                    "{} grants; at most {MAX_GRANTS} per call: split the batch",
+                    request.grants.len()
+                ),
+            ));
+        }
+        let now = (self.clock)();
+        let keys = self.keys.current();
+        let planned: Vec<Planned> = if request.parent_token.is_empty() {
+            let principal = self.top_level_principal(request).await?;
+            let origin = Origin::Principal {
+                principal,
+                run_id: &request.run_id,
+            };
+            self.plan_all(&origin, request, now)?
+        } else {
+            let parent = keys
+                .verifier
+                .verify(&request.parent_token, now)
+                .map_err(|e| {
+                    Error::Unauthenticated(format!(
+                        "parent_token refused ({}): {e}",
+                        e.reason().as_str_name()
+                    ))
+                })?;
+            if let Some(revocation) = self
+                .state
+                .is_revoked(&parent.token_id, &parent.run_id)
+                .await?
+            {
+                return Err(Error::PermissionDenied(format!(
+                    "parent token was revoked ({}: {}); no child token can be derived from it",
+                    revocation.target, revocation.reason
+                )));
+            }
+            if !parent.may_redelegate {
+                return Err(Error::PermissionDenied(
+                    "parent token does not allow redelegation (it was issued with \
+                     may_redelegate = false); the delegating agent must handle the task itself"
+                        .to_owned(),
+                ));
+            }
+            if !request.run_id.is_empty() && request.run_id != parent.run_id {
+                return Err(Error::invalid(
+                    "run_id",
+                    format!(
+                        "must be empty or the parent token's run {}, not {}",
+                        parent.run_id, request.run_id
+                    ),
+                ));
+            }
+            let principal = self.policy.principals.get(&parent.subject).ok_or_else(|| {
+                Error::PermissionDenied(format!(
+                    "the parent token's principal {} is no longer in the policy file",
+                    parent.subject
+                ))
+            })?;
+            let scopes = parent.permissions().map_err(|e| {
+                Error::Unauthenticated(format!(
+                    "parent_token refused ({}): {e}",
+                    e.reason().as_str_name()
+                ))
+            })?;
+            let origin = Origin::Parent {
+                principal,
+                parent: &parent,
+                scopes: &scopes,
+            };
+            self.plan_all(&origin, request, now)?
+        };
+
+        let run_id = planned
+            .first()
+            .map(|p| p.claims.run_id.clone())
+            .unwrap_or_default();
+        let mut tokens = Vec::with_capacity(planned.len());
+        for Planned { claims, narrowed } in planned {
+            let token = keys.signer.sign(&claims)?;
+            let expires_at = from_unix_seconds(claims.expires_at).unwrap_or(now);
+            self.state
+                .record_issued(&IssuedToken {
+                    token_id: claims.token_id.clone(),
+                    run_id: claims.run_id.clone(),
+                    tenant: claims.tenant.clone(),
+                    expires_at,
+                })
+                .await?;
+            // The scopes as the token carries them (whole-second windows), which is what
+            // Authorize will check.
+            let scopes = convene_core::permissions::PermissionSet::from_permissions(
+                claims.scopes.iter().filter_map(|s| s.to_permission().ok()),
+            );
+            tokens.push(v1::IssuedToken {
+                delegation_id: claims.delegation_id,
+                token,
+                token_id: claims.token_id,
+                expires_at: Some(to_timestamp(expires_at)),
+                scopes: scopes.to_proto(),
+                tools: claims.tools,
+                narrowed,
+            });
+        }
+        tracing::info!(
+            issuer = %issuer.id,
+            %run_id,
+            tokens = tokens.len(),
+            child = !request.parent_token.is_empty(),
+            "task tokens issued"
+        );
+        Ok(v1::IssueTaskTokenResponse { tokens })
+    }
+
+    /// The principal a top-level request names, after checking the run can still get
+    /// tokens.
+    async fn top_level_principal(
+        &self,
+        request: &v1::IssueTaskTokenRequest,
+    ) -> Result<&convene_mesh::policy_file::Principal, Error> {
+        if request.principal.trim().is_empty() {
+            return Err(Error::invalid(
+                "principal",
+                "must name the principal the run acts for (or set parent_token for a nested \
+                 delegation)",
+            ));
+        }
+        let principal = self
+            .policy
+            .principals
+            .get(&request.principal)
+            .ok_or_else(|| {
+                Error::NotFound(format!(
+                    "principal `{}` is not in the policy file; known principals: {}",
+                    request.principal,
+                    list(self.policy.principals.keys())
+                ))
+            })?;
+        if request.run_id.trim().is_empty() {
+            return Err(Error::invalid(
+                "run_id",
+                "must name the run the tokens are bound to",
+            ));
+        }
+        // No token id is ever empty, so this asks about the run alone.
+        if let Some(revocation) = self.state.is_revoked("", &request.run_id).await? {
+            return Err(Error::FailedPrecondition(format!(
+                "{} was revoked ({}); it gets no new tokens: start a new run",
+                revocation.target, revocation.reason
+            )));
+        }
+        Ok(principal)
+    }
+
+    fn plan_all(
+        &self,
+        origin: &Origin<'_>,
+        request: &v1::IssueTaskTokenRequest,
+        now: std::time::SystemTime,
+    ) -> Result<Vec<Planned>, Error> {
+        request
+            .grants
+            .iter()
+            .enumerate()
+            .map(|(i, grant)| plan(&self.policy, origin, grant, &format!("grants[{i}]"), now))
+            .collect()
+    }
+
+    async fn revoke(
+        &self,
+        caller: &Caller,
+        request: &v1::RevokeRequest,
+    ) -> Result<v1::RevokeResponse, Error> {
+        let principal = match caller {
+            Caller::Principal(p) => p,
+            Caller::Task(_) => {
+                return Err(Error::PermissionDenied(
+                    "Revoke needs a principal credential, not a task token".to_owned(),
+                ));
+            }
+        };
+        let target = match &request.target {
+            None => {
+                return Err(Error::invalid(
+                    "target",
+                    "set token_id (one token) or run_id (every token of a run)",
+                ));
+            }
+            Some(Target::TokenId(id)) if id.trim().is_empty() => {
+                return Err(Error::invalid("token_id", "must not be empty"));
+            }
+            Some(Target::RunId(id)) if id.trim().is_empty() => {
+                return Err(Error::invalid("run_id", "must not be empty"));
+            }
+            Some(Target::TokenId(id)) => RevokeTarget::Token(id.clone()),
+            Some(Target::RunId(id)) => RevokeTarget::Run(id.clone()),
+        };
+        if !principal.has_role(ISSUE_ROLE) {
+            // People may stop the work of their own tenant; anything else needs the
+            // issuing role.
+            if principal.kind != PrincipalKind::Human {
+                return Err(Error::PermissionDenied(format!(
+                    "principal {} lacks role {ISSUE_ROLE}, which Revoke needs for service \
+                     principals (people may revoke the runs and tokens of their own tenant)",
+                    principal.id
+                )));
+            }
+            let owner = self.state.owner_tenant(&target).await?;
+            if owner.as_deref() != Some(principal.tenant.as_str()) {
+                return Err(Error::PermissionDenied(format!(
+                    "principal {} may revoke only runs and tokens of tenant {}; {target} is not \
+                     one this service issued tokens for in that tenant",
+                    principal.id, principal.tenant
+                )));
+            }
+        }
+        let reason = if request.reason.trim().is_empty() {
+            "no reason given"
+        } else {
+            request.reason.as_str()
+        };
+        let (kind, id) = match &target {
+            RevokeTarget::Token(id) => {
+                self.state.revoke_token(id, reason).await?;
+                ("token", id)
+            }
+            RevokeTarget::Run(id) => {
+                self.state.revoke_run(id, reason).await?;
+                ("run", id)
+            }
+        };
+        let now = (self.clock)();
+        self.log
+            .append(LogEntry::Revoke(RevokeRecord {
+                decision_id: uuid::Uuid::now_v7().to_string(),
+                time: humantime::format_rfc3339_millis(now).to_string(),
+                principal: principal.id.clone(),
+                target: kind.to_owned(),
+                id: id.clone(),
+                reason: reason.to_owned(),
+            }))
+            .await?;
+        tracing::info!(principal = %principal.id, target = kind, id = %id, reason, "revoked");
+        Ok(v1::RevokeResponse { revoked: true })
+    }
+}
+
+#[tonic::async_trait]
+impl v1::policy_server::Policy for PolicyService {
+    async fn issue_task_token(
+        &self,
+        request: Request<v1::IssueTaskTokenRequest>,
+    ) -> Result<Response<v1::IssueTaskTokenResponse>, Status> {
+        let caller = self.inner.auth.authenticate(&request).await?;
+        Ok(Response::new(
+            self.inner.issue(&caller, request.get_ref()).await?,
+        ))
+    }
+
+    async fn authorize(
+        &self,
+        request: Request<v1::AuthorizeRequest>,
+    ) -> Result<Response<v1::AuthorizeResponse>, Status> {
+        // No bearer credential: the token in the message is what is being judged.
+        Ok(Response::new(
+            self.inner.authorize(request.get_ref()).await?,
+        ))
+    }
+
+    async fn revoke(
+        &self,
+        request: Request<v1::RevokeRequest>,
+    ) -> Result<Response<v1::RevokeResponse>, Status> {
+        let caller = self.inner.auth.authenticate(&request).await?;
+        Ok(Response::new(
+            self.inner.revoke(&caller, request.get_ref()).await?,
+        ))
+    }
+
+    async fn get_signing_keys(
+        &self,
+        _request: Request<v1::GetSigningKeysRequest>,
+    ) -> Result<Response<v1::GetSigningKeysResponse>, Status> {
+        Ok(Response::new(v1::GetSigningKeysResponse {
+            keys: self.inner.keys.current().jwks.clone(),
+        }))
+    }
+}

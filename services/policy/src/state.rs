@@ -1,0 +1,380 @@
+//! What the policy service remembers between calls: call counters, revocations, and
+//! which tenant each issued token and run belongs to.
+//!
+//! [`PolicyState`] is the seam for durable storage: [`MemoryState`] keeps everything in
+//! concurrent maps for now, and a database-backed implementation can replace it without
+//! touching the decision code. Every method is async and fallible so such an
+//! implementation is honest about I/O; the in-memory one never fails and never awaits.
+
+use std::fmt;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::SystemTime;
+
+use async_trait::async_trait;
+use dashmap::DashMap;
+
+/// The state store cannot answer (only durable implementations can fail).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum StateError {
+    /// The backing store is unreachable or failed; retrying later may succeed.
+    #[error("policy state is unavailable: {0}; retry later")]
+    Unavailable(String),
+}
+
+/// Why a call could not be counted.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CallError {
+    /// The token's calls are used up; the call was not counted.
+    #[error("all {max} authorized calls of the token are used")]
+    LimitExceeded {
+        /// Calls counted so far (equal to `max`).
+        used: u32,
+        /// The token's `max_calls`.
+        max: u32,
+    },
+    /// The store failed.
+    #[error(transparent)]
+    State(#[from] StateError),
+}
+
+/// What a revocation names.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum RevokeTarget {
+    /// One token, by its `jti`.
+    Token(String),
+    /// Every token of a run.
+    Run(String),
+}
+
+impl fmt::Display for RevokeTarget {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            RevokeTarget::Token(id) => write!(f, "token {id}"),
+            RevokeTarget::Run(id) => write!(f, "run {id}"),
+        }
+    }
+}
+
+/// A recorded revocation that applies to a token.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Revocation {
+    /// What was revoked: the token itself or its whole run.
+    pub target: RevokeTarget,
+    /// Why, as the revoker said.
+    pub reason: String,
+}
+
+/// A token the service issued, as far as revocation rights need it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IssuedToken {
+    /// Its `jti`.
+    pub token_id: String,
+    /// Its run.
+    pub run_id: String,
+    /// Its tenant.
+    pub tenant: String,
+    /// When it expires; after that it can be forgotten.
+    pub expires_at: SystemTime,
+}
+
+/// Counters, revocations and token ownership.
+#[async_trait]
+pub trait PolicyState: Send + Sync + fmt::Debug {
+    /// Remembers an issued token's run and tenant, so a human of that tenant may revoke
+    /// it (or its run) later.
+    async fn record_issued(&self, token: &IssuedToken) -> Result<(), StateError>;
+
+    /// The tenant a token or run belongs to, if a token of it was issued and has not
+    /// been forgotten.
+    async fn owner_tenant(&self, target: &RevokeTarget) -> Result<Option<String>, StateError>;
+
+    /// Atomically counts one call of token `token_id` if fewer than `max_calls` were
+    /// counted, returning the count including this call. `expires_at` is the token's
+    /// expiry (the counter may be dropped after it) and `now` the caller's clock.
+    async fn record_call(
+        &self,
+        token_id: &str,
+        max_calls: u32,
+        expires_at: SystemTime,
+        now: SystemTime,
+    ) -> Result<u32, CallError>;
+
+    /// Calls counted so far for a token (0 when none).
+    async fn calls_used(&self, token_id: &str) -> Result<u32, StateError>;
+
+    /// Revokes one token. Revoking twice keeps the first reason.
+    async fn revoke_token(&self, token_id: &str, reason: &str) -> Result<(), StateError>;
+
+    /// Revokes every token of a run, including tokens issued for it later.
+    async fn revoke_run(&self, run_id: &str, reason: &str) -> Result<(), StateError>;
+
+    /// The revocation that applies to a token with this `jti` and run, if any (the token's
+    /// own revocation first).
+    async fn is_revoked(
+        &self,
+        token_id: &str,
+        run_id: &str,
+    ) -> Result<Option<Revocation>, StateError>;
+}
+
+/// Counters below this many entries are never pruned.
+const MIN_PRUNE_THRESHOLD: usize = 4096;
+
+#[derive(Debug)]
+struct Counter {
+    used: u32,
+    expires_at: SystemTime,
+}
+
+#[derive(Debug)]
+struct Owner {
+    tenant: String,
+    expires_at: SystemTime,
+}
+
+/// [`PolicyState`] in concurrent in-memory maps: lost at exit.
+///
+/// Counters are sharded maps keyed by token id, so concurrent calls of different tokens
+/// do not contend and calls of one token are counted exactly. Counters and ownership
+/// records of expired tokens are pruned once the maps double in size; revocations are
+/// kept for the life of the process (a revoked run stays revoked).
+#[derive(Debug)]
+pub struct MemoryState {
+    counters: DashMap<String, Counter>,
+    token_owners: DashMap<String, Owner>,
+    run_owners: DashMap<String, Owner>,
+    revoked_tokens: DashMap<String, String>,
+    revoked_runs: DashMap<String, String>,
+    prune_at: AtomicUsize,
+}
+
+impl Default for MemoryState {
+    fn default() -> Self {
+        Self {
+            counters: DashMap::new(),
+            token_owners: DashMap::new(),
+            run_owners: DashMap::new(),
+            revoked_tokens: DashMap::new(),
+            revoked_runs: DashMap::new(),
+            prune_at: AtomicUsize::new(MIN_PRUNE_THRESHOLD),
+        }
+    }
+}
+
+impl MemoryState {
+    /// An empty state.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Drops counters and ownership records of tokens expired at `now`, once the counter
+    /// map has grown past the threshold; then doubles the threshold.
+    fn maybe_prune(&self, now: SystemTime) {
+        let threshold = self.prune_at.load(Ordering::Relaxed);
+        if self.counters.len() <= threshold {
+            return;
+        }
+        self.counters.retain(|_, c| c.expires_at > now);
+        self.token_owners.retain(|_, o| o.expires_at > now);
+        self.run_owners.retain(|_, o| o.expires_at > now);
+        let next = (self.counters.len() * 2).max(MIN_PRUNE_THRESHOLD);
+        self.prune_at.store(next, Ordering::Relaxed);
+    }
+}
+
+#[async_trait]
+impl PolicyState for MemoryState {
+    async fn record_issued(&self, token: &IssuedToken) -> Result<(), StateError> {
+        self.token_owners.insert(
+            token.token_id.clone(),
+            Owner {
+                tenant: token.tenant.clone(),
+                expires_at: token.expires_at,
+            },
+        );
+        let mut run = self
+            .run_owners
+            .entry(token.run_id.clone())
+            .or_insert_with(|| Owner {
+                tenant: token.tenant.clone(),
+                expires_at: token.expires_at,
+            });
+        // A run lives as long as its longest-lived token.
+        run.expires_at = run.expires_at.max(token.expires_at);
+        Ok(())
+    }
+
+    async fn owner_tenant(&self, target: &RevokeTarget) -> Result<Option<String>, StateError> {
+        let owner = match target {
+            RevokeTarget::Token(id) => self.token_owners.get(id),
+            RevokeTarget::Run(id) => self.run_owners.get(id),
+        };
+        Ok(owner.map(|o| o.tenant.clone()))
+    }
+
+    async fn record_call(
+        &self,
+        token_id: &str,
+        max_calls: u32,
+        expires_at: SystemTime,
+        now: SystemTime,
+    ) -> Result<u32, CallError> {
+        let (outcome, inserted) = {
+            // The entry guard holds the shard's lock, which makes check-and-increment
+            // atomic for this token; it is released before pruning touches other shards.
+            let mut inserted = false;
+            let mut counter = self.counters.entry(token_id.to_owned()).or_insert_with(|| {
+                inserted = true;
+                Counter {
+                    used: 0,
+                    expires_at,
+                }
+            });
+            let outcome = if counter.used < max_calls {
+                counter.used += 1;
+                Ok(counter.used)
+            } else {
+                Err(CallError::LimitExceeded {
+                    used: counter.used,
+                    max: max_calls,
+                })
+            };
+            (outcome, inserted)
+        };
+        if inserted {
+            self.maybe_prune(now);
+        }
+        outcome
+    }
+
+    async fn calls_used(&self, token_id: &str) -> Result<u32, StateError> {
+        Ok(self.counters.get(token_id).map_or(0, |c| c.used))
+    }
+
+    async fn revoke_token(&self, token_id: &str, reason: &str) -> Result<(), StateError> {
+        self.revoked_tokens
+            .entry(token_id.to_owned())
+            .or_insert_with(|| reason.to_owned());
+        Ok(())
+    }
+
+    async fn revoke_run(&self, run_id: &str, reason: &str) -> Result<(), StateError> {
+        self.revoked_runs
+            .entry(run_id.to_owned())
+            .or_insert_with(|| reason.to_owned());
+        Ok(())
+    }
+
+    async fn is_revoked(
+        &self,
+        token_id: &str,
+        run_id: &str,
+    ) -> Result<Option<Revocation>, StateError> {
+        if let Some(reason) = self.revoked_tokens.get(token_id) {
+            return Ok(Some(Revocation {
+                target: RevokeTarget::Token(token_id.to_owned()),
+                reason: reason.clone(),
+            }));
+        }
+        Ok(self.revoked_runs.get(run_id).map(|reason| Revocation {
+            target: RevokeTarget::Run(run_id.to_owned()),
+            reason: reason.clone(),
+        }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use super::*;
+
+    fn at(secs: u64) -> SystemTime {
+        SystemTime::UNIX_EPOCH + Duration::from_secs(secs)
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn concurrent_calls_are_counted_exactly_up_to_the_limit() {
+        let state = Arc::new(MemoryState::new());
+        let tasks: Vec<_> = (0..64)
+            .map(|_| {
+                let state = state.clone();
+                tokio::spawn(async move { state.record_call("t1", 40, at(100), at(1)).await })
+            })
+            .collect();
+        let mut allowed = Vec::new();
+        let mut refused = 0;
+        for task in tasks {
+            match task.await.unwrap() {
+                Ok(n) => allowed.push(n),
+                Err(CallError::LimitExceeded { used, max }) => {
+                    assert_eq!((used, max), (40, 40));
+                    refused += 1;
+                }
+                Err(e) => panic!("{e}"),
+            }
+        }
+        allowed.sort_unstable();
+        assert_eq!(allowed, (1..=40).collect::<Vec<_>>());
+        assert_eq!(refused, 24);
+        assert_eq!(state.calls_used("t1").await.unwrap(), 40);
+        assert_eq!(state.calls_used("other").await.unwrap(), 0);
+    }
+
+    #[tokio::test]
+    async fn revocation_by_token_wins_over_run_and_keeps_the_first_reason() {
+        let state = MemoryState::new();
+        assert_eq!(state.is_revoked("t1", "r1").await.unwrap(), None);
+        state.revoke_run("r1", "incident closed").await.unwrap();
+        let r = state.is_revoked("t1", "r1").await.unwrap().unwrap();
+        assert_eq!(r.target, RevokeTarget::Run("r1".into()));
+        state.revoke_token("t1", "leaked").await.unwrap();
+        state.revoke_token("t1", "again").await.unwrap();
+        let r = state.is_revoked("t1", "r1").await.unwrap().unwrap();
+        assert_eq!(r.target, RevokeTarget::Token("t1".into()));
+        assert_eq!(r.reason, "leaked");
+        assert_eq!(state.is_revoked("t2", "r2").await.unwrap(), None);
+    }
+
+    #[tokio::test]
+    async fn expired_counters_are_pruned_once_the_map_grows() {
+        let state = MemoryState::new();
+        for i in 0..MIN_PRUNE_THRESHOLD {
+            state
+                .record_call(&format!("old-{i}"), 1, at(10), at(1))
+                .await
+                .unwrap();
+        }
+        assert_eq!(state.counters.len(), MIN_PRUNE_THRESHOLD);
+        // The next new token arrives after all the old ones expired.
+        state.record_call("new", 1, at(100), at(50)).await.unwrap();
+        assert_eq!(state.counters.len(), 1);
+        assert_eq!(state.calls_used("new").await.unwrap(), 1);
+    }
+
+    #[tokio::test]
+    async fn owners_are_known_for_issued_tokens_and_runs() {
+        let state = MemoryState::new();
+        state
+            .record_issued(&IssuedToken {
+                token_id: "t1".into(),
+                run_id: "r1".into(),
+                tenant: "acme".into(),
+                expires_at: at(100),
+            })
+            .await
+            .unwrap();
+        let state = &state;
+        let tenant = |t| async move { state.owner_tenant(&t).await.unwrap() };
+        assert_eq!(
+            tenant(RevokeTarget::Token("t1".into())).await.as_deref(),
+            Some("acme")
+        );
+        assert_eq!(
+            tenant(RevokeTarget::Run("r1".into())).await.as_deref(),
+            Some("acme")
+        );
+        assert_eq!(tenant(RevokeTarget::Run("r2".into())).await, None);
+    }
+}
