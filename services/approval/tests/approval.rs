@@ -36,15 +36,15 @@ use tonic::{Code, Status, transport::Channel};
 fn test_policy() -> String {
     let policy = convene_approval::config::EXAMPLE_POLICY
         .replace(
-            "roles: [runs:start, runs:read, approvals:request]",
-            "roles: [runs:start, runs:read, approvals:request, approvals:decide]",
+            "roles: [runs:start, runs:read, approvals:request, evidence:read]",
+            "roles: [runs:start, runs:read, approvals:request, evidence:read, approvals:decide]",
         )
         .replace(
             "  # Services of the mesh.\n",
             "  - id: approver@globex\n    tenant: globex\n    kind: human\n    \
              roles: [approvals:decide, approvals:execute]\n  # Services of the mesh.\n",
         );
-    assert!(policy.contains("approvals:request, approvals:decide"));
+    assert!(policy.contains("evidence:read, approvals:decide"));
     assert!(policy.contains("approver@globex"));
     policy
 }

@@ -27,10 +27,12 @@ pub enum Error {
         /// The configured limit.
         limit: usize,
     },
-    /// No acceptable task token was presented.
+    /// No acceptable credential was presented (no task token, or for a read, no known
+    /// principal credential either).
     #[error("{0}")]
     Unauthenticated(String),
-    /// The token may not do this (scope, audience, tenant).
+    /// The caller may not do this (a token's scope, audience or tenant; a principal's
+    /// role; a principal attempting a write).
     #[error("{0}")]
     PermissionDenied(String),
     /// The named artifact does not exist.
@@ -63,6 +65,10 @@ pub enum Error {
         /// The I/O error.
         source: std::io::Error,
     },
+    /// The policy file (whose principals may read) cannot be loaded, or development
+    /// credentials cannot be written.
+    #[error(transparent)]
+    PolicyFile(#[from] convene_mesh::policy_file::Error),
     /// The configuration cannot work.
     #[error("invalid configuration: {0}")]
     Config(String),
@@ -100,9 +106,11 @@ impl ServiceError for Error {
             Error::PolicyUnavailable(_) | Error::Catalog(CatalogError::Unavailable(_)) => {
                 ErrorCode::Unavailable
             }
-            Error::Storage(_) | Error::DataDir { .. } | Error::Config(_) | Error::Serve(_) => {
-                ErrorCode::Internal
-            }
+            Error::Storage(_)
+            | Error::DataDir { .. }
+            | Error::PolicyFile(_)
+            | Error::Config(_)
+            | Error::Serve(_) => ErrorCode::Internal,
         }
     }
 }

@@ -11,10 +11,12 @@
 //!   a no-op, different content under the same id is refused).
 //! - **VerifyChain** walks claim → evidence → artifact and reports every broken link.
 //!
-//! Every call needs the delegation's task token, verified offline with the policy
-//! service's public keys ([`convene_mesh::auth::TokenKeys`]): writes need scope
-//! `evidence:write`, reads `evidence:read`, both on resource `evidence`; the tenant comes
-//! from the token only. Metadata lives behind [`catalog::Catalog`] (in memory today,
+//! Writes need the delegation's task token, verified offline with the policy service's
+//! public keys ([`convene_mesh::auth::TokenKeys`]), with scope `evidence:write` on
+//! resource `evidence`. Reads accept that token with scope `evidence:read`, or — so a
+//! person can audit a run's claims — the credential of a principal of the policy file
+//! holding role [`READER_ROLE`]. The tenant comes from the credential only. Metadata
+//! lives behind [`catalog::Catalog`] (in memory today,
 //! durable storage later); bytes behind [`artifacts::Blobs`] (the local file system
 //! today, an S3-compatible store in a cluster).
 //!
@@ -37,7 +39,7 @@ use std::sync::Arc;
 use convene_mesh::handles::GrpcPolicy;
 use convene_server::{GrpcServer, Shutdown};
 
-pub use access::{AUDIENCE, EVIDENCE_RESOURCE, READ, WRITE};
+pub use access::{AUDIENCE, EVIDENCE_RESOURCE, READ, READER_ROLE, WRITE};
 pub use config::{Config, DEFAULT_PORT};
 pub use error::Error;
 pub use service::{
@@ -46,11 +48,12 @@ pub use service::{
 
 /// Serves the evidence store as `config` says until `shutdown` triggers, then drains.
 /// Task tokens are verified with the keys of the policy service at
-/// `config.policy_endpoint`, fetched on first use (the policy service may start later).
+/// `config.policy_endpoint`, fetched on first use (the policy service may start later);
+/// principals come from the policy file `config` names (or the embedded example).
 ///
 /// # Errors
 ///
-/// An invalid endpoint or data directory, a listen address that cannot be bound, or a
+/// An invalid endpoint, policy file or data directory, a listen address that cannot be bound, or a
 /// server failure.
 pub async fn run(config: Config, shutdown: Shutdown) -> Result<(), Error> {
     let policy = GrpcPolicy::connect(&config.policy_endpoint)

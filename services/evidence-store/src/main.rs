@@ -8,15 +8,24 @@ use convene_evidence_store::Config;
 use convene_server::{Shutdown, cli::ServiceArgs};
 
 /// The convene evidence store: immutable, content-addressed artifacts and the evidence
-/// records that cite them, reached with task tokens.
+/// records that cite them, written with task tokens and read with task tokens or by
+/// principals holding role `evidence:read`.
 #[derive(Debug, Parser)]
 #[command(name = "convene-evidence-store", version, about, long_about = None)]
 struct Cli {
     #[command(flatten)]
     common: ServiceArgs,
 
-    /// Data directory: artifact bytes are kept in DIR/artifacts/<tenant>/<sha256>.
-    /// Overrides `data_dir` from the config file and CONVENE_DATA_DIR. [default: ./.convene]
+    /// Policy file (YAML or TOML) whose principals may read evidence with their own
+    /// credential when they hold role `evidence:read` (writes always need a task token).
+    /// Overrides `policy_file` from the config file and CONVENE_POLICY_FILE. [default: the
+    /// payment-incident example policy built into the binary]
+    #[arg(long, value_name = "FILE")]
+    policy_file: Option<PathBuf>,
+
+    /// Data directory: artifact bytes are kept in DIR/artifacts/<tenant>/<sha256>,
+    /// development credentials in DIR/credentials. Overrides `data_dir` from the config
+    /// file and CONVENE_DATA_DIR. [default: ./.convene]
     #[arg(long, value_name = "DIR")]
     data_dir: Option<PathBuf>,
 
@@ -37,6 +46,9 @@ struct Cli {
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let mut loader = cli.common.config_loader();
+    if let Some(path) = &cli.policy_file {
+        loader = loader.set("policy_file", path.display().to_string());
+    }
     if let Some(dir) = &cli.data_dir {
         loader = loader.set("data_dir", dir.display().to_string());
     }
@@ -56,9 +68,10 @@ async fn main() -> anyhow::Result<()> {
     if cli.common.config.is_none() {
         tracing::info!(
             "no --config given: using the development settings of the payment-incident \
-             example (data dir {}, policy service {}, listening on {})",
+             example (data dir {}, policy service {}, principals from {}, listening on {})",
             config.data_dir.display(),
             config.policy_endpoint,
+            config.policy_source(),
             config.server.listen
         );
     }

@@ -6,13 +6,14 @@ use std::sync::Arc;
 use std::time::SystemTime;
 
 use convene_mesh::handles::PolicyHandle;
+use convene_mesh::policy_file::Policy;
 use convene_proto::v1::{self, LinkStatus, evidence_store_server::EvidenceStoreServer};
 use convene_server::GrpcServer;
 use convene_tokens::Claims;
 use tonic::{Request, Response, Status};
 
 use crate::Error;
-use crate::access::{Access, READ, WRITE};
+use crate::access::{Access, Reader};
 use crate::artifacts::{ArtifactRef, Blobs, sha256_hex};
 use crate::catalog::{ArtifactMeta, Catalog, MemoryCatalog, Recorded};
 use crate::config::{Config, ENVELOPE_ALLOWANCE};
@@ -59,17 +60,20 @@ struct Inner {
 }
 
 impl EvidenceStoreService {
-    /// A store over `blobs` and `catalog`, verifying tokens with the keys `policy`
-    /// publishes, accepting artifacts up to `max_artifact_bytes`.
+    /// A store over `blobs` and `catalog`, verifying task tokens with the keys `policy`
+    /// publishes and principal credentials against `principals` (the compiled policy
+    /// file, whose principals with role [`READER_ROLE`](crate::READER_ROLE) may read),
+    /// accepting artifacts up to `max_artifact_bytes`.
     pub fn new(
         policy: PolicyHandle,
+        principals: Arc<Policy>,
         blobs: Blobs,
         catalog: Arc<dyn Catalog>,
         max_artifact_bytes: usize,
     ) -> Self {
         Self {
             inner: Arc::new(Inner {
-                access: Access::new(policy),
+                access: Access::new(policy, principals),
                 blobs,
                 catalog,
                 max_artifact_bytes,
@@ -78,24 +82,44 @@ impl EvidenceStoreService {
     }
 
     /// The store as `config` says, with an in-memory catalog, reaching the policy
-    /// service through `policy` (a gRPC handle, or the service itself in one process).
+    /// service through `policy` (a gRPC handle, or the service itself in one process),
+    /// its principals loaded from `config` ([`Config::load_policy`]: `policy_file`, or
+    /// the embedded example, with development credentials when `dev_credentials` is on).
     ///
     /// # Errors
     ///
-    /// [`Error::DataDir`] or [`Error::Storage`] when the artifact directory cannot be
-    /// prepared, [`Error::Config`] for a zero `max_artifact_bytes`.
+    /// [`Error::PolicyFile`] when the policy cannot be loaded, [`Error::DataDir`] or
+    /// [`Error::Storage`] when the artifact directory cannot be prepared,
+    /// [`Error::Config`] for a zero `max_artifact_bytes`.
     pub fn open(config: &Config, policy: PolicyHandle) -> Result<Self, Error> {
-        Self::open_with_catalog(config, policy, Arc::new(MemoryCatalog::new()))
+        let principals = config.load_policy()?;
+        Self::open_with_policy(config, policy, principals)
     }
 
-    /// Like [`open`](Self::open) with `catalog` for the metadata.
+    /// Like [`open`](Self::open) with the principals of `principals`, a policy already
+    /// compiled (so services hosted in one process share one policy file, and
+    /// `config.policy_file` and `config.dev_credentials` are not consulted).
     ///
     /// # Errors
     ///
-    /// As [`open`](Self::open).
+    /// As [`open`](Self::open), except policy loading.
+    pub fn open_with_policy(
+        config: &Config,
+        policy: PolicyHandle,
+        principals: Arc<Policy>,
+    ) -> Result<Self, Error> {
+        Self::open_with_catalog(config, policy, principals, Arc::new(MemoryCatalog::new()))
+    }
+
+    /// Like [`open_with_policy`](Self::open_with_policy) with `catalog` for the metadata.
+    ///
+    /// # Errors
+    ///
+    /// As [`open_with_policy`](Self::open_with_policy).
     pub fn open_with_catalog(
         config: &Config,
         policy: PolicyHandle,
+        principals: Arc<Policy>,
         catalog: Arc<dyn Catalog>,
     ) -> Result<Self, Error> {
         if config.max_artifact_bytes == 0 {
@@ -109,7 +133,13 @@ impl EvidenceStoreService {
             max_artifact_bytes = config.max_artifact_bytes,
             "evidence store opened"
         );
-        Ok(Self::new(policy, blobs, catalog, config.max_artifact_bytes))
+        Ok(Self::new(
+            policy,
+            principals,
+            blobs,
+            catalog,
+            config.max_artifact_bytes,
+        ))
     }
 
     /// The largest message the service's gRPC endpoint accepts and sends: the artifact
@@ -192,10 +222,10 @@ impl Inner {
 
     async fn get_artifact(
         &self,
-        claims: &Claims,
+        reader: &Reader,
         request: &v1::GetArtifactRequest,
     ) -> Result<v1::GetArtifactResponse, Error> {
-        let artifact = self.own_artifact(claims, &request.uri, "uri")?;
+        let artifact = self.own_artifact(reader, &request.uri, "uri")?;
         let meta = self
             .catalog
             .artifact(&artifact.tenant, &artifact.sha256)
@@ -223,6 +253,7 @@ impl Inner {
                 artifact.content_hash()
             )));
         }
+        tracing::debug!(uri = %request.uri, reader = %reader.who, "artifact read");
         Ok(v1::GetArtifactResponse {
             artifact: Some(meta.to_proto()),
             content: bytes.to_vec(),
@@ -238,8 +269,11 @@ impl Inner {
             .evidence
             .ok_or_else(|| Error::invalid("evidence", "is required"))?;
         let evidence = validate::evidence(evidence, "evidence", claims, None)?;
-        let artifact =
-            self.own_artifact(claims, &evidence.artifact_uri, "evidence.artifact_uri")?;
+        let artifact = self.own_artifact(
+            &Reader::of_task(claims),
+            &evidence.artifact_uri,
+            "evidence.artifact_uri",
+        )?;
         if self
             .catalog
             .artifact(&artifact.tenant, &artifact.sha256)
@@ -269,7 +303,7 @@ impl Inner {
 
     async fn get_evidence(
         &self,
-        claims: &Claims,
+        reader: &Reader,
         request: &v1::GetEvidenceRequest,
     ) -> Result<v1::GetEvidenceResponse, Error> {
         if request.evidence_ids.len() > MAX_EVIDENCE_IDS {
@@ -283,7 +317,7 @@ impl Inner {
         }
         let found = self
             .catalog
-            .evidence(&claims.tenant, &request.evidence_ids)
+            .evidence(&reader.tenant, &request.evidence_ids)
             .await?;
         let mut response = v1::GetEvidenceResponse::default();
         for (id, record) in request.evidence_ids.iter().zip(found) {
@@ -292,12 +326,18 @@ impl Inner {
                 None => response.missing.push(id.clone()),
             }
         }
+        tracing::debug!(
+            found = response.evidence.len(),
+            missing = response.missing.len(),
+            reader = %reader.who,
+            "evidence read"
+        );
         Ok(response)
     }
 
     async fn verify_chain(
         &self,
-        claims: &Claims,
+        reader: &Reader,
         request: &v1::VerifyChainRequest,
     ) -> Result<v1::VerifyChainResponse, Error> {
         if request.claims.len() > MAX_CHAIN_CLAIMS {
@@ -316,7 +356,7 @@ impl Inner {
                 format!("{refs} evidence refs in total; at most {MAX_CHAIN_REFS} per call"),
             ));
         }
-        let tenant = claims.tenant.as_str();
+        let tenant = reader.tenant.as_str();
 
         // Each evidence record and artifact is looked up (and re-hashed) once, however
         // many claims cite it.
@@ -384,6 +424,13 @@ impl Inner {
             }
         }
         let intact = links.iter().all(|l| l.status == i32::from(LinkStatus::Ok));
+        tracing::debug!(
+            claims = request.claims.len(),
+            links = links.len(),
+            intact,
+            reader = %reader.who,
+            "chain verified"
+        );
         let evidence = ids
             .iter()
             .filter_map(|id| records.get(id).cloned())
@@ -449,14 +496,16 @@ impl Inner {
         }
     }
 
-    /// Parses `uri` (named `field` in errors) and checks it is in the token's tenant.
-    fn own_artifact(&self, claims: &Claims, uri: &str, field: &str) -> Result<ArtifactRef, Error> {
+    /// Parses `uri` (named `field` in errors) and checks it is in the caller's tenant.
+    fn own_artifact(&self, caller: &Reader, uri: &str, field: &str) -> Result<ArtifactRef, Error> {
         let artifact = ArtifactRef::parse(uri).map_err(|m| Error::invalid(field, m))?;
-        if artifact.tenant != claims.tenant {
+        if artifact.tenant != caller.tenant {
             return Err(Error::PermissionDenied(format!(
-                "{field}: artifact belongs to another tenant than the task token's ({}); a \
-                 token reaches only its own tenant's artifacts",
-                claims.tenant
+                "{field}: artifact belongs to another tenant than {} ({}); a {} reaches only \
+                 its own tenant's artifacts",
+                caller.owner(),
+                caller.tenant,
+                caller.kind()
             )));
         }
         Ok(artifact)
@@ -544,11 +593,7 @@ impl v1::evidence_store_server::EvidenceStore for EvidenceStoreService {
         &self,
         request: Request<v1::PutArtifactRequest>,
     ) -> Result<Response<v1::PutArtifactResponse>, Status> {
-        let claims = self
-            .inner
-            .access
-            .check(&request, WRITE, "PutArtifact")
-            .await?;
+        let claims = self.inner.access.writer(&request, "PutArtifact").await?;
         Ok(Response::new(
             self.inner
                 .put_artifact(&claims, request.into_inner())
@@ -560,13 +605,9 @@ impl v1::evidence_store_server::EvidenceStore for EvidenceStoreService {
         &self,
         request: Request<v1::GetArtifactRequest>,
     ) -> Result<Response<v1::GetArtifactResponse>, Status> {
-        let claims = self
-            .inner
-            .access
-            .check(&request, READ, "GetArtifact")
-            .await?;
+        let reader = self.inner.access.reader(&request, "GetArtifact").await?;
         Ok(Response::new(
-            self.inner.get_artifact(&claims, request.get_ref()).await?,
+            self.inner.get_artifact(&reader, request.get_ref()).await?,
         ))
     }
 
@@ -574,11 +615,7 @@ impl v1::evidence_store_server::EvidenceStore for EvidenceStoreService {
         &self,
         request: Request<v1::RecordEvidenceRequest>,
     ) -> Result<Response<v1::RecordEvidenceResponse>, Status> {
-        let claims = self
-            .inner
-            .access
-            .check(&request, WRITE, "RecordEvidence")
-            .await?;
+        let claims = self.inner.access.writer(&request, "RecordEvidence").await?;
         Ok(Response::new(
             self.inner
                 .record_evidence(&claims, request.into_inner())
@@ -590,13 +627,9 @@ impl v1::evidence_store_server::EvidenceStore for EvidenceStoreService {
         &self,
         request: Request<v1::GetEvidenceRequest>,
     ) -> Result<Response<v1::GetEvidenceResponse>, Status> {
-        let claims = self
-            .inner
-            .access
-            .check(&request, READ, "GetEvidence")
-            .await?;
+        let reader = self.inner.access.reader(&request, "GetEvidence").await?;
         Ok(Response::new(
-            self.inner.get_evidence(&claims, request.get_ref()).await?,
+            self.inner.get_evidence(&reader, request.get_ref()).await?,
         ))
     }
 
@@ -604,13 +637,9 @@ impl v1::evidence_store_server::EvidenceStore for EvidenceStoreService {
         &self,
         request: Request<v1::VerifyChainRequest>,
     ) -> Result<Response<v1::VerifyChainResponse>, Status> {
-        let claims = self
-            .inner
-            .access
-            .check(&request, READ, "VerifyChain")
-            .await?;
+        let reader = self.inner.access.reader(&request, "VerifyChain").await?;
         Ok(Response::new(
-            self.inner.verify_chain(&claims, request.get_ref()).await?,
+            self.inner.verify_chain(&reader, request.get_ref()).await?,
         ))
     }
 }

@@ -22,8 +22,12 @@ use tonic::transport::Channel;
 
 /// Credential of the supervisor (role `tokens:issue`).
 pub const SUPERVISOR: &str = "cvn_test_supervisor_credential";
-/// Credential of oncall@acme.
+/// Credential of oncall@acme (tenant acme, role `evidence:read`).
 pub const ONCALL: &str = "cvn_test_oncall_credential";
+/// Credential of viewer@acme (tenant acme, no roles).
+pub const VIEWER: &str = "cvn_test_viewer_credential";
+/// Credential of analyst@globex (tenant globex, role `evidence:read`).
+pub const ANALYST: &str = "cvn_test_analyst_credential";
 
 /// Largest message the test clients send or accept.
 const CLIENT_LIMIT: usize = 64 * 1024 * 1024;
@@ -32,7 +36,8 @@ fn sha(credential: &str) -> String {
     convene_evidence_store::artifacts::sha256_hex(credential.as_bytes())
 }
 
-/// Two tenants whose principals may read logs and use the evidence store.
+/// Two tenants whose principals may read logs and use the evidence store; all but
+/// viewer@acme may also read evidence with their own credential.
 fn policy_yaml() -> String {
     format!(
         r#"
@@ -46,12 +51,19 @@ principals:
     tenant: acme
     kind: human
     credential_sha256: ["{oncall}"]
+    roles: [evidence:read]
     grants:
       - {{ action: "logs:read", resource: "service/*" }}
       - {{ action: "evidence:*", resource: "evidence" }}
+  - id: viewer@acme
+    tenant: acme
+    kind: human
+    credential_sha256: ["{viewer}"]
   - id: analyst@globex
     tenant: globex
     kind: human
+    credential_sha256: ["{analyst}"]
+    roles: [evidence:read]
     grants:
       - {{ action: "logs:read", resource: "service/*" }}
       - {{ action: "evidence:*", resource: "evidence" }}
@@ -68,15 +80,18 @@ tools:
 "#,
         supervisor = sha(SUPERVISOR),
         oncall = sha(ONCALL),
+        viewer = sha(VIEWER),
+        analyst = sha(ANALYST),
     )
 }
 
 /// How the evidence store reaches the policy service.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PolicyLink {
-    /// Over gRPC, as separate processes do.
+    /// Over gRPC, as separate processes do; the store loads the policy file itself.
     Grpc,
-    /// Through the service value, as `convene up` does.
+    /// Through the service value, as `convene up` does; the store shares the policy
+    /// service's compiled policy.
     InProcess,
 }
 
@@ -130,15 +145,25 @@ impl Mesh {
         let config = Config {
             max_artifact_bytes,
             policy_endpoint: endpoint(policy_server.addr),
+            policy_file: policy_config.policy_file.clone(),
+            dev_credentials: false,
             ..Config::in_dir(dir.path())
         };
-        let handle: PolicyHandle = match link {
-            PolicyLink::Grpc => Arc::new(GrpcPolicy::connect(&config.policy_endpoint).unwrap()),
-            PolicyLink::InProcess => Arc::new(policy.clone()),
+        let (handle, principals): (PolicyHandle, _) = match link {
+            PolicyLink::Grpc => (
+                Arc::new(GrpcPolicy::connect(&config.policy_endpoint).unwrap()),
+                config.load_policy().expect("the policy file loads"),
+            ),
+            PolicyLink::InProcess => (Arc::new(policy.clone()), policy.policy().clone()),
         };
         let catalog = Arc::new(MemoryCatalog::new());
-        let store = EvidenceStoreService::open_with_catalog(&config, handle, wrap(catalog.clone()))
-            .expect("the store opens");
+        let store = EvidenceStoreService::open_with_catalog(
+            &config,
+            handle,
+            principals,
+            wrap(catalog.clone()),
+        )
+        .expect("the store opens");
         let server = TestServer::start(store.add_to(GrpcServer::new(config.server.clone()))).await;
         Self {
             dir,
