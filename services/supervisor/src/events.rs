@@ -1,0 +1,162 @@
+//! Building run events (WatchRun) and CloudEvents 1.0 envelopes (the outbox).
+
+use std::time::SystemTime;
+
+use convene_core::time::to_timestamp;
+use convene_proto::v1;
+use prost_types::{Struct, Value, value::Kind};
+use serde_json::json;
+
+/// `source` of every event the supervisor produces.
+pub const SOURCE: &str = "convene://supervisor";
+/// A run was accepted.
+pub const RUN_STARTED: &str = "dev.convene.run.started.v1";
+/// A delegation's result (or failure) was recorded.
+pub const DELEGATION_COMPLETED: &str = "dev.convene.delegation.completed.v1";
+/// The join produced a decision (or a revision).
+pub const JOIN_DECIDED: &str = "dev.convene.join.decided.v1";
+/// A run reached a terminal state.
+pub const RUN_COMPLETED: &str = "dev.convene.run.completed.v1";
+/// The supervisor filed an approval request for a proposed action.
+pub const APPROVAL_REQUESTED: &str = "dev.convene.approval.requested.v1";
+
+/// Converts JSON into a protobuf `Struct` (non-objects are wrapped as `{"value": ...}`).
+pub fn to_struct(value: serde_json::Value) -> Struct {
+    match value {
+        serde_json::Value::Object(map) => Struct {
+            fields: map.into_iter().map(|(k, v)| (k, to_value(v))).collect(),
+        },
+        other => Struct {
+            fields: [("value".to_owned(), to_value(other))]
+                .into_iter()
+                .collect(),
+        },
+    }
+}
+
+fn to_value(value: serde_json::Value) -> Value {
+    let kind = match value {
+        serde_json::Value::Null => Kind::NullValue(0),
+        serde_json::Value::Bool(b) => Kind::BoolValue(b),
+        serde_json::Value::Number(n) => Kind::NumberValue(n.as_f64().unwrap_or(0.0)),
+        serde_json::Value::String(s) => Kind::StringValue(s),
+        serde_json::Value::Array(a) => Kind::ListValue(prost_types::ListValue {
+            values: a.into_iter().map(to_value).collect(),
+        }),
+        serde_json::Value::Object(_) => Kind::StructValue(to_struct(value)),
+    };
+    Value { kind: Some(kind) }
+}
+
+/// A CloudEvent of `kind` about `run`, with `subject` under the run.
+pub fn cloud(
+    kind: &str,
+    run: &v1::Run,
+    subject_suffix: Option<&str>,
+    time: SystemTime,
+    data: serde_json::Value,
+) -> v1::CloudEvent {
+    let subject = match subject_suffix {
+        Some(s) => format!("runs/{}/{s}", run.run_id),
+        None => format!("runs/{}", run.run_id),
+    };
+    v1::CloudEvent {
+        id: uuid::Uuid::now_v7().to_string(),
+        source: SOURCE.to_owned(),
+        spec_version: "1.0".to_owned(),
+        r#type: kind.to_owned(),
+        subject,
+        time: Some(to_timestamp(time)),
+        data_schema: format!("https://convene.dev/schemas/{kind}.json"),
+        data_content_type: "application/json".to_owned(),
+        correlation_id: run.run_id.clone(),
+        tenant_id: run.tenant.clone(),
+        data: Some(to_struct(data)),
+    }
+}
+
+/// Names of a proto enum value, for event payloads.
+pub fn run_state_name(state: i32) -> &'static str {
+    v1::RunState::try_from(state).map_or("RUN_STATE_UNSPECIFIED", |s| s.as_str_name())
+}
+
+/// Name of a join outcome.
+pub fn outcome_name(outcome: i32) -> &'static str {
+    v1::JoinOutcome::try_from(outcome).map_or("JOIN_OUTCOME_UNSPECIFIED", |o| o.as_str_name())
+}
+
+/// The payload of `run.started`.
+pub fn run_started_data(run: &v1::Run) -> serde_json::Value {
+    json!({
+        "runId": run.run_id,
+        "principal": run.principal,
+        "delegations": run.delegations.len(),
+        "traceId": run.trace_id,
+        "labels": run.spec.as_ref().map(|s| s.labels.clone()).unwrap_or_default(),
+    })
+}
+
+/// The payload of `delegation.completed`.
+pub fn delegation_completed_data(
+    run: &v1::Run,
+    d: &v1::Delegation,
+    late: bool,
+) -> serde_json::Value {
+    let task = d.task.clone().unwrap_or_default();
+    json!({
+        "runId": run.run_id,
+        "delegationId": task.delegation_id,
+        "name": task.name,
+        "profileId": task.profile_id,
+        "state": v1::DelegationState::try_from(d.state).map_or("DELEGATION_STATE_UNSPECIFIED", |s| s.as_str_name()),
+        "status": d.result.as_ref().and_then(|r| v1::TaskStatus::try_from(r.status).ok()).map(|s| s.as_str_name()),
+        "workerId": d.worker_id,
+        "attempts": d.attempts,
+        "late": late,
+    })
+}
+
+/// The payload of `join.decided`.
+pub fn join_decided_data(run: &v1::Run, decision: &v1::JoinDecision) -> serde_json::Value {
+    json!({
+        "runId": run.run_id,
+        "revision": decision.revision,
+        "outcome": outcome_name(decision.outcome),
+        "accepted": decision.accepted,
+        "rejected": decision.rejected.iter().map(|r| json!({
+            "delegationId": r.delegation_id,
+            "reason": v1::RejectionReason::try_from(r.reason).map_or("REJECTION_REASON_UNSPECIFIED", |x| x.as_str_name()),
+        })).collect::<Vec<_>>(),
+        "missingRequired": decision.missing_required,
+        "missingOptional": decision.missing_optional,
+        "conflicts": decision.conflicts.iter().map(|c| c.topic.clone()).collect::<Vec<_>>(),
+        "quorumMet": decision.quorum_met,
+    })
+}
+
+/// The payload of `run.completed`.
+pub fn run_completed_data(run: &v1::Run) -> serde_json::Value {
+    json!({
+        "runId": run.run_id,
+        "state": run_state_name(run.state),
+        "outcome": outcome_name(run.outcome),
+        "reason": run.terminal_reason,
+        "approvalIds": run.approval_ids,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn json_becomes_struct() {
+        let s = to_struct(json!({"a": 1, "b": [true, "x"], "c": {"d": null}}));
+        assert_eq!(s.fields.len(), 3);
+        assert!(
+            matches!(s.fields["a"].kind, Some(Kind::NumberValue(v)) if (v - 1.0).abs() < f64::EPSILON)
+        );
+        let wrapped = to_struct(json!("plain"));
+        assert!(wrapped.fields.contains_key("value"));
+    }
+}

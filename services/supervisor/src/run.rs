@@ -1,0 +1,1363 @@
+//! The run actor: the single writer of one run.
+//!
+//! Every change to a run — a dispatch, a result, a decision, a cancellation, a nested
+//! delegation — arrives as a message to the run's one task, which applies it to its copy
+//! of the run and commits the new version with the events it produced. Dispatches run
+//! as their own tasks and report back by message, so one slow worker never holds up the
+//! rest, and a worker's failure only ever touches its own delegation.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use convene_core::join::{self, EvidenceFact, ExpectedDelegation, JoinInput, JoinState};
+use convene_core::limits::{self, BudgetLedger};
+use convene_core::model::{LateResultPolicy, Overflow, RunSpec};
+use convene_core::permissions::RiskLevel;
+use convene_core::time::{from_timestamp, to_timestamp};
+use convene_core::validate;
+use convene_mesh::auth::request;
+use convene_proto::v1::{self, run_event::Kind};
+use convene_tokens::Claims;
+use tokio::sync::{mpsc, oneshot};
+use tokio_util::sync::CancellationToken;
+use tonic::{Code, Request, Status};
+
+use crate::events;
+use crate::plan::{self, Placement};
+use crate::registry::Registry;
+use crate::store::{Events, StoreError};
+use crate::{Deps, Settings};
+
+/// A message to a run actor.
+pub(crate) enum Msg {
+    /// A dispatch task reached a worker.
+    Dispatched {
+        index: usize,
+        worker_id: String,
+        attempt: u32,
+    },
+    /// A dispatch attempt ended.
+    Outcome {
+        index: usize,
+        attempt: u32,
+        worker_id: Option<String>,
+        outcome: Result<v1::TaskResult, Status>,
+    },
+    /// Cancel the run.
+    Cancel {
+        reason: String,
+        reply: oneshot::Sender<v1::Run>,
+    },
+    /// A worker asks for child delegations under its own token.
+    Delegate {
+        claims: Arc<Claims>,
+        token: String,
+        children: Vec<v1::PlannedDelegation>,
+        reply: oneshot::Sender<Result<Vec<v1::DelegateOutcome>, Status>>,
+    },
+    /// A result delivered out of band (e.g. a redelivery); it goes through the same
+    /// checks as any other.
+    Deliver { result: v1::TaskResult },
+}
+
+/// The sending side of a run actor's mailbox.
+pub(crate) type Mailbox = mpsc::UnboundedSender<Msg>;
+
+struct Slot {
+    token: String,
+    top_level: bool,
+    batch: usize,
+    in_flight: bool,
+    finished: bool,
+    attempts: u32,
+    workers: Vec<String>,
+    children: u32,
+    cancelled: bool,
+}
+
+struct Batch {
+    max_parallel: usize,
+    queue: VecDeque<usize>,
+    running: usize,
+}
+
+struct PendingDelegate {
+    /// Per requested child, in call order: the ledger index, or None when dropped.
+    children: Vec<(String, Option<usize>)>,
+    reply: oneshot::Sender<Result<Vec<v1::DelegateOutcome>, Status>>,
+}
+
+pub(crate) struct RunActor {
+    deps: Arc<Deps>,
+    run: v1::Run,
+    spec: RunSpec,
+    slots: Vec<Slot>,
+    batches: Vec<Batch>,
+    results: Vec<v1::TaskResult>,
+    facts: BTreeMap<String, EvidenceFact>,
+    ledger: BudgetLedger,
+    budget_stopped: bool,
+    next_seq: u64,
+    pending: Vec<PendingDelegate>,
+    tx: Mailbox,
+    rx: mpsc::UnboundedReceiver<Msg>,
+    cancel: CancellationToken,
+    tasks_in_flight: usize,
+    join_timer: Option<SystemTime>,
+}
+
+fn now() -> SystemTime {
+    SystemTime::now()
+}
+
+fn backoff(settings: &Settings, attempt: u32) -> Duration {
+    let base = settings.retry_backoff.as_millis() as u64;
+    let exp = base.saturating_mul(1 << attempt.min(8).saturating_sub(1));
+    let capped = exp
+        .min(settings.max_retry_backoff.as_millis() as u64)
+        .max(1);
+    // Jitter in [50%, 100%] of the capped backoff, so retries of many runs spread out.
+    let jitter = u64::from(uuid::Uuid::new_v4().as_u128() as u32) % (capped / 2 + 1);
+    Duration::from_millis(capped / 2 + jitter)
+}
+
+fn deadline_of(task: &v1::DelegationTask) -> SystemTime {
+    task.deadline
+        .as_ref()
+        .and_then(|t| from_timestamp(t, "deadline").ok())
+        .unwrap_or_else(now)
+}
+
+fn status_is_transient(code: Code) -> bool {
+    matches!(
+        code,
+        Code::Unavailable
+            | Code::Unknown
+            | Code::Internal
+            | Code::ResourceExhausted
+            | Code::Aborted
+    )
+}
+
+impl RunActor {
+    /// Spawns the actor for a freshly created run (version 1, delegations planned) and
+    /// returns its mailbox.
+    pub(crate) fn spawn(deps: Arc<Deps>, run: v1::Run, spec: RunSpec) -> Mailbox {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let ledger = BudgetLedger::new(&spec.limits);
+        let max_parallel = spec.limits.max_parallel_workers as usize;
+        let mut actor = RunActor {
+            deps: deps.clone(),
+            next_seq: 1,
+            run,
+            spec,
+            slots: Vec::new(),
+            batches: vec![Batch {
+                max_parallel,
+                queue: VecDeque::new(),
+                running: 0,
+            }],
+            results: Vec::new(),
+            facts: BTreeMap::new(),
+            ledger,
+            budget_stopped: false,
+            pending: Vec::new(),
+            tx: tx.clone(),
+            rx,
+            cancel: deps.shutdown_token.child_token(),
+            tasks_in_flight: 0,
+            join_timer: None,
+        };
+        actor.next_seq = actor.run.version + 1; // run.started was event 1
+        let mailbox = tx.clone();
+        deps.live
+            .lock()
+            .expect("live map lock poisoned")
+            .insert(actor.run.run_id.clone(), tx);
+        tokio::spawn(async move { actor.main().await });
+        mailbox
+    }
+
+    async fn main(mut self) {
+        let run_id = self.run.run_id.clone();
+        if let Err(e) = self.begin().await {
+            tracing::error!(run_id, error = %e, "run could not start");
+        }
+        loop {
+            if self.finished() {
+                break;
+            }
+            let timer = self.next_timer();
+            let msg = tokio::select! {
+                msg = self.rx.recv() => msg,
+                () = sleep_until(timer) => {
+                    if let Err(e) = self.on_timer().await {
+                        tracing::error!(run_id, error = %e, "run timer handling failed");
+                        break;
+                    }
+                    continue;
+                }
+            };
+            let Some(msg) = msg else { break };
+            if let Err(e) = self.handle(msg).await {
+                tracing::error!(run_id, error = %e, "run stopped: its state could not be committed");
+                break;
+            }
+        }
+        self.deps
+            .live
+            .lock()
+            .expect("live map lock poisoned")
+            .remove(&run_id);
+        // Tokens of a finished run are useless to anyone but an attacker.
+        let revoke = v1::RevokeRequest {
+            target: Some(v1::revoke_request::Target::RunId(run_id.clone())),
+            reason: "run finished".to_owned(),
+        };
+        if let Err(e) = self
+            .deps
+            .policy
+            .revoke(request(revoke, &self.deps.credential))
+            .await
+        {
+            tracing::warn!(run_id, error = %e.message(), "could not revoke the run's tokens");
+        }
+    }
+
+    fn terminal(&self) -> bool {
+        crate::store::is_terminal(self.run.state)
+    }
+
+    fn finished(&self) -> bool {
+        self.terminal() && self.tasks_in_flight == 0 && self.pending.is_empty()
+    }
+
+    fn next_timer(&self) -> Option<SystemTime> {
+        if self.terminal() {
+            return None;
+        }
+        let run_deadline = Some(self.spec.limits.deadline);
+        match self.join_timer {
+            Some(t) => run_deadline.map(|d| d.min(t)),
+            None => run_deadline,
+        }
+    }
+
+    fn event(&mut self, kind: Kind) -> v1::RunEvent {
+        let e = v1::RunEvent {
+            sequence: self.next_seq,
+            run_id: self.run.run_id.clone(),
+            time: Some(to_timestamp(now())),
+            kind: Some(kind),
+        };
+        self.next_seq += 1;
+        e
+    }
+
+    async fn commit(&mut self, events: Events) -> Result<(), StoreError> {
+        self.run.version += 1;
+        self.run.updated_at = Some(to_timestamp(now()));
+        self.deps.store.commit(&self.run, &events).await
+    }
+
+    // ---- start ----------------------------------------------------------------------
+
+    async fn begin(&mut self) -> Result<(), StoreError> {
+        let live: Vec<usize> = self
+            .run
+            .delegations
+            .iter()
+            .enumerate()
+            .filter(|(_, d)| d.state == v1::DelegationState::Pending as i32)
+            .map(|(i, _)| i)
+            .collect();
+        for (i, _) in self.run.delegations.iter().enumerate() {
+            self.slots.push(Slot {
+                token: String::new(),
+                top_level: true,
+                batch: 0,
+                in_flight: false,
+                finished: !live.contains(&i),
+                attempts: 0,
+                workers: Vec::new(),
+                children: 0,
+                cancelled: false,
+            });
+        }
+        let tasks: Vec<v1::DelegationTask> = live
+            .iter()
+            .filter_map(|i| self.run.delegations[*i].task.clone())
+            .collect();
+        match self.issue_tokens(&tasks, None).await {
+            Ok(tokens) => {
+                for (i, token) in live.iter().zip(tokens) {
+                    self.slots[*i].token = token;
+                    self.batches[0].queue.push_back(*i);
+                }
+            }
+            Err(status) => {
+                let reason = format!("task tokens were refused: {}", status.message());
+                return self.finish(None, v1::RunState::Failed, reason).await;
+            }
+        }
+        self.run.state = v1::RunState::Running as i32;
+        self.commit(Events::default()).await?;
+        self.pump(0);
+        if live.is_empty() {
+            self.join_step().await?;
+        }
+        Ok(())
+    }
+
+    async fn issue_tokens(
+        &self,
+        tasks: &[v1::DelegationTask],
+        parent_token: Option<&str>,
+    ) -> Result<Vec<String>, Status> {
+        if tasks.is_empty() {
+            return Ok(Vec::new());
+        }
+        let t = now();
+        let req = v1::IssueTaskTokenRequest {
+            principal: self.run.principal.clone(),
+            run_id: self.run.run_id.clone(),
+            parent_token: parent_token.unwrap_or_default().to_owned(),
+            grants: tasks
+                .iter()
+                .map(|task| plan::grant(task, self.spec.limits.max_depth, t))
+                .collect(),
+        };
+        let tokens = self
+            .deps
+            .policy
+            .issue_task_token(request(req, &self.deps.credential))
+            .await?
+            .into_inner()
+            .tokens;
+        if tokens.len() != tasks.len() {
+            return Err(Status::internal(format!(
+                "policy returned {} tokens for {} delegations",
+                tokens.len(),
+                tasks.len()
+            )));
+        }
+        Ok(tokens.into_iter().map(|t| t.token).collect())
+    }
+
+    /// Starts queued delegations of a batch while it has free slots.
+    fn pump(&mut self, batch: usize) {
+        if self.terminal() || self.budget_stopped {
+            return;
+        }
+        while self.batches[batch].running < self.batches[batch].max_parallel {
+            let Some(index) = self.batches[batch].queue.pop_front() else {
+                break;
+            };
+            self.batches[batch].running += 1;
+            self.launch(index, Duration::ZERO);
+        }
+    }
+
+    /// Spawns one dispatch attempt of delegation `index` after `delay`.
+    fn launch(&mut self, index: usize, delay: Duration) {
+        let slot = &mut self.slots[index];
+        slot.in_flight = true;
+        slot.attempts += 1;
+        let attempt = slot.attempts;
+        let avoid = slot.workers.clone();
+        let token = slot.token.clone();
+        let task = self.run.delegations[index].task.clone().unwrap_or_default();
+        let cancel = self.cancel.child_token();
+        let tx = self.tx.clone();
+        let registry = self.deps.registry.clone();
+        let grace = self.deps.settings.dispatch_grace;
+        self.tasks_in_flight += 1;
+        tokio::spawn(dispatch(Dispatch {
+            registry,
+            tx,
+            index,
+            task,
+            token,
+            attempt,
+            avoid,
+            cancel,
+            delay,
+            grace,
+        }));
+    }
+
+    // ---- messages -------------------------------------------------------------------
+
+    async fn handle(&mut self, msg: Msg) -> Result<(), StoreError> {
+        match msg {
+            Msg::Dispatched {
+                index,
+                worker_id,
+                attempt,
+            } => self.on_dispatched(index, worker_id, attempt).await,
+            Msg::Outcome {
+                index,
+                attempt,
+                worker_id,
+                outcome,
+            } => {
+                self.tasks_in_flight = self.tasks_in_flight.saturating_sub(1);
+                self.on_outcome(index, attempt, worker_id, outcome).await
+            }
+            Msg::Cancel { reason, reply } => {
+                if !self.terminal() {
+                    self.cancel.cancel();
+                    self.finish(None, v1::RunState::Cancelled, reason).await?;
+                }
+                let _ = reply.send(self.run.clone());
+                Ok(())
+            }
+            Msg::Delegate {
+                claims,
+                token,
+                children,
+                reply,
+            } => self.on_delegate(&claims, &token, children, reply).await,
+            Msg::Deliver { result } => {
+                match self.run.delegations.iter().position(|d| {
+                    d.task
+                        .as_ref()
+                        .is_some_and(|t| t.delegation_id == result.delegation_id)
+                }) {
+                    Some(index) => self.record(index, result, false).await,
+                    None => {
+                        // A result for a delegation this run does not have: the join
+                        // rejects it as UNKNOWN_DELEGATION, visibly.
+                        if !self.terminal() {
+                            self.results.push(result);
+                            self.join_step().await?;
+                        }
+                        Ok(())
+                    }
+                }
+            }
+        }
+    }
+
+    async fn on_dispatched(
+        &mut self,
+        index: usize,
+        worker_id: String,
+        attempt: u32,
+    ) -> Result<(), StoreError> {
+        if !self.slots[index].workers.contains(&worker_id) {
+            self.slots[index].workers.push(worker_id.clone());
+        }
+        let d = &mut self.run.delegations[index];
+        d.state = v1::DelegationState::Dispatched as i32;
+        d.worker_id.clone_from(&worker_id);
+        d.attempts = attempt;
+        if d.dispatched_at.is_none() {
+            d.dispatched_at = Some(to_timestamp(now()));
+        }
+        let task = d.task.clone().unwrap_or_default();
+        let e = self.event(Kind::Dispatched(v1::DelegationDispatched {
+            delegation_id: task.delegation_id,
+            name: task.name,
+            profile_id: task.profile_id,
+            worker_id,
+            attempt,
+            depth: task.depth,
+        }));
+        self.commit(Events {
+            run: vec![e],
+            cloud: vec![],
+        })
+        .await
+    }
+
+    async fn on_outcome(
+        &mut self,
+        index: usize,
+        attempt: u32,
+        worker_id: Option<String>,
+        outcome: Result<v1::TaskResult, Status>,
+    ) -> Result<(), StoreError> {
+        let settings = self.deps.settings;
+        let max_attempts = self.spec.limits.max_redelegations + 1;
+        let task = self.run.delegations[index].task.clone().unwrap_or_default();
+        let time_left = deadline_of(&task) > now();
+        let may_retry = !self.terminal()
+            && !self.slots[index].cancelled
+            && attempt < max_attempts
+            && time_left
+            && !self.cancel.is_cancelled();
+        match outcome {
+            Ok(result) => {
+                let retryable = result.status == v1::TaskStatus::Failed as i32
+                    && result.error.as_ref().is_some_and(|e| e.retryable);
+                if retryable && may_retry {
+                    tracing::info!(run_id = %self.run.run_id, delegation_id = %task.delegation_id, attempt, "transient worker failure; retrying under the same delegation id");
+                    self.launch(index, backoff(&settings, attempt));
+                    return Ok(());
+                }
+                self.release(index);
+                self.record(index, result, false).await
+            }
+            Err(status) => {
+                if matches!(status.code(), Code::Unavailable | Code::Unknown)
+                    && let Some(w) = &worker_id
+                {
+                    self.deps.registry.mark_dead(w);
+                }
+                let transient = status_is_transient(status.code());
+                if transient && may_retry {
+                    tracing::info!(run_id = %self.run.run_id, delegation_id = %task.delegation_id, attempt, code = ?status.code(), "dispatch failed; dispatching again under the same delegation id");
+                    self.launch(index, backoff(&settings, attempt));
+                    return Ok(());
+                }
+                self.release(index);
+                if status.code() == Code::Cancelled && self.slots[index].cancelled {
+                    return self.mark_cancelled(index).await;
+                }
+                let code = match status.code() {
+                    Code::NotFound => "no_worker",
+                    Code::DeadlineExceeded => "timeout",
+                    Code::Cancelled => "cancelled",
+                    c if status_is_transient(c) => "worker_unavailable",
+                    _ => "dispatch_failed",
+                };
+                let failed = v1::TaskResult {
+                    delegation_id: task.delegation_id.clone(),
+                    worker_id: worker_id.unwrap_or_default(),
+                    profile_id: task.profile_id.clone(),
+                    status: if code == "timeout" {
+                        v1::TaskStatus::TimedOut as i32
+                    } else {
+                        v1::TaskStatus::Failed as i32
+                    },
+                    summary: format!("no result after {attempt} attempt(s): {}", status.message()),
+                    error: Some(v1::ErrorInfo {
+                        code: code.to_owned(),
+                        retryable: false,
+                        message: status.message().to_owned(),
+                    }),
+                    ..Default::default()
+                };
+                self.record(index, failed, true).await
+            }
+        }
+    }
+
+    /// A dispatch of `index` is over for good: free its batch slot.
+    fn release(&mut self, index: usize) {
+        let slot = &mut self.slots[index];
+        if slot.in_flight {
+            slot.in_flight = false;
+            slot.finished = true;
+            let batch = slot.batch;
+            self.batches[batch].running = self.batches[batch].running.saturating_sub(1);
+            self.pump(batch);
+        }
+    }
+
+    async fn mark_cancelled(&mut self, index: usize) -> Result<(), StoreError> {
+        let d = &mut self.run.delegations[index];
+        if d.result.is_none() {
+            if d.state != v1::DelegationState::TimedOut as i32 {
+                d.state = v1::DelegationState::Cancelled as i32;
+            }
+            d.completed_at = Some(to_timestamp(now()));
+        }
+        self.children_step().await;
+        self.commit(Events::default()).await
+    }
+
+    /// Records a result (or a synthesized failure) of delegation `index`.
+    async fn record(
+        &mut self,
+        index: usize,
+        result: v1::TaskResult,
+        failure: bool,
+    ) -> Result<(), StoreError> {
+        let late = self.terminal();
+        self.verify_evidence(index, &result).await;
+        if let Some(usage) = &result.usage {
+            let u = self.run.usage.get_or_insert_with(Default::default);
+            u.iterations += usage.iterations;
+            u.tool_calls += usage.tool_calls;
+            u.tokens += usage.tokens;
+            u.cost += usage.cost;
+            u.duration_ms += usage.duration_ms;
+            if let Err(e) = self.ledger.charge(usage)
+                && !self.budget_stopped
+            {
+                tracing::warn!(run_id = %self.run.run_id, error = %e, "budget exhausted: no further delegations start");
+                self.budget_stopped = true;
+                self.run.terminal_reason = e.to_string();
+            }
+        }
+        let d = &mut self.run.delegations[index];
+        d.state = if failure {
+            v1::DelegationState::Failed as i32
+        } else {
+            v1::DelegationState::Completed as i32
+        };
+        d.completed_at = Some(to_timestamp(now()));
+        d.detail = if failure {
+            result.summary.clone()
+        } else {
+            String::new()
+        };
+        d.result = Some(result.clone());
+        let delegation = d.clone();
+        let status = result.status;
+        let summary = result.summary.clone();
+        let e = self.event(Kind::Completed(v1::DelegationCompleted {
+            delegation_id: result.delegation_id.clone(),
+            name: delegation
+                .task
+                .as_ref()
+                .map(|t| t.name.clone())
+                .unwrap_or_default(),
+            state: delegation.state,
+            status,
+            summary,
+            late,
+        }));
+        let cloud = events::cloud(
+            events::DELEGATION_COMPLETED,
+            &self.run,
+            Some(&format!("delegations/{}", result.delegation_id)),
+            now(),
+            events::delegation_completed_data(&self.run, &delegation, late),
+        );
+        let mut ev = Events {
+            run: vec![e],
+            cloud: vec![cloud],
+        };
+        if self.slots[index].top_level {
+            self.results.push(result);
+            if late {
+                self.late_revision(
+                    &mut ev,
+                    &self.run.delegations[index]
+                        .task
+                        .clone()
+                        .unwrap_or_default()
+                        .delegation_id,
+                );
+                return self.commit(ev).await;
+            }
+            self.commit(ev).await?;
+            self.join_step().await
+        } else {
+            self.commit(ev).await?;
+            self.children_step().await;
+            Ok(())
+        }
+    }
+
+    /// Asks the evidence store about every evidence id the result cites, with the
+    /// delegation's own token (so the tenant is the token's).
+    async fn verify_evidence(&mut self, index: usize, result: &v1::TaskResult) {
+        let token = self.slots[index].token.clone();
+        let unknown: Vec<String> = join::cited_evidence_ids(std::slice::from_ref(result))
+            .into_iter()
+            .filter(|id| !self.facts.contains_key(id))
+            .collect();
+        if unknown.is_empty() || token.is_empty() {
+            return;
+        }
+        let req = v1::VerifyChainRequest {
+            claims: vec![v1::ChainClaim {
+                claim_id: "cited".to_owned(),
+                evidence_refs: unknown.clone(),
+            }],
+            rehash_content: false,
+        };
+        let mut answer = None;
+        for attempt in 1..=3u32 {
+            match self
+                .deps
+                .evidence
+                .verify_chain(request(req.clone(), &token))
+                .await
+            {
+                Ok(r) => {
+                    answer = Some(r.into_inner());
+                    break;
+                }
+                Err(s) if status_is_transient(s.code()) && attempt < 3 => {
+                    tokio::time::sleep(backoff(&self.deps.settings, attempt)).await;
+                }
+                Err(s) => {
+                    tracing::warn!(run_id = %self.run.run_id, error = %s.message(), "evidence could not be verified; it counts as unknown");
+                    break;
+                }
+            }
+        }
+        let Some(answer) = answer else { return };
+        let kinds: HashMap<&str, &v1::Evidence> = answer
+            .evidence
+            .iter()
+            .map(|e| (e.evidence_id.as_str(), e))
+            .collect();
+        for link in &answer.links {
+            let fact = match v1::LinkStatus::try_from(link.status) {
+                Ok(v1::LinkStatus::Ok) => match kinds.get(link.evidence_id.as_str()) {
+                    Some(e) => EvidenceFact::Verified {
+                        kind: e.kind.clone(),
+                        content_hash: e.content_hash.clone(),
+                    },
+                    None => EvidenceFact::Unknown,
+                },
+                Ok(v1::LinkStatus::ArtifactMissing) => EvidenceFact::ArtifactMissing,
+                Ok(v1::LinkStatus::HashMismatch | v1::LinkStatus::ArtifactCorrupted) => {
+                    EvidenceFact::HashMismatch
+                }
+                _ => EvidenceFact::Unknown,
+            };
+            self.facts.insert(link.evidence_id.clone(), fact);
+        }
+    }
+
+    // ---- the join -------------------------------------------------------------------
+
+    fn expected(&self) -> Vec<ExpectedDelegation> {
+        self.run
+            .delegations
+            .iter()
+            .zip(&self.slots)
+            .filter(|(d, s)| s.top_level && d.state != v1::DelegationState::Dropped as i32)
+            .filter_map(|(d, s)| {
+                let t = d.task.as_ref()?;
+                Some(ExpectedDelegation {
+                    delegation_id: t.delegation_id.clone(),
+                    name: t.name.clone(),
+                    profile_id: t.profile_id.clone(),
+                    worker_ids: s.workers.clone(),
+                    allowed_evidence_prefixes: t.allowed_evidence_prefixes.clone(),
+                })
+            })
+            .collect()
+    }
+
+    async fn join_step(&mut self) -> Result<(), StoreError> {
+        if self.terminal() {
+            return Ok(());
+        }
+        let expected = self.expected();
+        let input = JoinInput {
+            contract: &self.spec.join,
+            delegations: &expected,
+            results: &self.results,
+            evidence: &self.facts,
+            now: now(),
+        };
+        match join::decide(&input) {
+            JoinState::Decided(decision) => {
+                let state = self.state_for(decision.outcome, false);
+                let reason = decision.reasons.first().cloned().unwrap_or_default();
+                self.finish(Some(decision), state, reason).await
+            }
+            JoinState::Pending { deadline, .. } => {
+                self.join_timer = deadline;
+                let idle = self.slots.iter().all(|s| !s.in_flight)
+                    && self
+                        .batches
+                        .iter()
+                        .all(|b| b.queue.is_empty() || self.budget_stopped);
+                if idle && self.budget_stopped {
+                    // Nothing can change any more: publish what there is.
+                    let decision = join::assess(&input);
+                    let reason = self.run.terminal_reason.clone();
+                    return self
+                        .finish(Some(decision), v1::RunState::BudgetExhausted, reason)
+                        .await;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    async fn on_timer(&mut self) -> Result<(), StoreError> {
+        let t = now();
+        if t >= self.spec.limits.deadline {
+            // The run's hard deadline: decide on what there is and stop everything.
+            self.cancel.cancel();
+            let expected = self.expected();
+            let input = JoinInput {
+                contract: &self.spec.join,
+                delegations: &expected,
+                results: &self.results,
+                evidence: &self.facts,
+                now: t,
+            };
+            let decision = join::assess(&input);
+            let state = self.state_for(decision.outcome, true);
+            return self
+                .finish(
+                    Some(decision),
+                    state,
+                    "the run's deadline passed".to_owned(),
+                )
+                .await;
+        }
+        self.join_timer = None;
+        self.join_step().await
+    }
+
+    fn state_for(&self, outcome: i32, _hard_deadline: bool) -> v1::RunState {
+        match v1::JoinOutcome::try_from(outcome) {
+            Ok(v1::JoinOutcome::Complete) => v1::RunState::Succeeded,
+            Ok(v1::JoinOutcome::PartialEvidence) => v1::RunState::Partial,
+            Ok(
+                v1::JoinOutcome::CompleteWithReviewRequired
+                | v1::JoinOutcome::ConflictRequiresHuman,
+            ) => v1::RunState::WaitingInput,
+            _ => v1::RunState::Failed,
+        }
+    }
+
+    /// Ends the run: records the decision (if any), files approval requests for proposed
+    /// R2/R3 actions of accepted results, stops what must stop, and commits.
+    async fn finish(
+        &mut self,
+        decision: Option<v1::JoinDecision>,
+        mut state: v1::RunState,
+        reason: String,
+    ) -> Result<(), StoreError> {
+        let t = now();
+        let mut ev = Events::default();
+        if let Some(decision) = decision {
+            self.run.outcome = decision.outcome;
+            self.run.revisions.push(decision.clone());
+            self.run.decision = Some(decision.clone());
+            ev.cloud.push(events::cloud(
+                events::JOIN_DECIDED,
+                &self.run,
+                Some("decision"),
+                t,
+                events::join_decided_data(&self.run, &decision),
+            ));
+            let e = self.event(Kind::Decision(decision.clone()));
+            ev.run.push(e);
+            let filed = self.file_approvals(&decision, &mut ev).await;
+            if !filed.is_empty() && state == v1::RunState::WaitingInput {
+                state = v1::RunState::WaitingApproval;
+            }
+            self.run.approval_ids.extend(filed);
+        }
+        self.run.state = state as i32;
+        if !reason.is_empty() {
+            self.run.terminal_reason = reason.clone();
+        }
+        // In-flight delegations: under APPEND_REVISION their results may still revise
+        // the decision, so they keep running to their own deadlines; otherwise they stop.
+        let keep_running = state != v1::RunState::Cancelled
+            && self.spec.join.late_result == LateResultPolicy::AppendRevision
+            && !self.cancel.is_cancelled();
+        for (i, d) in self.run.delegations.iter_mut().enumerate() {
+            let in_flight = self.slots.get(i).is_some_and(|s| s.in_flight);
+            if d.state == v1::DelegationState::Pending as i32 && !in_flight {
+                d.state = v1::DelegationState::Cancelled as i32;
+                d.detail = "the run ended before it was dispatched".to_owned();
+            } else if in_flight && d.result.is_none() {
+                d.state = v1::DelegationState::TimedOut as i32;
+                d.detail = "the run decided before this delegation answered".to_owned();
+            }
+        }
+        for b in &mut self.batches {
+            b.queue.clear();
+        }
+        if !keep_running {
+            for s in &mut self.slots {
+                s.cancelled = true;
+            }
+            self.cancel.cancel();
+        }
+        let e = self.event(Kind::Terminal(v1::RunTerminal {
+            state: state as i32,
+            outcome: self.run.outcome,
+            reason,
+        }));
+        ev.run.push(e);
+        ev.cloud.push(events::cloud(
+            events::RUN_COMPLETED,
+            &self.run,
+            None,
+            t,
+            events::run_completed_data(&self.run),
+        ));
+        self.commit(ev).await?;
+        tracing::info!(
+            run_id = %self.run.run_id,
+            state = events::run_state_name(self.run.state),
+            outcome = events::outcome_name(self.run.outcome),
+            "run finished"
+        );
+        Ok(())
+    }
+
+    /// Files one approval request per proposed action above R1 of an accepted result.
+    /// The level is the higher of the worker's and the catalog's: a worker can never
+    /// talk an action down.
+    async fn file_approvals(
+        &mut self,
+        decision: &v1::JoinDecision,
+        ev: &mut Events,
+    ) -> Vec<String> {
+        let mut ids = Vec::new();
+        let accepted: Vec<v1::TaskResult> = self
+            .results
+            .iter()
+            .filter(|r| decision.accepted.contains(&r.delegation_id))
+            .cloned()
+            .collect();
+        let mut seen = std::collections::BTreeSet::new();
+        for result in accepted {
+            if !seen.insert(result.delegation_id.clone()) {
+                continue;
+            }
+            for (i, action) in result.proposed_actions.iter().enumerate() {
+                let asked = RiskLevel::from_proto(action.risk_level);
+                let risk = match self.deps.policy_file.risk_of(&action.action) {
+                    Some(catalog) => asked.max(catalog),
+                    None => asked,
+                };
+                if risk < RiskLevel::R2 {
+                    continue;
+                }
+                let req = v1::RequestApprovalRequest {
+                    action: action.action.clone(),
+                    parameters: action.parameters.clone(),
+                    risk_level: risk.to_proto() as i32,
+                    idempotency_key: format!("{}/{}/{i}", self.run.run_id, result.delegation_id),
+                    evidence_refs: action.evidence_refs.clone(),
+                    expires_in: None,
+                    run_id: self.run.run_id.clone(),
+                    rationale: action.rationale.clone(),
+                    on_behalf_of: self.run.principal.clone(),
+                };
+                match self
+                    .deps
+                    .approval
+                    .request_approval(request(req, &self.deps.credential))
+                    .await
+                {
+                    Ok(r) => {
+                        if let Some(a) = r.into_inner().approval {
+                            ev.cloud.push(events::cloud(
+                                events::APPROVAL_REQUESTED,
+                                &self.run,
+                                Some(&format!("approvals/{}", a.approval_id)),
+                                now(),
+                                serde_json::json!({
+                                    "runId": self.run.run_id,
+                                    "approvalId": a.approval_id,
+                                    "action": a.action,
+                                    "riskLevel": v1::RiskLevel::try_from(a.risk_level).map_or("RISK_LEVEL_UNSPECIFIED", |r| r.as_str_name()),
+                                    "approvalsRequired": a.approvals_required,
+                                    "delegationId": result.delegation_id,
+                                }),
+                            ));
+                            ids.push(a.approval_id);
+                        }
+                    }
+                    Err(s) => {
+                        tracing::error!(run_id = %self.run.run_id, action = %action.action, error = %s.message(), "approval request could not be filed");
+                        self.run.terminal_reason = format!(
+                            "approval request for {} could not be filed: {}",
+                            action.action,
+                            s.message()
+                        );
+                    }
+                }
+            }
+        }
+        ids
+    }
+
+    /// A result arrived after the decision: discard it or append a revision, per the
+    /// contract. The run's state never changes.
+    fn late_revision(&mut self, ev: &mut Events, delegation_id: &str) {
+        let Some(previous) = self.run.decision.clone() else {
+            return;
+        };
+        let expected = self.expected();
+        let input = JoinInput {
+            contract: &self.spec.join,
+            delegations: &expected,
+            results: &self.results,
+            evidence: &self.facts,
+            now: now(),
+        };
+        let decision = join::apply_late(&previous, &input, delegation_id);
+        if decision.revision != previous.revision {
+            self.run.revisions.push(decision.clone());
+            ev.cloud.push(events::cloud(
+                events::JOIN_DECIDED,
+                &self.run,
+                Some("decision"),
+                now(),
+                events::join_decided_data(&self.run, &decision),
+            ));
+            let e = self.event(Kind::Decision(decision.clone()));
+            ev.run.push(e);
+        }
+        self.run.decision = Some(decision);
+    }
+
+    // ---- nested delegation ----------------------------------------------------------
+
+    async fn on_delegate(
+        &mut self,
+        claims: &Claims,
+        token: &str,
+        children: Vec<v1::PlannedDelegation>,
+        reply: oneshot::Sender<Result<Vec<v1::DelegateOutcome>, Status>>,
+    ) -> Result<(), StoreError> {
+        match self.plan_children(claims, token, &children).await {
+            Err(status) => {
+                let _ = reply.send(Err(status));
+                Ok(())
+            }
+            Ok((indices, dropped_names, batch)) => {
+                let mut order = Vec::with_capacity(children.len());
+                let mut kept = indices.iter();
+                for c in &children {
+                    if dropped_names.contains(&c.name) {
+                        order.push((c.name.clone(), None));
+                    } else {
+                        order.push((c.name.clone(), kept.next().copied()));
+                    }
+                }
+                self.pending.push(PendingDelegate {
+                    children: order,
+                    reply,
+                });
+                self.commit(Events::default()).await?;
+                self.pump(batch);
+                self.children_step().await;
+                Ok(())
+            }
+        }
+    }
+
+    /// Checks a nested Delegate call and adds its children to the ledger; returns the
+    /// kept children's ledger indices, the names TRUNCATE dropped, and the batch.
+    async fn plan_children(
+        &mut self,
+        claims: &Claims,
+        token: &str,
+        children: &[v1::PlannedDelegation],
+    ) -> Result<(Vec<usize>, Vec<String>, usize), Status> {
+        if self.terminal() {
+            return Err(Status::failed_precondition(format!(
+                "run {} has ended; report what you have",
+                self.run.run_id
+            )));
+        }
+        let Some(parent) = self.run.delegations.iter().position(|d| {
+            d.task
+                .as_ref()
+                .is_some_and(|t| t.delegation_id == claims.delegation_id)
+        }) else {
+            return Err(Status::failed_precondition(format!(
+                "delegation {} is not part of run {}",
+                claims.delegation_id, self.run.run_id
+            )));
+        };
+        if self.run.delegations[parent].result.is_some() || !self.slots[parent].in_flight {
+            return Err(Status::failed_precondition(format!(
+                "delegation {} is not running; only a running delegation may delegate",
+                claims.delegation_id
+            )));
+        }
+        if !claims.may_redelegate {
+            return Err(Status::permission_denied(
+                "your task token does not allow redelegation (may_redelegate = false): handle this task yourself",
+            ));
+        }
+        let parent_task = self.run.delegations[parent]
+            .task
+            .clone()
+            .unwrap_or_default();
+        let depth = parent_task.depth + 1;
+        limits::check_depth(depth, self.spec.limits.max_depth)
+            .map_err(|e| Status::failed_precondition(e.to_string()))?;
+        if children.is_empty() {
+            return Err(Status::invalid_argument(
+                "invalid delegations: give at least one child task",
+            ));
+        }
+        self.ledger
+            .check()
+            .map_err(|e| Status::resource_exhausted(e.to_string()))?;
+        let t = now();
+        let mut planned = Vec::with_capacity(children.len());
+        let mut names = std::collections::BTreeSet::new();
+        for (i, c) in children.iter().enumerate() {
+            let field = format!("delegations[{i}]");
+            let p = validate::planned_task(c, &field)
+                .map_err(|e| convene_server::invalid_field(&e.field, &e.message))?;
+            if !self.deps.policy_file.profiles.contains_key(&p.profile_id) {
+                return Err(convene_server::invalid_field(
+                    &format!("{field}.profile_id"),
+                    format!("unknown profile {}", p.profile_id),
+                ));
+            }
+            if !names.insert(p.name.clone()) {
+                return Err(convene_server::invalid_field(
+                    &format!("{field}.name"),
+                    format!("name {} is used twice in this call", p.name),
+                ));
+            }
+            planned.push(p);
+        }
+        let plan = limits::plan_batch(
+            children.len(),
+            self.spec.limits.max_parallel_workers,
+            self.spec.limits.overflow,
+        )
+        .map_err(|e| Status::resource_exhausted(e.to_string()))?;
+        let parent_deadline = deadline_of(&parent_task);
+        let mut tasks = Vec::new();
+        let mut dropped_names = Vec::new();
+        let first_index = self.slots[parent].children;
+        for (i, (p, wire)) in planned.iter().zip(children).enumerate() {
+            if plan.dropped.contains(&i) {
+                dropped_names.push(p.name.clone());
+                continue;
+            }
+            #[allow(clippy::cast_possible_truncation)] // batches are capped far below u32
+            let call_index = first_index + i as u32;
+            tasks.push(plan::task(
+                p,
+                wire,
+                Placement {
+                    run_id: &self.run.run_id,
+                    parent: Some(&parent_task.delegation_id),
+                    depth,
+                    round: 0,
+                    call_index,
+                },
+                &self.deps.policy_file,
+                t,
+                parent_deadline.min(self.spec.limits.deadline),
+            ));
+        }
+        // Child tokens can only narrow the parent's; the policy service refuses wider.
+        let tokens = self.issue_tokens(&tasks, Some(token)).await?;
+        #[allow(clippy::cast_possible_truncation)]
+        {
+            self.slots[parent].children += children.len() as u32;
+        }
+        let batch = self.batches.len();
+        self.batches.push(Batch {
+            max_parallel: self.spec.limits.max_parallel_workers as usize,
+            queue: VecDeque::new(),
+            running: 0,
+        });
+        let mut indices = Vec::with_capacity(tasks.len());
+        for (task, token) in tasks.into_iter().zip(tokens) {
+            let index = self.run.delegations.len();
+            self.run.delegations.push(v1::Delegation {
+                task: Some(task),
+                state: v1::DelegationState::Pending as i32,
+                ..Default::default()
+            });
+            self.slots.push(Slot {
+                token,
+                top_level: false,
+                batch,
+                in_flight: false,
+                finished: false,
+                attempts: 0,
+                workers: Vec::new(),
+                children: 0,
+                cancelled: false,
+            });
+            self.batches[batch].queue.push_back(index);
+            indices.push(index);
+        }
+        for name in &dropped_names {
+            self.run.truncated.push(name.clone());
+        }
+        Ok((indices, dropped_names, batch))
+    }
+
+    /// Answers Delegate calls whose children have all finished, in call order.
+    async fn children_step(&mut self) {
+        let mut i = 0;
+        while i < self.pending.len() {
+            let done = self.pending[i].children.iter().all(|(_, idx)| {
+                idx.is_none_or(|x| {
+                    let d = &self.run.delegations[x];
+                    d.result.is_some()
+                        || matches!(
+                            v1::DelegationState::try_from(d.state),
+                            Ok(v1::DelegationState::Cancelled
+                                | v1::DelegationState::Failed
+                                | v1::DelegationState::TimedOut)
+                        ) && !self.slots[x].in_flight
+                })
+            });
+            if !done {
+                i += 1;
+                continue;
+            }
+            let p = self.pending.swap_remove(i);
+            let outcomes = p
+                .children
+                .iter()
+                .map(|(name, idx)| match idx {
+                    None => v1::DelegateOutcome {
+                        name: name.clone(),
+                        dropped: true,
+                        error: Some(v1::ErrorInfo {
+                            code: "truncated".to_owned(),
+                            retryable: false,
+                            message: format!(
+                                "dropped: the call asked for more than max_parallel_workers ({}) and overflow is TRUNCATE",
+                                self.spec.limits.max_parallel_workers
+                            ),
+                        }),
+                        ..Default::default()
+                    },
+                    Some(x) => {
+                        let d = &self.run.delegations[*x];
+                        v1::DelegateOutcome {
+                            name: name.clone(),
+                            delegation_id: d.task.as_ref().map(|t| t.delegation_id.clone()).unwrap_or_default(),
+                            result: d.result.clone(),
+                            error: d.result.is_none().then(|| v1::ErrorInfo {
+                                code: "no_result".to_owned(),
+                                retryable: false,
+                                message: if d.detail.is_empty() {
+                                    "the child delegation produced no result".to_owned()
+                                } else {
+                                    d.detail.clone()
+                                },
+                            }),
+                            dropped: false,
+                        }
+                    }
+                })
+                .collect();
+            let _ = p.reply.send(Ok(outcomes));
+        }
+    }
+}
+
+async fn sleep_until(t: Option<SystemTime>) {
+    match t {
+        None => std::future::pending::<()>().await,
+        Some(t) => {
+            let d = t.duration_since(now()).unwrap_or_default();
+            tokio::time::sleep(d).await;
+        }
+    }
+}
+
+struct Dispatch {
+    registry: Arc<Registry>,
+    tx: Mailbox,
+    index: usize,
+    task: v1::DelegationTask,
+    token: String,
+    attempt: u32,
+    avoid: Vec<String>,
+    cancel: CancellationToken,
+    delay: Duration,
+    grace: Duration,
+}
+
+/// One dispatch attempt: wait for a worker slot, send the task, report the outcome.
+async fn dispatch(d: Dispatch) {
+    let Dispatch {
+        registry,
+        tx,
+        index,
+        task,
+        token,
+        attempt,
+        avoid,
+        cancel,
+        delay,
+        grace,
+    } = d;
+    let report = |worker_id: Option<String>, outcome: Result<v1::TaskResult, Status>| {
+        let _ = tx.send(Msg::Outcome {
+            index,
+            attempt,
+            worker_id,
+            outcome,
+        });
+    };
+    if !delay.is_zero() {
+        tokio::select! {
+            () = tokio::time::sleep(delay) => {}
+            () = cancel.cancelled() => return report(None, Err(Status::cancelled("the delegation was cancelled"))),
+        }
+    }
+    let deadline = deadline_of(&task);
+    let lease = loop {
+        if let Some(lease) = registry.acquire(&task.profile_id, &avoid) {
+            break lease;
+        }
+        let wait = deadline.duration_since(now()).unwrap_or_default();
+        if wait.is_zero() {
+            return report(
+                None,
+                Err(Status::not_found(format!(
+                    "no live worker serving profile {} had a free slot before the delegation's deadline",
+                    task.profile_id
+                ))),
+            );
+        }
+        tokio::select! {
+            () = registry.changed() => {}
+            () = tokio::time::sleep(Duration::from_millis(200).min(wait)) => {}
+            () = cancel.cancelled() => return report(None, Err(Status::cancelled("the delegation was cancelled"))),
+        }
+    };
+    let worker_id = lease.worker_id.clone();
+    let _ = tx.send(Msg::Dispatched {
+        index,
+        worker_id: worker_id.clone(),
+        attempt,
+    });
+    let delegation_id = task.delegation_id.clone();
+    let limit = deadline.duration_since(now()).unwrap_or_default() + grace;
+    let mut req = Request::new(v1::WorkerExecuteRequest {
+        task: Some(task),
+        task_token: token,
+        attempt,
+    });
+    req.set_timeout(limit);
+    let outcome = tokio::select! {
+        r = tokio::time::timeout(limit, lease.handle.execute(req)) => match r {
+            Ok(Ok(resp)) => resp
+                .into_inner()
+                .result
+                .ok_or_else(|| Status::internal("the worker answered without a result")),
+            Ok(Err(status)) => Err(status),
+            Err(_) => Err(Status::deadline_exceeded("the worker did not answer before the delegation's deadline")),
+        },
+        () = cancel.cancelled() => {
+            let cancel_req = v1::WorkerCancelRequest {
+                delegation_id,
+                reason: "cancelled by the supervisor".to_owned(),
+            };
+            let _ = tokio::time::timeout(Duration::from_secs(2), lease.handle.cancel(Request::new(cancel_req))).await;
+            Err(Status::cancelled("the delegation was cancelled"))
+        }
+    };
+    drop(lease);
+    report(Some(worker_id), outcome);
+}
+
+/// Overflow as recorded for TRUNCATE at the top level (used by the service).
+pub(crate) fn truncated_detail(limit: u32, overflow: Overflow) -> String {
+    format!(
+        "dropped: the plan is wider than max_parallel_workers ({limit}) and overflow is {overflow:?}"
+    )
+}

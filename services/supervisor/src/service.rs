@@ -1,0 +1,546 @@
+//! The `convene.v1.Supervisor` gRPC service.
+
+use std::sync::Arc;
+use std::time::SystemTime;
+
+use convene_core::limits;
+use convene_core::time::to_timestamp;
+use convene_core::validate;
+use convene_mesh::auth::{Authenticator, Caller, bearer};
+use convene_mesh::handles::BoxStream;
+use convene_mesh::policy_file::Principal;
+use convene_proto::v1::{self, run_event::Kind, supervisor_server::Supervisor};
+use convene_server::{Shutdown, invalid_field};
+use tokio::sync::{broadcast, mpsc, oneshot};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status};
+
+use crate::plan::{self, Placement};
+use crate::run::{Msg, RunActor};
+use crate::store::{Created, Events, IdempotencyKey, StoreError, is_terminal};
+use crate::{Deps, events};
+
+/// The Supervisor service (also its own in-process handle).
+#[derive(Clone)]
+pub struct SupervisorService {
+    deps: Arc<Deps>,
+    auth: Authenticator,
+    shutdown: Shutdown,
+}
+
+impl std::fmt::Debug for SupervisorService {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SupervisorService").finish_non_exhaustive()
+    }
+}
+
+fn store_status(e: StoreError) -> Status {
+    match e {
+        StoreError::NotFound(id) => Status::not_found(format!("run {id} not found")),
+        StoreError::Conflict { .. } => Status::aborted(e.to_string()),
+        StoreError::Backend(m) => Status::unavailable(format!("run store unavailable: {m}")),
+    }
+}
+
+impl SupervisorService {
+    pub(crate) fn new(deps: Arc<Deps>, auth: Authenticator, shutdown: Shutdown) -> Self {
+        Self {
+            deps,
+            auth,
+            shutdown,
+        }
+    }
+
+    /// Delivers a result that arrived out of band — a broker's redelivery, a replay — to
+    /// its run. It goes through exactly the checks of a dispatched result: a duplicate
+    /// of an identical result counts once, a differing one rejects the delegation, an
+    /// unknown delegation id is rejected, and a finished run is never reopened.
+    pub fn deliver_result(&self, run_id: &str, result: v1::TaskResult) -> Result<(), Status> {
+        let mailbox = self.mailbox(run_id)?;
+        mailbox
+            .send(Msg::Deliver { result })
+            .map_err(|_| Status::failed_precondition(format!("run {run_id} is no longer running")))
+    }
+
+    /// Runs that still have a live owner task in this process.
+    pub fn live_runs(&self) -> usize {
+        self.deps.live.lock().expect("live map lock poisoned").len()
+    }
+
+    fn mailbox(&self, run_id: &str) -> Result<crate::run::Mailbox, Status> {
+        self.deps
+            .live
+            .lock()
+            .expect("live map lock poisoned")
+            .get(run_id)
+            .cloned()
+            .ok_or_else(|| {
+                Status::failed_precondition(format!(
+                    "run {run_id} is not running in this supervisor"
+                ))
+            })
+    }
+
+    async fn principal<T>(
+        &self,
+        request: &Request<T>,
+        roles: &[&str],
+        what: &str,
+    ) -> Result<Arc<Principal>, Status> {
+        let caller = self.auth.authenticate(request).await?;
+        let p = caller.require_principal(what)?;
+        if roles.iter().any(|r| p.has_role(r)) {
+            Ok(p.clone())
+        } else {
+            Err(Status::permission_denied(format!(
+                "principal {} may not {what}: it needs one of the roles {}",
+                p.id,
+                roles.join(", ")
+            )))
+        }
+    }
+
+    async fn run_of_tenant(&self, run_id: &str, tenant: &str) -> Result<v1::Run, Status> {
+        if run_id.trim().is_empty() {
+            return Err(invalid_field("run_id", "must not be empty"));
+        }
+        match self.deps.store.get(run_id).await.map_err(store_status)? {
+            Some(run) if run.tenant == tenant => Ok(run),
+            // Another tenant's run is indistinguishable from a missing one.
+            _ => Err(Status::not_found(format!("run {run_id} not found"))),
+        }
+    }
+
+    fn build_run(
+        &self,
+        spec: &v1::RunSpec,
+        domain: &convene_core::model::RunSpec,
+        principal: &Principal,
+        now: SystemTime,
+    ) -> (v1::Run, Events, bool) {
+        let run_id = uuid::Uuid::now_v7().to_string();
+        let trace_id = format!("{:032x}", uuid::Uuid::new_v4().as_u128());
+        let limits = &domain.limits;
+        let plan = limits::plan_batch(
+            domain.plan.len(),
+            limits.max_parallel_workers,
+            limits.overflow,
+        );
+        let mut delegations = Vec::with_capacity(domain.plan.len());
+        let mut truncated = Vec::new();
+        for (i, (p, wire)) in domain.plan.iter().zip(&spec.delegations).enumerate() {
+            #[allow(clippy::cast_possible_truncation)] // plans are capped far below u32
+            let task = plan::task(
+                p,
+                wire,
+                Placement {
+                    run_id: &run_id,
+                    parent: None,
+                    depth: 1,
+                    round: 0,
+                    call_index: i as u32,
+                },
+                &self.deps.policy_file,
+                now,
+                limits.deadline,
+            );
+            let dropped = plan.as_ref().is_ok_and(|b| b.dropped.contains(&i));
+            if dropped {
+                truncated.push(p.name.clone());
+            }
+            delegations.push(v1::Delegation {
+                task: Some(task),
+                state: if dropped {
+                    v1::DelegationState::Dropped as i32
+                } else {
+                    v1::DelegationState::Pending as i32
+                },
+                detail: if dropped {
+                    crate::run::truncated_detail(limits.max_parallel_workers, limits.overflow)
+                } else {
+                    String::new()
+                },
+                ..Default::default()
+            });
+        }
+        let mut run = v1::Run {
+            run_id,
+            tenant: principal.tenant.clone(),
+            principal: principal.id.clone(),
+            spec: Some(spec.clone()),
+            state: v1::RunState::Pending as i32,
+            trace_id,
+            created_at: Some(to_timestamp(now)),
+            updated_at: Some(to_timestamp(now)),
+            version: 1,
+            delegations,
+            truncated,
+            ..Default::default()
+        };
+        let mut ev = Events::default();
+        let rejected = plan.err();
+        if let Some(e) = &rejected {
+            run.state = v1::RunState::Rejected as i32;
+            run.terminal_reason = e.to_string();
+            for d in &mut run.delegations {
+                d.state = v1::DelegationState::Cancelled as i32;
+                d.detail = "the plan was rejected".to_owned();
+            }
+        }
+        ev.run.push(v1::RunEvent {
+            sequence: 1,
+            run_id: run.run_id.clone(),
+            time: Some(to_timestamp(now)),
+            kind: Some(Kind::Started(run.clone())),
+        });
+        ev.cloud.push(events::cloud(
+            events::RUN_STARTED,
+            &run,
+            None,
+            now,
+            events::run_started_data(&run),
+        ));
+        if rejected.is_some() {
+            ev.run.push(v1::RunEvent {
+                sequence: 2,
+                run_id: run.run_id.clone(),
+                time: Some(to_timestamp(now)),
+                kind: Some(Kind::Terminal(v1::RunTerminal {
+                    state: run.state,
+                    outcome: 0,
+                    reason: run.terminal_reason.clone(),
+                })),
+            });
+            ev.cloud.push(events::cloud(
+                events::RUN_COMPLETED,
+                &run,
+                None,
+                now,
+                events::run_completed_data(&run),
+            ));
+        }
+        (run, ev, rejected.is_none())
+    }
+}
+
+/// Strips what ListRuns leaves out (delegation results) to keep pages small.
+fn summary(mut run: v1::Run) -> v1::Run {
+    for d in &mut run.delegations {
+        d.result = None;
+    }
+    run.revisions.clear();
+    run
+}
+
+#[tonic::async_trait]
+impl Supervisor for SupervisorService {
+    type WatchRunStream = BoxStream<v1::WatchRunResponse>;
+    type WatchEventsStream = BoxStream<v1::WatchEventsResponse>;
+
+    async fn start_run(
+        &self,
+        request: Request<v1::StartRunRequest>,
+    ) -> Result<Response<v1::StartRunResponse>, Status> {
+        let principal = self
+            .principal(&request, &["runs:start"], "start runs")
+            .await?;
+        let spec = request
+            .into_inner()
+            .spec
+            .ok_or_else(|| invalid_field("spec", "required: give the run to start"))?;
+        let now = SystemTime::now();
+        let domain =
+            validate::run_spec(&spec, now).map_err(|e| invalid_field(&e.field, &e.message))?;
+        for (i, p) in domain.plan.iter().enumerate() {
+            if !self.deps.policy_file.profiles.contains_key(&p.profile_id) {
+                let known: Vec<&str> = self
+                    .deps
+                    .policy_file
+                    .profiles
+                    .keys()
+                    .map(String::as_str)
+                    .collect();
+                return Err(invalid_field(
+                    &format!("spec.delegations[{i}].profile_id"),
+                    format!(
+                        "unknown profile {}; known profiles: {}",
+                        p.profile_id,
+                        known.join(", ")
+                    ),
+                ));
+            }
+        }
+        let key = domain.idempotency_key.clone().map(|key| IdempotencyKey {
+            principal: principal.id.clone(),
+            key,
+        });
+        let (run, ev, start) = self.build_run(&spec, &domain, &principal, now);
+        match self
+            .deps
+            .store
+            .create(&run, key.as_ref(), &ev)
+            .await
+            .map_err(store_status)?
+        {
+            Created::New => {
+                tracing::info!(run_id = %run.run_id, tenant = %run.tenant, delegations = run.delegations.len(), "run accepted");
+                if start {
+                    RunActor::spawn(self.deps.clone(), run.clone(), domain);
+                }
+                Ok(Response::new(v1::StartRunResponse {
+                    run: Some(run),
+                    created: true,
+                }))
+            }
+            Created::Existing(existing) => {
+                if existing.spec.as_ref() == Some(&spec) {
+                    Ok(Response::new(v1::StartRunResponse {
+                        run: Some(*existing),
+                        created: false,
+                    }))
+                } else {
+                    Err(Status::already_exists(format!(
+                        "idempotency key {:?} was already used by run {} with a different spec; use a new key for a new run",
+                        key.map(|k| k.key).unwrap_or_default(),
+                        existing.run_id
+                    )))
+                }
+            }
+        }
+    }
+
+    async fn get_run(
+        &self,
+        request: Request<v1::GetRunRequest>,
+    ) -> Result<Response<v1::GetRunResponse>, Status> {
+        let principal = self
+            .principal(&request, &["runs:read", "runs:start"], "read runs")
+            .await?;
+        let run = self
+            .run_of_tenant(&request.get_ref().run_id, &principal.tenant)
+            .await?;
+        Ok(Response::new(v1::GetRunResponse { run: Some(run) }))
+    }
+
+    async fn watch_run(
+        &self,
+        request: Request<v1::WatchRunRequest>,
+    ) -> Result<Response<Self::WatchRunStream>, Status> {
+        let principal = self
+            .principal(&request, &["runs:read", "runs:start"], "watch runs")
+            .await?;
+        let req = request.into_inner();
+        let run = self.run_of_tenant(&req.run_id, &principal.tenant).await?;
+        let store = self.deps.store.clone();
+        let shutdown = self.shutdown.clone();
+        let (tx, rx) = mpsc::channel(64);
+        // Subscribe before reading the backlog so nothing committed in between is missed.
+        let mut notes = store.subscribe();
+        tokio::spawn(async move {
+            let mut last = req.after_sequence;
+            let mut done = false;
+            loop {
+                match store.run_events(&run.run_id, last).await {
+                    Ok(batch) => {
+                        for e in batch {
+                            last = e.sequence;
+                            done |= matches!(e.kind, Some(Kind::Terminal(_)));
+                            if tx
+                                .send(Ok(v1::WatchRunResponse { event: Some(e) }))
+                                .await
+                                .is_err()
+                            {
+                                return;
+                            }
+                        }
+                    }
+                    Err(e) => {
+                        let _ = tx.send(Err(store_status(e))).await;
+                        return;
+                    }
+                }
+                if done {
+                    return;
+                }
+                tokio::select! {
+                    note = notes.recv() => match note {
+                        Ok(c) if c.run_id != run.run_id || c.last_sequence <= last => {}
+                        Ok(_) | Err(broadcast::error::RecvError::Lagged(_)) => {}
+                        Err(broadcast::error::RecvError::Closed) => return,
+                    },
+                    () = shutdown.wait() => {
+                        let _ = tx.send(Err(Status::unavailable("the supervisor is shutting down; watch again after it is back"))).await;
+                        return;
+                    }
+                    () = tx.closed() => return,
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+
+    async fn cancel_run(
+        &self,
+        request: Request<v1::CancelRunRequest>,
+    ) -> Result<Response<v1::CancelRunResponse>, Status> {
+        let principal = self
+            .principal(&request, &["runs:start"], "cancel runs")
+            .await?;
+        let req = request.into_inner();
+        let run = self.run_of_tenant(&req.run_id, &principal.tenant).await?;
+        if is_terminal(run.state) {
+            return Ok(Response::new(v1::CancelRunResponse { run: Some(run) }));
+        }
+        let reason = if req.reason.trim().is_empty() {
+            format!("cancelled by {}", principal.id)
+        } else {
+            format!("cancelled by {}: {}", principal.id, req.reason.trim())
+        };
+        let (reply, answer) = oneshot::channel();
+        match self.mailbox(&run.run_id) {
+            Ok(mailbox) if mailbox.send(Msg::Cancel { reason, reply }).is_ok() => {
+                let run = answer.await.map_err(|_| {
+                    Status::unavailable(
+                        "the run's owner stopped while cancelling; read the run again",
+                    )
+                })?;
+                Ok(Response::new(v1::CancelRunResponse { run: Some(run) }))
+            }
+            _ => {
+                let run = self.run_of_tenant(&run.run_id, &principal.tenant).await?;
+                Ok(Response::new(v1::CancelRunResponse { run: Some(run) }))
+            }
+        }
+    }
+
+    async fn list_runs(
+        &self,
+        request: Request<v1::ListRunsRequest>,
+    ) -> Result<Response<v1::ListRunsResponse>, Status> {
+        let principal = self
+            .principal(&request, &["runs:read", "runs:start"], "list runs")
+            .await?;
+        let req = request.into_inner();
+        let page_size = match req.page_size {
+            0 => 50,
+            n if n > 500 => {
+                return Err(invalid_field(
+                    "page_size",
+                    format!("{n} is over the maximum of 500"),
+                ));
+            }
+            n => n as usize,
+        };
+        let after = if req.page_token.is_empty() {
+            None
+        } else {
+            if uuid::Uuid::parse_str(&req.page_token).is_err() {
+                return Err(invalid_field(
+                    "page_token",
+                    "not a token from a previous ListRuns response",
+                ));
+            }
+            Some(req.page_token.as_str())
+        };
+        let page = self
+            .deps
+            .store
+            .list(&principal.tenant, &req.states, page_size, after)
+            .await
+            .map_err(store_status)?;
+        Ok(Response::new(v1::ListRunsResponse {
+            runs: page.runs.into_iter().map(summary).collect(),
+            next_page_token: page.next.unwrap_or_default(),
+        }))
+    }
+
+    async fn delegate(
+        &self,
+        request: Request<v1::DelegateRequest>,
+    ) -> Result<Response<v1::DelegateResponse>, Status> {
+        let caller = self.auth.authenticate(&request).await?;
+        let Caller::Task(claims) = caller else {
+            return Err(Status::permission_denied(
+                "Delegate is called by a worker with its task token, not with a principal credential",
+            ));
+        };
+        claims
+            .check_audience("convene-supervisor")
+            .map_err(|_| Status::permission_denied("your task token does not allow redelegation (its audience lacks convene-supervisor)"))?;
+        let token = bearer(&request)?.to_owned();
+        let mailbox = self.mailbox(&claims.run_id)?;
+        let (reply, answer) = oneshot::channel();
+        mailbox
+            .send(Msg::Delegate {
+                claims,
+                token,
+                children: request.into_inner().delegations,
+                reply,
+            })
+            .map_err(|_| Status::failed_precondition("the run is no longer running"))?;
+        let outcomes = answer.await.map_err(|_| {
+            Status::unavailable("the run's owner stopped before the children finished")
+        })??;
+        Ok(Response::new(v1::DelegateResponse { outcomes }))
+    }
+
+    async fn watch_events(
+        &self,
+        request: Request<v1::WatchEventsRequest>,
+    ) -> Result<Response<Self::WatchEventsStream>, Status> {
+        let principal = self
+            .principal(&request, &["runs:read", "runs:start"], "watch events")
+            .await?;
+        let req = request.into_inner();
+        let store = self.deps.store.clone();
+        let shutdown = self.shutdown.clone();
+        let tenant = principal.tenant.clone();
+        let (tx, rx) = mpsc::channel(256);
+        let mut notes = store.subscribe();
+        tokio::spawn(async move {
+            let mut after = (!req.after_event_id.is_empty()).then(|| req.after_event_id.clone());
+            loop {
+                loop {
+                    let batch = match store.cloud_events(after.as_deref(), 512).await {
+                        Ok(b) => b,
+                        Err(e) => {
+                            let _ = tx.send(Err(store_status(e))).await;
+                            return;
+                        }
+                    };
+                    let Some(last) = batch.last() else { break };
+                    after = Some(last.id.clone());
+                    for e in batch {
+                        let wanted = e.tenant_id == tenant
+                            && (req.types.is_empty() || req.types.contains(&e.r#type))
+                            && (req.run_id.is_empty() || e.correlation_id == req.run_id);
+                        if wanted
+                            && tx
+                                .send(Ok(v1::WatchEventsResponse { event: Some(e) }))
+                                .await
+                                .is_err()
+                        {
+                            return;
+                        }
+                    }
+                }
+                if !req.follow {
+                    return;
+                }
+                tokio::select! {
+                    note = notes.recv() => match note {
+                        Ok(c) if !c.cloud => {}
+                        Ok(_) | Err(broadcast::error::RecvError::Lagged(_)) => {}
+                        Err(broadcast::error::RecvError::Closed) => return,
+                    },
+                    () = shutdown.wait() => {
+                        let _ = tx.send(Err(Status::unavailable("the supervisor is shutting down; resume from your last event id"))).await;
+                        return;
+                    }
+                    () = tx.closed() => return,
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+}

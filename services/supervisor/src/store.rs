@@ -1,0 +1,351 @@
+//! Run storage. The supervisor is the single writer of a run: each run has one owner
+//! task that reads it once and then commits every change with the version it read
+//! (`... where version = n`), together with the events the change produces. A commit
+//! against a stale version is refused, never merged silently.
+//!
+//! [`MemoryStore`] keeps everything in memory; durable back ends implement the same
+//! trait with one database transaction per commit (the state change and its outbox
+//! events together).
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Mutex;
+
+use async_trait::async_trait;
+use convene_proto::v1;
+use tokio::sync::broadcast;
+
+/// Errors from a store.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The run changed since it was read (another writer): re-read and merge.
+    #[error(
+        "run {run_id} was changed by another writer (expected version {expected}, found {found})"
+    )]
+    Conflict {
+        /// The run.
+        run_id: String,
+        /// Version the writer read.
+        expected: u64,
+        /// Version in the store.
+        found: u64,
+    },
+    /// No such run.
+    #[error("run {0} not found")]
+    NotFound(String),
+    /// The back end failed.
+    #[error("run store: {0}")]
+    Backend(String),
+}
+
+/// The idempotency identity of a StartRun: (principal, key).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct IdempotencyKey {
+    /// Principal that started the run.
+    pub principal: String,
+    /// Caller-chosen key.
+    pub key: String,
+}
+
+/// What creating a run did.
+#[derive(Debug, Clone)]
+pub enum Created {
+    /// The run was stored.
+    New,
+    /// A run with this idempotency key exists already; here it is.
+    Existing(Box<v1::Run>),
+}
+
+/// One page of runs.
+#[derive(Debug, Clone, Default)]
+pub struct Page {
+    /// Runs, newest first.
+    pub runs: Vec<v1::Run>,
+    /// Cursor for the next page (the last run id), if more exist.
+    pub next: Option<String>,
+}
+
+/// Events produced by one change, committed with it.
+#[derive(Debug, Clone, Default)]
+pub struct Events {
+    /// Run events (WatchRun), with sequence numbers assigned by the writer.
+    pub run: Vec<v1::RunEvent>,
+    /// CloudEvents for the outbox (WatchEvents and brokers).
+    pub cloud: Vec<v1::CloudEvent>,
+}
+
+impl Events {
+    /// Whether there is nothing to commit.
+    pub fn is_empty(&self) -> bool {
+        self.run.is_empty() && self.cloud.is_empty()
+    }
+}
+
+/// Storage of runs, their events and the outbox.
+#[async_trait]
+pub trait RunStore: Send + Sync + 'static {
+    /// Stores a new run (version 1) with its first events. With an idempotency key, a
+    /// second run under the same key is not stored: the existing one is returned. The
+    /// check and the insert are one atomic step.
+    async fn create(
+        &self,
+        run: &v1::Run,
+        key: Option<&IdempotencyKey>,
+        events: &Events,
+    ) -> Result<Created, StoreError>;
+
+    /// Commits a changed run whose stored version is `run.version - 1`, with the
+    /// events the change produced.
+    async fn commit(&self, run: &v1::Run, events: &Events) -> Result<(), StoreError>;
+
+    /// A run by id, whatever its tenant (callers check the tenant).
+    async fn get(&self, run_id: &str) -> Result<Option<v1::Run>, StoreError>;
+
+    /// A tenant's runs, newest first, after the cursor, filtered by state.
+    async fn list(
+        &self,
+        tenant: &str,
+        states: &[i32],
+        page_size: usize,
+        after: Option<&str>,
+    ) -> Result<Page, StoreError>;
+
+    /// Run events of a run with sequence > `after`, in order.
+    async fn run_events(&self, run_id: &str, after: u64) -> Result<Vec<v1::RunEvent>, StoreError>;
+
+    /// Outbox events after event id `after` (exclusive; None: from the start), in
+    /// commit order, at most `limit`.
+    async fn cloud_events(
+        &self,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<v1::CloudEvent>, StoreError>;
+
+    /// Notifications of committed events, for live subscribers. A lagging receiver
+    /// re-reads from the store.
+    fn subscribe(&self) -> broadcast::Receiver<Committed>;
+
+    /// Non-terminal runs, for recovery after a restart.
+    async fn unfinished(&self) -> Result<Vec<v1::Run>, StoreError>;
+}
+
+/// A notification that events of a run were committed.
+#[derive(Debug, Clone)]
+pub struct Committed {
+    /// The run.
+    pub run_id: String,
+    /// Its highest committed run-event sequence.
+    pub last_sequence: u64,
+    /// Whether outbox events were committed too.
+    pub cloud: bool,
+}
+
+/// Whether a run state is terminal.
+pub fn is_terminal(state: i32) -> bool {
+    !matches!(
+        v1::RunState::try_from(state),
+        Ok(v1::RunState::Pending | v1::RunState::Running | v1::RunState::Unspecified) | Err(_)
+    )
+}
+
+#[derive(Default)]
+struct Inner {
+    runs: HashMap<String, v1::Run>,
+    /// Run ids per tenant, in creation order (UUIDv7 ids sort by time).
+    by_tenant: HashMap<String, BTreeMap<String, ()>>,
+    keys: HashMap<IdempotencyKey, String>,
+    run_events: HashMap<String, Vec<v1::RunEvent>>,
+    outbox: Vec<v1::CloudEvent>,
+    outbox_index: HashMap<String, usize>,
+}
+
+/// Everything in memory: fast, and lost with the process.
+pub struct MemoryStore {
+    inner: Mutex<Inner>,
+    notify: broadcast::Sender<Committed>,
+}
+
+impl Default for MemoryStore {
+    fn default() -> Self {
+        Self {
+            inner: Mutex::new(Inner::default()),
+            notify: broadcast::channel(4096).0,
+        }
+    }
+}
+
+impl std::fmt::Debug for MemoryStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MemoryStore").finish_non_exhaustive()
+    }
+}
+
+impl MemoryStore {
+    fn append(inner: &mut Inner, run_id: &str, events: &Events) -> Committed {
+        let log = inner.run_events.entry(run_id.to_owned()).or_default();
+        log.extend(events.run.iter().cloned());
+        let last_sequence = log.last().map_or(0, |e| e.sequence);
+        for e in &events.cloud {
+            inner.outbox_index.insert(e.id.clone(), inner.outbox.len());
+            inner.outbox.push(e.clone());
+        }
+        Committed {
+            run_id: run_id.to_owned(),
+            last_sequence,
+            cloud: !events.cloud.is_empty(),
+        }
+    }
+}
+
+#[async_trait]
+impl RunStore for MemoryStore {
+    async fn create(
+        &self,
+        run: &v1::Run,
+        key: Option<&IdempotencyKey>,
+        events: &Events,
+    ) -> Result<Created, StoreError> {
+        let committed = {
+            let mut inner = self.inner.lock().expect("store lock poisoned");
+            if let Some(key) = key {
+                if let Some(existing) = inner.keys.get(key) {
+                    let run = inner.runs.get(existing).cloned().ok_or_else(|| {
+                        StoreError::Backend(format!(
+                            "idempotency key points at missing run {existing}"
+                        ))
+                    })?;
+                    return Ok(Created::Existing(Box::new(run)));
+                }
+                inner.keys.insert(key.clone(), run.run_id.clone());
+            }
+            inner.runs.insert(run.run_id.clone(), run.clone());
+            inner
+                .by_tenant
+                .entry(run.tenant.clone())
+                .or_default()
+                .insert(run.run_id.clone(), ());
+            Self::append(&mut inner, &run.run_id, events)
+        };
+        let _ = self.notify.send(committed);
+        Ok(Created::New)
+    }
+
+    async fn commit(&self, run: &v1::Run, events: &Events) -> Result<(), StoreError> {
+        let committed = {
+            let mut inner = self.inner.lock().expect("store lock poisoned");
+            let stored = inner
+                .runs
+                .get_mut(&run.run_id)
+                .ok_or_else(|| StoreError::NotFound(run.run_id.clone()))?;
+            if stored.version + 1 != run.version {
+                return Err(StoreError::Conflict {
+                    run_id: run.run_id.clone(),
+                    expected: run.version.saturating_sub(1),
+                    found: stored.version,
+                });
+            }
+            *stored = run.clone();
+            Self::append(&mut inner, &run.run_id, events)
+        };
+        let _ = self.notify.send(committed);
+        Ok(())
+    }
+
+    async fn get(&self, run_id: &str) -> Result<Option<v1::Run>, StoreError> {
+        Ok(self
+            .inner
+            .lock()
+            .expect("store lock poisoned")
+            .runs
+            .get(run_id)
+            .cloned())
+    }
+
+    async fn list(
+        &self,
+        tenant: &str,
+        states: &[i32],
+        page_size: usize,
+        after: Option<&str>,
+    ) -> Result<Page, StoreError> {
+        let inner = self.inner.lock().expect("store lock poisoned");
+        let Some(ids) = inner.by_tenant.get(tenant) else {
+            return Ok(Page::default());
+        };
+        let mut runs = Vec::with_capacity(page_size);
+        let iter: Box<dyn Iterator<Item = &String>> = match after {
+            Some(cursor) => Box::new(
+                ids.range::<String, _>(..cursor.to_owned())
+                    .rev()
+                    .map(|(k, _)| k),
+            ),
+            None => Box::new(ids.keys().rev()),
+        };
+        let mut more = false;
+        for id in iter {
+            let Some(run) = inner.runs.get(id) else {
+                continue;
+            };
+            if !states.is_empty() && !states.contains(&run.state) {
+                continue;
+            }
+            if runs.len() == page_size {
+                more = true;
+                break;
+            }
+            runs.push(run.clone());
+        }
+        let next = if more {
+            runs.last().map(|r| r.run_id.clone())
+        } else {
+            None
+        };
+        Ok(Page { runs, next })
+    }
+
+    async fn run_events(&self, run_id: &str, after: u64) -> Result<Vec<v1::RunEvent>, StoreError> {
+        let inner = self.inner.lock().expect("store lock poisoned");
+        Ok(inner
+            .run_events
+            .get(run_id)
+            .map(|log| log.iter().filter(|e| e.sequence > after).cloned().collect())
+            .unwrap_or_default())
+    }
+
+    async fn cloud_events(
+        &self,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<v1::CloudEvent>, StoreError> {
+        let inner = self.inner.lock().expect("store lock poisoned");
+        let start = match after {
+            None => 0,
+            Some(id) => match inner.outbox_index.get(id) {
+                Some(i) => i + 1,
+                // An id not (or no longer) known: UUIDv7 ids sort by time, so resume
+                // after the position where it would have been.
+                None => inner.outbox.partition_point(|e| e.id.as_str() <= id),
+            },
+        };
+        Ok(inner
+            .outbox
+            .iter()
+            .skip(start)
+            .take(limit)
+            .cloned()
+            .collect())
+    }
+
+    fn subscribe(&self) -> broadcast::Receiver<Committed> {
+        self.notify.subscribe()
+    }
+
+    async fn unfinished(&self) -> Result<Vec<v1::Run>, StoreError> {
+        let inner = self.inner.lock().expect("store lock poisoned");
+        Ok(inner
+            .runs
+            .values()
+            .filter(|r| !is_terminal(r.state))
+            .cloned()
+            .collect())
+    }
+}
