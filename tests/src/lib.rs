@@ -1,1 +1,426 @@
-//! Shared helpers for convene end-to-end tests.
+//! Shared helpers for convene's end-to-end tests.
+//!
+//! A [`TestMesh`] is a whole convene mesh on loopback sockets with its state in a fresh
+//! temporary directory, in one of two modes:
+//!
+//! - [`Mode::InProcess`]: the code `convene up` runs — every service in this process,
+//!   talking through in-process handles, all served on one listener;
+//! - [`Mode::Processes`]: every service as its own operating-system process
+//!   (`convene serve <service>`), talking gRPC to each other.
+//!
+//! Tests talk to either through the same gRPC clients, as any caller would.
+#![forbid(unsafe_code)]
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use convene_mesh::auth::request;
+use convene_mesh::handles::{GrpcApproval, GrpcEvidenceStore, GrpcSupervisor, SupervisorHandle};
+use convene_mesh::policy_file::dev_credential;
+use convene_proto::v1;
+use convene_server::Shutdown;
+use tempfile::TempDir;
+use tokio::process::{Child, Command};
+
+/// How the mesh runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// Every service in this process (`convene up`).
+    InProcess,
+    /// Every service its own process.
+    Processes,
+}
+
+/// One group of workers serving a profiles file.
+#[derive(Debug, Clone)]
+pub struct Workers {
+    /// Profiles file content (YAML); None: the example profiles.
+    pub profiles: Option<String>,
+    /// How many workers.
+    pub count: usize,
+    /// Delegations each runs at once.
+    pub capacity: u32,
+}
+
+impl Default for Workers {
+    fn default() -> Self {
+        Self {
+            profiles: None,
+            count: 1,
+            capacity: 64,
+        }
+    }
+}
+
+/// What to start.
+#[derive(Debug, Clone, Default)]
+pub struct MeshOptions {
+    /// Worker groups; empty: one worker with the example profiles.
+    pub workers: Vec<Workers>,
+}
+
+/// The repository's root directory.
+pub fn repo_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// The example's tool data directory.
+pub fn example_data() -> PathBuf {
+    repo_root().join("examples/payment-incident/data")
+}
+
+/// The example profiles file's text.
+pub fn example_profiles() -> String {
+    std::fs::read_to_string(repo_root().join("examples/payment-incident/profiles.yaml"))
+        .expect("the example profiles file exists")
+}
+
+/// The example run spec.
+pub fn example_spec() -> v1::RunSpec {
+    spec_from_yaml(
+        &std::fs::read_to_string(repo_root().join("examples/payment-incident/run.yaml"))
+            .expect("the example run spec exists"),
+    )
+}
+
+/// A run spec from YAML in the protobuf JSON mapping.
+pub fn spec_from_yaml(text: &str) -> v1::RunSpec {
+    let value: serde_json::Value = serde_yaml::from_str(text).expect("valid YAML");
+    convene_proto::json::from_value(value).expect("a valid RunSpec")
+}
+
+/// The `convene` binary built next to this test binary.
+pub fn convene_bin() -> PathBuf {
+    let exe = std::env::current_exe().expect("the test binary's path");
+    let dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("the test binary lives in target/<profile>/deps");
+    let bin = dir.join(format!("convene{}", std::env::consts::EXE_SUFFIX));
+    assert!(
+        bin.exists(),
+        "{} is missing: build it with `cargo build -p convene-cli` (cargo test --workspace builds it)",
+        bin.display()
+    );
+    bin
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free loopback port")
+}
+
+/// A running mesh; stopped when dropped.
+pub struct TestMesh {
+    /// The mode it runs in.
+    pub mode: Mode,
+    /// The supervisor's endpoint.
+    pub supervisor_endpoint: String,
+    /// The approval service's endpoint.
+    pub approval_endpoint: String,
+    /// The evidence store's endpoint.
+    pub evidence_endpoint: String,
+    /// The policy service's endpoint.
+    pub policy_endpoint: String,
+    dir: TempDir,
+    in_process: Option<(Shutdown, convene_cli::up::Mesh)>,
+    children: Vec<(String, Child)>,
+}
+
+impl std::fmt::Debug for TestMesh {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TestMesh")
+            .field("mode", &self.mode)
+            .field("supervisor", &self.supervisor_endpoint)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Drop for TestMesh {
+    fn drop(&mut self) {
+        if let Some((shutdown, _)) = &self.in_process {
+            shutdown.trigger();
+        }
+        for (_, child) in &mut self.children {
+            let _ = child.start_kill();
+        }
+    }
+}
+
+impl TestMesh {
+    /// Starts a mesh in `mode`.
+    pub async fn start(mode: Mode, options: MeshOptions) -> Self {
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        let workers = if options.workers.is_empty() {
+            vec![Workers::default()]
+        } else {
+            options.workers
+        };
+        let mut profile_files = Vec::new();
+        for (i, w) in workers.iter().enumerate() {
+            let path = dir.path().join(format!("profiles-{i}.yaml"));
+            std::fs::write(&path, w.profiles.clone().unwrap_or_else(example_profiles))
+                .expect("profiles file written");
+            profile_files.push(path);
+        }
+        match mode {
+            Mode::InProcess => Self::start_in_process(dir, &workers, &profile_files).await,
+            Mode::Processes => Self::start_processes(dir, &workers, &profile_files).await,
+        }
+    }
+
+    async fn start_in_process(dir: TempDir, workers: &[Workers], profiles: &[PathBuf]) -> Self {
+        // In one process every worker group needs its own profiles; `up` starts one group,
+        // and further groups are added the same way `up` adds its workers.
+        let mut args = convene_cli::up::UpArgs::defaults("127.0.0.1:0".parse().expect("addr"));
+        args.tools_data_dir = example_data();
+        args.profiles_file = Some(profiles[0].clone());
+        args.workers = workers[0].count;
+        args.capacity = workers[0].capacity;
+        let shutdown = Shutdown::new();
+        let mesh = convene_cli::up::start(&args, &dir.path().join("data"), shutdown.clone())
+            .await
+            .expect("the in-process mesh starts");
+        for (group, path) in workers.iter().zip(profiles).skip(1) {
+            mesh.add_workers(path, &example_data(), group.count, group.capacity)
+                .await
+                .expect("more in-process workers start");
+        }
+        let endpoint = format!("http://{}", mesh.addr);
+        Self {
+            mode: Mode::InProcess,
+            supervisor_endpoint: endpoint.clone(),
+            approval_endpoint: endpoint.clone(),
+            evidence_endpoint: endpoint.clone(),
+            policy_endpoint: endpoint,
+            dir,
+            in_process: Some((shutdown, mesh)),
+            children: Vec::new(),
+        }
+    }
+
+    async fn start_processes(dir: TempDir, workers: &[Workers], profiles: &[PathBuf]) -> Self {
+        let bin = convene_bin();
+        let data = dir.path().join("data");
+        std::fs::create_dir_all(&data).expect("data dir");
+        let port = |_: &str| free_port();
+        let (policy, evidence, approval, supervisor) = (
+            port("policy"),
+            port("evidence"),
+            port("approval"),
+            port("supervisor"),
+        );
+        let url = |p: u16| format!("http://127.0.0.1:{p}");
+        let mut mesh = Self {
+            mode: Mode::Processes,
+            supervisor_endpoint: url(supervisor),
+            approval_endpoint: url(approval),
+            evidence_endpoint: url(evidence),
+            policy_endpoint: url(policy),
+            dir,
+            in_process: None,
+            children: Vec::new(),
+        };
+        let common = |cmd: &mut Command, listen: u16| {
+            cmd.env("CONVENE_DATA_DIR", &data)
+                .env("CONVENE_SERVER__LISTEN", format!("127.0.0.1:{listen}"))
+                .env("RUST_LOG", "warn")
+                .stdin(std::process::Stdio::null())
+                .kill_on_drop(true);
+        };
+        // Policy first: it creates the development credentials everyone else reads.
+        let mut cmd = Command::new(&bin);
+        cmd.args(["serve", "policy"]);
+        common(&mut cmd, policy);
+        mesh.spawn("policy", cmd, policy).await;
+        let mut cmd = Command::new(&bin);
+        cmd.args(["serve", "evidence-store"])
+            .env("CONVENE_POLICY_ENDPOINT", url(policy));
+        common(&mut cmd, evidence);
+        mesh.spawn("evidence-store", cmd, evidence).await;
+        let mut cmd = Command::new(&bin);
+        cmd.args(["serve", "approval"]);
+        common(&mut cmd, approval);
+        mesh.spawn("approval", cmd, approval).await;
+        let mut cmd = Command::new(&bin);
+        cmd.args(["serve", "supervisor"])
+            .env("CONVENE_POLICY_ENDPOINT", url(policy))
+            .env("CONVENE_EVIDENCE_ENDPOINT", url(evidence))
+            .env("CONVENE_APPROVAL_ENDPOINT", url(approval));
+        common(&mut cmd, supervisor);
+        mesh.spawn("supervisor", cmd, supervisor).await;
+        // Dispatches wait for a live worker, so runs may start before workers register.
+        let mut n = 0;
+        for (group, path) in workers.iter().zip(profiles) {
+            for _ in 0..group.count {
+                n += 1;
+                mesh.spawn_worker(&format!("worker-{n}"), path, group.capacity)
+                    .await;
+            }
+        }
+        mesh
+    }
+
+    async fn spawn(&mut self, name: &str, mut cmd: Command, port: u16) {
+        let child = cmd
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {name}: {e}"));
+        self.children.push((name.to_owned(), child));
+        let addr: SocketAddr = format!("127.0.0.1:{port}").parse().expect("addr");
+        convene_server::test_util::wait_ready(addr).await;
+    }
+
+    /// Starts one more worker process (Processes mode) with `profiles` as its
+    /// profiles file, registered as `worker_id`.
+    pub async fn spawn_worker(&mut self, worker_id: &str, profiles: &Path, capacity: u32) {
+        assert_eq!(
+            self.mode,
+            Mode::Processes,
+            "worker processes exist in Processes mode only"
+        );
+        let port = free_port();
+        let data = self.dir.path().join("data");
+        let mut cmd = Command::new(convene_bin());
+        cmd.args(["serve", "worker"])
+            .env("CONVENE_DATA_DIR", &data)
+            .env("CONVENE_SERVER__LISTEN", format!("127.0.0.1:{port}"))
+            .env("CONVENE_POLICY_ENDPOINT", &self.policy_endpoint)
+            .env("CONVENE_EVIDENCE_ENDPOINT", &self.evidence_endpoint)
+            .env("CONVENE_SUPERVISOR_ENDPOINT", &self.supervisor_endpoint)
+            .env("CONVENE_WORKER_ID", worker_id)
+            .env("CONVENE_PROFILES_FILE", profiles)
+            .env("CONVENE_TOOLS_DATA_DIR", example_data())
+            .env("CONVENE_CAPACITY", capacity.to_string())
+            .env("RUST_LOG", "warn")
+            .stdin(std::process::Stdio::null())
+            .kill_on_drop(true);
+        self.spawn(worker_id, cmd, port).await;
+    }
+
+    /// Kills a service or worker process by name (Processes mode): SIGKILL, no drain.
+    pub async fn kill(&mut self, name: &str) {
+        let (_, child) = self
+            .children
+            .iter_mut()
+            .find(|(n, _)| n == name)
+            .unwrap_or_else(|| panic!("no process named {name}"));
+        child.kill().await.expect("the process is killed");
+    }
+
+    /// Whether the named process has exited.
+    pub fn exited(&mut self, name: &str) -> bool {
+        self.children
+            .iter_mut()
+            .find(|(n, _)| n == name)
+            .is_some_and(|(_, c)| matches!(c.try_wait(), Ok(Some(_))))
+    }
+
+    /// The data directory.
+    pub fn data_dir(&self) -> PathBuf {
+        self.dir.path().join("data")
+    }
+
+    /// The development credential of `principal`.
+    pub fn credential(&self, principal: &str) -> String {
+        dev_credential(&self.data_dir().join("credentials"), principal)
+            .expect("the credential exists or is created")
+    }
+
+    /// The in-process supervisor (InProcess mode only).
+    pub fn supervisor_service(&self) -> &convene_supervisor::SupervisorService {
+        &self
+            .in_process
+            .as_ref()
+            .expect("InProcess mode")
+            .1
+            .supervisor
+    }
+
+    /// A gRPC client of the supervisor.
+    pub fn supervisor(&self) -> SupervisorHandle {
+        Arc::new(GrpcSupervisor::connect(&self.supervisor_endpoint).expect("endpoint"))
+    }
+
+    /// A gRPC client of the approval service.
+    pub fn approval(&self) -> GrpcApproval {
+        GrpcApproval::connect(&self.approval_endpoint).expect("endpoint")
+    }
+
+    /// A gRPC client of the evidence store.
+    pub fn evidence(&self) -> GrpcEvidenceStore {
+        GrpcEvidenceStore::connect(&self.evidence_endpoint).expect("endpoint")
+    }
+
+    /// Starts a run as `principal`.
+    pub async fn start_run(
+        &self,
+        principal: &str,
+        spec: v1::RunSpec,
+    ) -> Result<v1::StartRunResponse, tonic::Status> {
+        self.supervisor()
+            .start_run(request(
+                v1::StartRunRequest { spec: Some(spec) },
+                &self.credential(principal),
+            ))
+            .await
+            .map(tonic::Response::into_inner)
+    }
+
+    /// The run, as `principal` sees it.
+    pub async fn get_run(&self, principal: &str, run_id: &str) -> v1::Run {
+        self.supervisor()
+            .get_run(request(
+                v1::GetRunRequest {
+                    run_id: run_id.to_owned(),
+                },
+                &self.credential(principal),
+            ))
+            .await
+            .expect("GetRun")
+            .into_inner()
+            .run
+            .expect("a run")
+    }
+
+    /// Waits until the run is terminal (at most `limit`) and returns it.
+    pub async fn wait_terminal(&self, principal: &str, run_id: &str, limit: Duration) -> v1::Run {
+        let deadline = tokio::time::Instant::now() + limit;
+        loop {
+            let run = self.get_run(principal, run_id).await;
+            if convene_supervisor::store::is_terminal(run.state) {
+                return run;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "run {run_id} not terminal within {limit:?}: {run:#?}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Every event of a run, in order (after it ended).
+    pub async fn run_events(&self, principal: &str, run_id: &str) -> Vec<v1::RunEvent> {
+        use futures::StreamExt as _;
+        let mut stream = self
+            .supervisor()
+            .watch_run(request(
+                v1::WatchRunRequest {
+                    run_id: run_id.to_owned(),
+                    after_sequence: 0,
+                },
+                &self.credential(principal),
+            ))
+            .await
+            .expect("WatchRun")
+            .into_inner();
+        let mut events = Vec::new();
+        while let Some(e) = stream.next().await {
+            events.push(e.expect("an event").event.expect("event set"));
+        }
+        events
+    }
+}

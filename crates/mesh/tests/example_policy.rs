@@ -15,14 +15,25 @@ fn example() -> Policy {
 #[test]
 fn example_policy_compiles_with_investigators_read_only() {
     let policy = example();
-    for id in ["logs-investigator", "metrics-investigator", "change-auditor"] {
+    for id in [
+        "logs-investigator",
+        "metrics-investigator",
+        "change-auditor",
+    ] {
         let profile = &policy.profiles[id];
         assert!(profile.investigating, "{id} investigates");
         for tool in &profile.tools {
-            assert_eq!(policy.tools[tool].risk, RiskLevel::R0, "{id} holds only R0 tools");
+            assert_eq!(
+                policy.tools[tool].risk,
+                RiskLevel::R0,
+                "{id} holds only R0 tools"
+            );
         }
         let rollback = &policy.tools["rollback_rule@1"];
-        assert!(policy.denying_rule(profile, rollback).is_some(), "{id} can never hold an R3 tool");
+        assert!(
+            policy.denying_rule(profile, rollback).is_some(),
+            "{id} can never hold an R3 tool"
+        );
     }
     assert_eq!(policy.risk_of("rule:rollback"), Some(RiskLevel::R3));
 }

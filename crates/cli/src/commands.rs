@@ -1,0 +1,487 @@
+//! The client commands.
+
+use std::collections::HashMap;
+use std::io::IsTerminal as _;
+use std::path::Path;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use convene_proto::v1::{
+    self, approval_server::Approval as _, evidence_store_server::EvidenceStore as _,
+    run_event::Kind,
+};
+use futures::StreamExt as _;
+use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
+
+use crate::client::Client;
+use crate::{report, spec};
+
+/// Prints a message in the protobuf JSON mapping.
+pub fn print_json<T: convene_proto::json::Named>(msg: &T) -> anyhow::Result<()> {
+    println!(
+        "{}",
+        serde_json::to_string_pretty(&convene_proto::json::to_value(msg)?)?
+    );
+    Ok(())
+}
+
+/// Options of `convene run`.
+#[derive(Debug, Clone, Default)]
+pub struct RunOptions {
+    /// Print the final Run as JSON instead of the assessment.
+    pub json: bool,
+    /// Return as soon as the run is accepted.
+    pub detach: bool,
+    /// Base URL of a Jaeger UI, for a link to the trace.
+    pub jaeger: Option<String>,
+}
+
+/// `convene run FILE`: submits, follows and reports a run. Returns the final run.
+pub async fn run(client: &Client, file: &Path, opts: &RunOptions) -> anyhow::Result<v1::Run> {
+    let spec = spec::load(file)?;
+    let supervisor = client.supervisor()?;
+    let started = supervisor
+        .start_run(client.request(v1::StartRunRequest { spec: Some(spec) }))
+        .await
+        .map_err(|s| client.explain(&s))?
+        .into_inner();
+    let run = started
+        .run
+        .context("the supervisor accepted the run but returned none")?;
+    if opts.detach {
+        if opts.json {
+            println!("{}", serde_json::json!({ "runId": run.run_id }));
+        } else {
+            println!("{}", run.run_id);
+        }
+        return Ok(run);
+    }
+    if !opts.json {
+        if started.created {
+            println!(
+                "Run {} accepted: {} delegation(s); trace {}",
+                run.run_id,
+                run.delegations.len(),
+                run.trace_id
+            );
+        } else {
+            println!(
+                "Run {} already exists for this idempotency key; following it",
+                run.run_id
+            );
+        }
+    }
+    follow(client, &run, !opts.json).await?;
+    let run = supervisor
+        .get_run(client.request(v1::GetRunRequest {
+            run_id: run.run_id.clone(),
+        }))
+        .await
+        .map_err(|s| client.explain(&s))?
+        .into_inner()
+        .run
+        .context("the supervisor returned no run")?;
+    if opts.json {
+        print_json(&run)?;
+    } else {
+        let approvals = approvals_of(client, &run).await;
+        println!(
+            "\n{}",
+            report::assessment(&run, &approvals, opts.jaeger.as_deref())
+        );
+    }
+    Ok(run)
+}
+
+async fn approvals_of(client: &Client, run: &v1::Run) -> Vec<v1::ApprovalRequest> {
+    if run.approval_ids.is_empty() {
+        return Vec::new();
+    }
+    let Ok(approval) = client.approval() else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    for id in &run.approval_ids {
+        if let Ok(r) = approval
+            .get_approval(client.request(v1::GetApprovalRequest {
+                approval_id: id.clone(),
+            }))
+            .await
+            && let Some(a) = r.into_inner().approval
+        {
+            out.push(a);
+        }
+    }
+    out
+}
+
+/// Follows a run's events until it ends, one line per delegation (a live progress
+/// display when attached to a terminal).
+async fn follow(client: &Client, run: &v1::Run, show: bool) -> anyhow::Result<()> {
+    let supervisor = client.supervisor()?;
+    let mut stream = supervisor
+        .watch_run(client.request(v1::WatchRunRequest {
+            run_id: run.run_id.clone(),
+            after_sequence: 0,
+        }))
+        .await
+        .map_err(|s| client.explain(&s))?
+        .into_inner();
+    let tty = show && std::io::stdout().is_terminal();
+    let multi = MultiProgress::new();
+    let style = ProgressStyle::with_template("  {spinner} {prefix:<10} {wide_msg}")
+        .unwrap_or_else(|_| ProgressStyle::default_spinner());
+    let mut bars: HashMap<String, ProgressBar> = HashMap::new();
+    let mut names: HashMap<String, String> = run
+        .delegations
+        .iter()
+        .filter_map(|d| {
+            d.task
+                .as_ref()
+                .map(|t| (t.delegation_id.clone(), t.name.clone()))
+        })
+        .collect();
+    let mut line = |id: &str, msg: String, done: bool, names: &HashMap<String, String>| {
+        let name = names.get(id).cloned().unwrap_or_else(|| id.to_owned());
+        if tty {
+            let bar = bars.entry(id.to_owned()).or_insert_with(|| {
+                let b = multi.add(ProgressBar::new_spinner());
+                b.set_style(style.clone());
+                b.set_prefix(name.clone());
+                b.enable_steady_tick(Duration::from_millis(100));
+                b
+            });
+            if done {
+                bar.finish_with_message(msg);
+            } else {
+                bar.set_message(msg);
+            }
+        } else if show {
+            println!("  {name:<10} {msg}");
+        }
+    };
+    while let Some(item) = stream.next().await {
+        let event = item
+            .map_err(|s| client.explain(&s))?
+            .event
+            .unwrap_or_default();
+        match event.kind {
+            Some(Kind::Dispatched(d)) => {
+                names
+                    .entry(d.delegation_id.clone())
+                    .or_insert(d.name.clone());
+                let depth = if d.depth > 1 {
+                    format!(" (nested, depth {})", d.depth)
+                } else {
+                    String::new()
+                };
+                line(
+                    &d.delegation_id,
+                    format!(
+                        "dispatched to {} (attempt {}){depth}",
+                        d.worker_id, d.attempt
+                    ),
+                    false,
+                    &names,
+                );
+            }
+            Some(Kind::Completed(c)) => {
+                let status = v1::TaskStatus::try_from(c.status)
+                    .map_or("?", |s| s.as_str_name().trim_start_matches("TASK_STATUS_"));
+                let late = if c.late { " (late)" } else { "" };
+                line(
+                    &c.delegation_id,
+                    format!("{status}{late}: {}", c.summary),
+                    true,
+                    &names,
+                );
+            }
+            Some(Kind::Decision(d)) => {
+                if show && !tty {
+                    println!(
+                        "  join       revision {}: {}",
+                        d.revision,
+                        v1::JoinOutcome::try_from(d.outcome).map_or("?", |o| o.as_str_name())
+                    );
+                }
+            }
+            Some(Kind::Terminal(_)) => break,
+            Some(Kind::Started(_)) | None => {}
+        }
+    }
+    for bar in bars.values() {
+        if !bar.is_finished() {
+            bar.finish_with_message("no result before the decision");
+        }
+    }
+    Ok(())
+}
+
+/// `convene runs get`.
+pub async fn runs_get(
+    client: &Client,
+    run_id: &str,
+    json: bool,
+    jaeger: Option<&str>,
+) -> anyhow::Result<v1::Run> {
+    let run = client
+        .supervisor()?
+        .get_run(client.request(v1::GetRunRequest {
+            run_id: run_id.to_owned(),
+        }))
+        .await
+        .map_err(|s| client.explain(&s))?
+        .into_inner()
+        .run
+        .context("the supervisor returned no run")?;
+    if json {
+        print_json(&run)?;
+    } else {
+        let approvals = approvals_of(client, &run).await;
+        println!("{}", report::assessment(&run, &approvals, jaeger));
+    }
+    Ok(run)
+}
+
+/// `convene runs list`.
+pub async fn runs_list(
+    client: &Client,
+    states: Vec<i32>,
+    limit: u32,
+    json: bool,
+) -> anyhow::Result<()> {
+    let resp = client
+        .supervisor()?
+        .list_runs(client.request(v1::ListRunsRequest {
+            page_size: limit,
+            page_token: String::new(),
+            states,
+        }))
+        .await
+        .map_err(|s| client.explain(&s))?
+        .into_inner();
+    if json {
+        return print_json(&resp);
+    }
+    if resp.runs.is_empty() {
+        println!("No runs.");
+    }
+    for r in &resp.runs {
+        let goal = r.spec.as_ref().map(|s| s.goal.clone()).unwrap_or_default();
+        let goal: String = goal.chars().take(60).collect();
+        println!("{}  {:<17} {}", r.run_id, report::one_line_state(r), goal);
+    }
+    if !resp.next_page_token.is_empty() {
+        println!("(more runs exist; raise --limit)");
+    }
+    Ok(())
+}
+
+/// `convene runs cancel`.
+pub async fn runs_cancel(client: &Client, run_id: &str, reason: &str) -> anyhow::Result<()> {
+    let run = client
+        .supervisor()?
+        .cancel_run(client.request(v1::CancelRunRequest {
+            run_id: run_id.to_owned(),
+            reason: reason.to_owned(),
+        }))
+        .await
+        .map_err(|s| client.explain(&s))?
+        .into_inner()
+        .run
+        .context("no run returned")?;
+    println!("{}", report::one_line(&run));
+    Ok(())
+}
+
+/// `convene approvals list`.
+pub async fn approvals_list(
+    client: &Client,
+    run_id: Option<String>,
+    states: Vec<i32>,
+    json: bool,
+) -> anyhow::Result<()> {
+    let resp = client
+        .approval()?
+        .list_approvals(client.request(v1::ListApprovalsRequest {
+            states,
+            run_id: run_id.unwrap_or_default(),
+            page_size: 100,
+            page_token: String::new(),
+        }))
+        .await
+        .map_err(|s| client.explain(&s))?
+        .into_inner();
+    if json {
+        return print_json(&resp);
+    }
+    if resp.approvals.is_empty() {
+        println!("No approval requests.");
+    }
+    for a in &resp.approvals {
+        let state = v1::ApprovalState::try_from(a.state).map_or("?", |s| {
+            s.as_str_name().trim_start_matches("APPROVAL_STATE_")
+        });
+        let risk = v1::RiskLevel::try_from(a.risk_level)
+            .map_or("R?", |r| r.as_str_name().trim_start_matches("RISK_LEVEL_"));
+        let approved = a
+            .votes
+            .iter()
+            .filter(|v| v.decision == v1::VoteDecision::Approve as i32)
+            .count();
+        println!(
+            "{}  {:<9} {} {:<16} {}/{} approvals  requested by {}  params {}",
+            a.approval_id,
+            state,
+            risk,
+            a.action,
+            approved,
+            a.approvals_required,
+            a.requester,
+            a.parameters_hash
+        );
+    }
+    Ok(())
+}
+
+/// `convene approvals approve|reject`: votes on the parameters as they are now (the
+/// vote binds to their hash).
+pub async fn approvals_decide(
+    client: &Client,
+    id: &str,
+    approve: bool,
+    comment: &str,
+) -> anyhow::Result<()> {
+    let approval = client.approval()?;
+    let current = approval
+        .get_approval(client.request(v1::GetApprovalRequest {
+            approval_id: id.to_owned(),
+        }))
+        .await
+        .map_err(|s| client.explain(&s))?
+        .into_inner()
+        .approval
+        .context("no approval returned")?;
+    let decided = approval
+        .decide(client.request(v1::DecideRequest {
+            approval_id: id.to_owned(),
+            decision: if approve {
+                v1::VoteDecision::Approve
+            } else {
+                v1::VoteDecision::Reject
+            } as i32,
+            parameters_hash: current.parameters_hash.clone(),
+            comment: comment.to_owned(),
+        }))
+        .await
+        .map_err(|s| client.explain(&s))?
+        .into_inner()
+        .approval
+        .context("no approval returned")?;
+    let state = v1::ApprovalState::try_from(decided.state).map_or("?", |s| {
+        s.as_str_name().trim_start_matches("APPROVAL_STATE_")
+    });
+    println!(
+        "approval {id}: {state} ({} vote(s); {} approval(s) required)",
+        decided.votes.len(),
+        decided.approvals_required
+    );
+    Ok(())
+}
+
+/// `convene approvals execute`.
+pub async fn approvals_execute(client: &Client, id: &str) -> anyhow::Result<()> {
+    let approval = client.approval()?;
+    let current = approval
+        .get_approval(client.request(v1::GetApprovalRequest {
+            approval_id: id.to_owned(),
+        }))
+        .await
+        .map_err(|s| client.explain(&s))?
+        .into_inner()
+        .approval
+        .context("no approval returned")?;
+    let resp = approval
+        .execute(client.request(v1::ApprovalExecuteRequest {
+            approval_id: id.to_owned(),
+            parameters_hash: current.parameters_hash,
+        }))
+        .await
+        .map_err(|s| client.explain(&s))?
+        .into_inner();
+    let rec = resp.execution.unwrap_or_default();
+    println!(
+        "approval {id}: {} by {} with executor {} (success: {})",
+        if resp.executed_now {
+            "executed now"
+        } else {
+            "already executed"
+        },
+        rec.executed_by,
+        rec.executor,
+        rec.success
+    );
+    Ok(())
+}
+
+/// `convene evidence verify RUN`: walks every accepted claim of the run down to its
+/// artifacts' bytes.
+pub async fn evidence_verify(client: &Client, run_id: &str, json: bool) -> anyhow::Result<bool> {
+    let run = client
+        .supervisor()?
+        .get_run(client.request(v1::GetRunRequest {
+            run_id: run_id.to_owned(),
+        }))
+        .await
+        .map_err(|s| client.explain(&s))?
+        .into_inner()
+        .run
+        .context("the supervisor returned no run")?;
+    let claims: Vec<v1::ChainClaim> = run
+        .delegations
+        .iter()
+        .filter_map(|d| d.result.as_ref())
+        .flat_map(|r| &r.claims)
+        .map(|c| v1::ChainClaim {
+            claim_id: c.claim_id.clone(),
+            evidence_refs: c.evidence_refs.clone(),
+        })
+        .collect();
+    let resp = client
+        .evidence()?
+        .verify_chain(client.request(v1::VerifyChainRequest {
+            claims,
+            rehash_content: true,
+        }))
+        .await
+        .map_err(|s| client.explain(&s))?
+        .into_inner();
+    if json {
+        print_json(&resp)?;
+        return Ok(resp.intact);
+    }
+    for link in &resp.links {
+        let status = v1::LinkStatus::try_from(link.status)
+            .map_or("?", |s| s.as_str_name().trim_start_matches("LINK_STATUS_"));
+        let mark = if link.status == v1::LinkStatus::Ok as i32 {
+            "ok "
+        } else {
+            "BAD"
+        };
+        println!(
+            "{mark} {:<22} → {} → {} {status} {}",
+            link.claim_id, link.evidence_id, link.artifact_uri, link.detail
+        );
+    }
+    println!(
+        "{} link(s) checked for run {}: {}",
+        resp.links.len(),
+        run.run_id,
+        if resp.intact {
+            "every claim's evidence chain is intact (artifacts re-hashed)"
+        } else {
+            "BROKEN links found"
+        }
+    );
+    Ok(resp.intact)
+}

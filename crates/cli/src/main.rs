@@ -1,0 +1,469 @@
+//! `convene`: run the mesh, submit and inspect runs, review approvals.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand, ValueEnum};
+use convene_cli::client::{Client, DEFAULT_DATA_DIR, DEFAULT_ENDPOINT};
+use convene_cli::commands::{self, RunOptions};
+use convene_cli::{report, spec, up};
+use convene_proto::v1;
+use convene_server::cli::{ServiceArgs, init_logging};
+use convene_server::{Shutdown, dump};
+
+/// convene: a control plane for supervised multi-agent work.
+///
+/// Start everything in one process with `convene up`, then submit a run from another
+/// terminal with `convene run examples/payment-incident/run.yaml`. Client commands find
+/// the mesh at --endpoint and act as the principal whose development credential
+/// `convene up` created in the data directory (or as --as PRINCIPAL, or with
+/// --credential).
+#[derive(Debug, Parser)]
+#[command(name = "convene", version, propagate_version = true)]
+struct Cli {
+    /// Data directory shared by `convene up` and the client commands (credentials, keys,
+    /// artifacts). [default: .convene]
+    #[arg(long, global = true, env = "CONVENE_DATA_DIR", value_name = "DIR")]
+    data_dir: Option<PathBuf>,
+
+    #[command(subcommand)]
+    command: Command,
+}
+
+/// Where client commands connect and as whom.
+#[derive(Debug, clap::Args)]
+struct ClientArgs {
+    /// gRPC endpoint of the mesh (what `convene up` prints at start).
+    #[arg(long, env = "CONVENE_ENDPOINT", default_value = DEFAULT_ENDPOINT, value_name = "URL")]
+    endpoint: String,
+    /// Endpoint of the approval service when it runs apart from the supervisor.
+    #[arg(long, env = "CONVENE_APPROVAL_ENDPOINT", value_name = "URL")]
+    approval_endpoint: Option<String>,
+    /// Act as this principal, using its development credential from the data directory
+    /// (e.g. alice@acme to approve). Default: the principal `convene up` recorded.
+    #[arg(long = "as", value_name = "PRINCIPAL")]
+    as_principal: Option<String>,
+    /// Bearer credential to use instead of a development credential.
+    #[arg(
+        long,
+        env = "CONVENE_CREDENTIAL",
+        hide_env_values = true,
+        value_name = "SECRET"
+    )]
+    credential: Option<String>,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run every service (policy, evidence store, approval, supervisor, workers) in one
+    /// process on one address, with state in the data directory. Nothing to install.
+    Up(up::UpArgs),
+    /// Run one service on its own, exactly as its binary `convene-<service>` does
+    /// (configured by --config FILE and CONVENE_* variables).
+    Serve {
+        #[command(subcommand)]
+        service: ServeCommand,
+    },
+    /// Submit a run spec, show live progress (one line per delegation) and print the
+    /// assessment. Exit status 0 for SUCCEEDED, PARTIAL and WAITING_APPROVAL.
+    Run {
+        /// Run spec file (YAML or JSON, protobuf JSON mapping).
+        file: PathBuf,
+        /// Print the final Run as JSON (protobuf JSON mapping) instead of the assessment.
+        #[arg(long)]
+        json: bool,
+        /// Print the run id as soon as the run is accepted and return.
+        #[arg(long)]
+        detach: bool,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+    /// Validate a run spec offline and explain what it asks for.
+    Check {
+        /// Run spec file (YAML or JSON).
+        file: PathBuf,
+    },
+    /// Inspect runs.
+    Runs {
+        #[command(subcommand)]
+        command: RunsCommand,
+    },
+    /// Review and decide approval requests for R2/R3 actions.
+    Approvals {
+        #[command(subcommand)]
+        command: ApprovalsCommand,
+    },
+    /// Verify evidence chains.
+    Evidence {
+        #[command(subcommand)]
+        command: EvidenceCommand,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum ServeCommand {
+    /// The policy service (task tokens, authorization, decision log).
+    Policy(ServiceArgs),
+    /// The evidence store (immutable artifacts and evidence records).
+    EvidenceStore(ServiceArgs),
+    /// The approval service (R2/R3 requests, votes, execution).
+    Approval(ServiceArgs),
+    /// The supervisor (runs, dispatch, join, worker registry).
+    Supervisor(ServiceArgs),
+    /// A worker (agent loop, read-only tools).
+    Worker(ServiceArgs),
+}
+
+#[derive(Debug, Subcommand)]
+enum RunsCommand {
+    /// Show one run as an assessment (or JSON).
+    Get {
+        /// The run id.
+        run_id: String,
+        /// Print the Run as JSON.
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+    /// List your tenant's runs, newest first.
+    List {
+        /// Only runs in this state (repeatable).
+        #[arg(long = "state", value_enum)]
+        states: Vec<RunStateArg>,
+        /// How many runs to show.
+        #[arg(long, default_value_t = 20)]
+        limit: u32,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+    /// Cancel a run; its in-flight delegations are cancelled and late results never
+    /// reopen it.
+    Cancel {
+        /// The run id.
+        run_id: String,
+        /// Why (recorded as the run's terminal reason).
+        #[arg(long, default_value = "")]
+        reason: String,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum RunStateArg {
+    Pending,
+    Running,
+    Succeeded,
+    Partial,
+    WaitingApproval,
+    WaitingInput,
+    Failed,
+    Rejected,
+    BudgetExhausted,
+    NoProgress,
+    Cancelled,
+}
+
+impl RunStateArg {
+    fn to_proto(self) -> i32 {
+        (match self {
+            Self::Pending => v1::RunState::Pending,
+            Self::Running => v1::RunState::Running,
+            Self::Succeeded => v1::RunState::Succeeded,
+            Self::Partial => v1::RunState::Partial,
+            Self::WaitingApproval => v1::RunState::WaitingApproval,
+            Self::WaitingInput => v1::RunState::WaitingInput,
+            Self::Failed => v1::RunState::Failed,
+            Self::Rejected => v1::RunState::Rejected,
+            Self::BudgetExhausted => v1::RunState::BudgetExhausted,
+            Self::NoProgress => v1::RunState::NoProgress,
+            Self::Cancelled => v1::RunState::Cancelled,
+        }) as i32
+    }
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum ApprovalStateArg {
+    Pending,
+    Approved,
+    Rejected,
+    Expired,
+    Executed,
+}
+
+#[derive(Debug, Subcommand)]
+enum ApprovalsCommand {
+    /// List approval requests of your tenant.
+    List {
+        /// Only requests of this run.
+        #[arg(long = "run", value_name = "RUN_ID")]
+        run_id: Option<String>,
+        /// Only requests in this state (repeatable).
+        #[arg(long = "state", value_enum)]
+        states: Vec<ApprovalStateArg>,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+    /// Approve a request as it stands now (your vote binds to its parameters' hash).
+    Approve {
+        /// The approval id.
+        approval_id: String,
+        /// A comment for the record.
+        #[arg(long, default_value = "")]
+        comment: String,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+    /// Reject a request.
+    Reject {
+        /// The approval id.
+        approval_id: String,
+        /// A comment for the record.
+        #[arg(long, default_value = "")]
+        comment: String,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+    /// Execute an approved request (exactly once; later calls show the first outcome).
+    Execute {
+        /// The approval id.
+        approval_id: String,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum EvidenceCommand {
+    /// Walk every claim of a run to its evidence and artifacts, re-hashing the bytes.
+    Verify {
+        /// The run id.
+        run_id: String,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+}
+
+fn client(data_dir: &std::path::Path, args: ClientArgs) -> anyhow::Result<Client> {
+    Client::resolve(
+        args.endpoint,
+        args.approval_endpoint,
+        data_dir,
+        args.as_principal.as_deref(),
+        args.credential,
+    )
+}
+
+fn jaeger() -> Option<String> {
+    std::env::var("CONVENE_JAEGER_URL")
+        .ok()
+        .filter(|s| !s.is_empty())
+}
+
+/// Loads a service's config (defaults → --config → CONVENE_* → flags, with --data-dir
+/// when given) and runs it until SIGTERM/SIGINT.
+async fn serve<C, F, Fut, E>(
+    args: &ServiceArgs,
+    data_dir: Option<&PathBuf>,
+    name: &str,
+    run: F,
+) -> anyhow::Result<()>
+where
+    C: serde::Serialize + serde::de::DeserializeOwned + Default,
+    F: FnOnce(C, Shutdown) -> Fut,
+    Fut: std::future::Future<Output = Result<(), E>>,
+    E: std::error::Error + Send + Sync + 'static,
+{
+    let mut loader = args.config_loader().env(std::env::vars());
+    if let Some(dir) = data_dir {
+        loader = loader.set("data_dir", dir.display().to_string());
+    }
+    let config: C = loader.load()?;
+    if let Some(format) = args.dump_config {
+        print!("{}", dump(&config, format)?);
+        return Ok(());
+    }
+    init_logging(args.log_format);
+    if args.config.is_none() {
+        tracing::info!(
+            "no --config given: using the development settings of the payment-incident example"
+        );
+    }
+    tracing::info!(service = name, "starting");
+    let shutdown = Shutdown::from_signals()?;
+    run(config, shutdown).await?;
+    Ok(())
+}
+
+async fn main_inner(cli: Cli) -> anyhow::Result<ExitCode> {
+    let explicit_data_dir = cli.data_dir.clone();
+    let data_dir = cli
+        .data_dir
+        .unwrap_or_else(|| PathBuf::from(DEFAULT_DATA_DIR));
+    match cli.command {
+        Command::Up(args) => {
+            up::run(args, &data_dir).await?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Serve { service } => {
+            let dir = explicit_data_dir.as_ref();
+            match service {
+                ServeCommand::Policy(a) => serve(&a, dir, "policy", convene_policy::run).await?,
+                ServeCommand::EvidenceStore(a) => {
+                    serve(&a, dir, "evidence-store", convene_evidence_store::run).await?
+                }
+                ServeCommand::Approval(a) => {
+                    serve(&a, dir, "approval", convene_approval::run).await?
+                }
+                ServeCommand::Supervisor(a) => {
+                    serve(&a, dir, "supervisor", convene_supervisor::run).await?
+                }
+                ServeCommand::Worker(a) => serve(&a, dir, "worker", convene_worker::run).await?,
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Run {
+            file,
+            json,
+            detach,
+            client: c,
+        } => {
+            let c = client(&data_dir, c)?;
+            let run = commands::run(
+                &c,
+                &file,
+                &RunOptions {
+                    json,
+                    detach,
+                    jaeger: jaeger(),
+                },
+            )
+            .await?;
+            if detach || report::is_success(run.state) {
+                Ok(ExitCode::SUCCESS)
+            } else {
+                eprintln!("{}", report::one_line(&run));
+                Ok(ExitCode::from(2))
+            }
+        }
+        Command::Check { file } => {
+            let spec = spec::load(&file)?;
+            print!("{}", spec::explain(&spec, std::time::SystemTime::now())?);
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Runs { command } => match command {
+            RunsCommand::Get {
+                run_id,
+                json,
+                client: c,
+            } => {
+                commands::runs_get(&client(&data_dir, c)?, &run_id, json, jaeger().as_deref())
+                    .await?;
+                Ok(ExitCode::SUCCESS)
+            }
+            RunsCommand::List {
+                states,
+                limit,
+                json,
+                client: c,
+            } => {
+                let states = states.into_iter().map(RunStateArg::to_proto).collect();
+                commands::runs_list(&client(&data_dir, c)?, states, limit, json).await?;
+                Ok(ExitCode::SUCCESS)
+            }
+            RunsCommand::Cancel {
+                run_id,
+                reason,
+                client: c,
+            } => {
+                commands::runs_cancel(&client(&data_dir, c)?, &run_id, &reason).await?;
+                Ok(ExitCode::SUCCESS)
+            }
+        },
+        Command::Approvals { command } => match command {
+            ApprovalsCommand::List {
+                run_id,
+                states,
+                json,
+                client: c,
+            } => {
+                let states = states
+                    .into_iter()
+                    .map(|s| {
+                        (match s {
+                            ApprovalStateArg::Pending => v1::ApprovalState::Pending,
+                            ApprovalStateArg::Approved => v1::ApprovalState::Approved,
+                            ApprovalStateArg::Rejected => v1::ApprovalState::Rejected,
+                            ApprovalStateArg::Expired => v1::ApprovalState::Expired,
+                            ApprovalStateArg::Executed => v1::ApprovalState::Executed,
+                        }) as i32
+                    })
+                    .collect();
+                commands::approvals_list(&client(&data_dir, c)?, run_id, states, json).await?;
+                Ok(ExitCode::SUCCESS)
+            }
+            ApprovalsCommand::Approve {
+                approval_id,
+                comment,
+                client: c,
+            } => {
+                commands::approvals_decide(&client(&data_dir, c)?, &approval_id, true, &comment)
+                    .await?;
+                Ok(ExitCode::SUCCESS)
+            }
+            ApprovalsCommand::Reject {
+                approval_id,
+                comment,
+                client: c,
+            } => {
+                commands::approvals_decide(&client(&data_dir, c)?, &approval_id, false, &comment)
+                    .await?;
+                Ok(ExitCode::SUCCESS)
+            }
+            ApprovalsCommand::Execute {
+                approval_id,
+                client: c,
+            } => {
+                commands::approvals_execute(&client(&data_dir, c)?, &approval_id).await?;
+                Ok(ExitCode::SUCCESS)
+            }
+        },
+        Command::Evidence { command } => match command {
+            EvidenceCommand::Verify {
+                run_id,
+                json,
+                client: c,
+            } => {
+                let intact =
+                    commands::evidence_verify(&client(&data_dir, c)?, &run_id, json).await?;
+                Ok(if intact {
+                    ExitCode::SUCCESS
+                } else {
+                    ExitCode::from(3)
+                })
+            }
+        },
+    }
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match main_inner(cli).await {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("convene: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

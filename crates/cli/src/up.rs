@@ -1,0 +1,360 @@
+//! `convene up`: every service in one process, on one address, sharing one state.
+//!
+//! The services are the very same code as the separate binaries; they reach each other
+//! through in-process handles (a direct async call, no socket, no encoding), and the
+//! gRPC server exposes all of them on one listener for clients. Workers run in-process
+//! too and register with the supervisor's registry like remote ones do.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use convene_mesh::handles::{
+    ApprovalHandle, EvidenceHandle, PolicyHandle, RegistryHandle, WorkerHandle,
+};
+use convene_mesh::policy_file::{Policy, PrincipalKind, dev_credential};
+use convene_server::cli::{LogFormat, init_logging};
+use convene_server::{GrpcServer, ServerSettings, Shutdown};
+use convene_supervisor::registry::RegistryService;
+use convene_supervisor::{MemoryStore, MeshConnector, SupervisorService};
+
+use crate::client::DEFAULT_PRINCIPAL_FILE;
+
+/// Flags of `convene up`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct UpArgs {
+    /// Address every gRPC service is served on.
+    #[arg(
+        long,
+        env = "CONVENE_LISTEN",
+        default_value = "127.0.0.1:7400",
+        value_name = "ADDR"
+    )]
+    pub listen: SocketAddr,
+    /// Policy file (principals, profiles' capabilities, tool catalog, runtime rules).
+    /// Default: the payment-incident example's, built in.
+    #[arg(long = "policy", value_name = "FILE")]
+    pub policy_file: Option<PathBuf>,
+    /// Worker profiles file. Default: the payment-incident example's, built in.
+    #[arg(long = "profiles", value_name = "FILE")]
+    pub profiles_file: Option<PathBuf>,
+    /// Directory the workers' read-only tools read (logs/, metrics/, changes/).
+    #[arg(
+        long = "tools-data",
+        default_value = "examples/payment-incident/data",
+        value_name = "DIR"
+    )]
+    pub tools_data_dir: PathBuf,
+    /// In-process workers to start (each serves every profile).
+    #[arg(long, default_value_t = 2)]
+    pub workers: usize,
+    /// Delegations each worker runs at once.
+    #[arg(long, default_value_t = 64)]
+    pub capacity: u32,
+    /// Principal the client commands act as by default (its credential is created in the
+    /// data directory). Default: oncall@acme if the policy has it, else the first person
+    /// allowed to start runs.
+    #[arg(long, value_name = "PRINCIPAL")]
+    pub default_principal: Option<String>,
+    /// Log line format.
+    #[arg(long, value_enum, default_value_t = LogFormat::Text, env = "CONVENE_LOG_FORMAT")]
+    pub log_format: LogFormat,
+}
+
+impl UpArgs {
+    /// The flags' defaults, listening on `listen`.
+    pub fn defaults(listen: SocketAddr) -> Self {
+        Self {
+            listen,
+            policy_file: None,
+            profiles_file: None,
+            tools_data_dir: PathBuf::from("examples/payment-incident/data"),
+            workers: 2,
+            capacity: 64,
+            default_principal: None,
+            log_format: LogFormat::Text,
+        }
+    }
+}
+
+/// A mesh running in this process.
+pub struct Mesh {
+    /// Where clients reach it.
+    pub addr: SocketAddr,
+    /// Stops it.
+    pub shutdown: Shutdown,
+    /// The supervisor (an in-process handle).
+    pub supervisor: SupervisorService,
+    /// The principal client commands act as by default.
+    pub default_principal: String,
+    server: tokio::task::JoinHandle<Result<(), convene_server::ServeError>>,
+    workers: std::sync::Mutex<Vec<tokio::task::JoinHandle<()>>>,
+    pool: WorkerPool,
+}
+
+/// What starting another in-process worker needs.
+#[derive(Clone)]
+struct WorkerPool {
+    policy: PolicyHandle,
+    evidence: EvidenceHandle,
+    connector: Arc<MeshConnector>,
+    registry: Arc<convene_supervisor::Registry>,
+    credential: String,
+    data_dir: PathBuf,
+    shutdown: Shutdown,
+}
+
+impl WorkerPool {
+    /// Starts `count` workers serving the profiles in `profiles` (None: the example's),
+    /// registered with the supervisor like remote workers; returns their profile ids.
+    fn start(
+        &self,
+        profiles: Option<&Path>,
+        tools_data: &Path,
+        count: usize,
+        capacity: u32,
+    ) -> anyhow::Result<(Vec<String>, Vec<tokio::task::JoinHandle<()>>)> {
+        let registry_handle: RegistryHandle = Arc::new(RegistryService(self.registry.clone()));
+        let mut profile_ids = Vec::new();
+        let mut tasks = Vec::new();
+        for _ in 0..count.max(1) {
+            let n = NEXT_WORKER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let worker_config = convene_worker::Config {
+                worker_id: format!("local-worker-{n}"),
+                profiles_file: profiles.map(Path::to_owned),
+                tools_data_dir: tools_data.to_owned(),
+                capacity,
+                data_dir: self.data_dir.clone(),
+                ..convene_worker::Config::default()
+            };
+            let worker = convene_worker::WorkerService::from_config(
+                &worker_config,
+                self.policy.clone(),
+                self.evidence.clone(),
+                false,
+            )
+            .context("starting a worker")?;
+            if profile_ids.is_empty() {
+                profile_ids = worker.profiles().into_iter().map(|p| p.id).collect();
+            }
+            let handle: WorkerHandle = Arc::new(worker.clone());
+            let endpoint = self.connector.add_local(worker.worker_id(), handle);
+            let registrar =
+                worker.registrar(registry_handle.clone(), self.credential.clone(), endpoint);
+            tasks.push(tokio::spawn(registrar.run(self.shutdown.clone())));
+        }
+        Ok((profile_ids, tasks))
+    }
+}
+
+static NEXT_WORKER: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(1);
+
+async fn wait_registered(registry: &convene_supervisor::Registry, at_least: usize) {
+    // Registration is asynchronous; a run submitted right after start should find them.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while registry
+        .snapshot()
+        .iter()
+        .filter(|(_, _, live)| *live)
+        .count()
+        < at_least
+        && tokio::time::Instant::now() < deadline
+    {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+impl std::fmt::Debug for Mesh {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Mesh")
+            .field("addr", &self.addr)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Mesh {
+    /// Starts `count` more in-process workers serving the profiles in `profiles`, and
+    /// waits until they are registered.
+    pub async fn add_workers(
+        &self,
+        profiles: &Path,
+        tools_data: &Path,
+        count: usize,
+        capacity: u32,
+    ) -> anyhow::Result<()> {
+        let before = self
+            .pool
+            .registry
+            .snapshot()
+            .iter()
+            .filter(|(_, _, live)| *live)
+            .count();
+        let (_, tasks) = self
+            .pool
+            .start(Some(profiles), tools_data, count, capacity)?;
+        self.workers
+            .lock()
+            .expect("workers lock poisoned")
+            .extend(tasks);
+        wait_registered(&self.pool.registry, before + count.max(1)).await;
+        Ok(())
+    }
+
+    /// Waits until the mesh has stopped (after `shutdown` fired) and drained.
+    pub async fn stopped(self) -> anyhow::Result<()> {
+        let served = self.server.await.context("the server task panicked")?;
+        let workers = std::mem::take(&mut *self.workers.lock().expect("workers lock poisoned"));
+        for w in workers {
+            let _ = w.await;
+        }
+        served.context("the gRPC server failed")
+    }
+}
+
+fn pick_default_principal(policy: &Policy, asked: Option<&str>) -> anyhow::Result<String> {
+    if let Some(p) = asked {
+        anyhow::ensure!(
+            policy.principals.contains_key(p),
+            "--default-principal {p} is not in the policy file"
+        );
+        return Ok(p.to_owned());
+    }
+    if policy.principals.contains_key("oncall@acme") {
+        return Ok("oncall@acme".to_owned());
+    }
+    policy
+        .principals
+        .values()
+        .find(|p| p.kind == PrincipalKind::Human && p.has_role("runs:start"))
+        .map(|p| p.id.clone())
+        .context("the policy file has no person allowed to start runs (role runs:start)")
+}
+
+/// Starts every service in this process, serving gRPC on a listener bound to
+/// `args.listen`.
+pub async fn start(args: &UpArgs, data_dir: &Path, shutdown: Shutdown) -> anyhow::Result<Mesh> {
+    std::fs::create_dir_all(data_dir)
+        .with_context(|| format!("cannot create data directory {}", data_dir.display()))?;
+    let creds = data_dir.join("credentials");
+
+    // Policy: keys, dev credentials and decision log in the data directory.
+    let policy_config = convene_policy::Config {
+        data_dir: data_dir.to_owned(),
+        policy_file: args.policy_file.clone(),
+        dev_credentials: true,
+        ..convene_policy::Config::default()
+    };
+    let policy_service = convene_policy::PolicyService::open(&policy_config)
+        .context("starting the policy service")?;
+    let policy: Arc<Policy> = policy_service.policy().clone();
+    let policy_handle: PolicyHandle = Arc::new(policy_service.clone());
+
+    let evidence_config = convene_evidence_store::Config {
+        data_dir: data_dir.to_owned(),
+        ..convene_evidence_store::Config::default()
+    };
+    let evidence_service = convene_evidence_store::EvidenceStoreService::open_with_policy(
+        &evidence_config,
+        policy_handle.clone(),
+        policy.clone(),
+    )
+    .context("starting the evidence store")?;
+    let evidence_handle: EvidenceHandle = Arc::new(evidence_service.clone());
+
+    let approval_service = Arc::new(convene_approval::ApprovalService::new(policy.clone()));
+    let approval_handle: ApprovalHandle = approval_service.clone();
+
+    let connector = Arc::new(MeshConnector::default());
+    let supervisor_config = convene_supervisor::Config {
+        data_dir: data_dir.to_owned(),
+        ..convene_supervisor::Config::default()
+    };
+    let (supervisor, registry) = convene_supervisor::build(convene_supervisor::Parts {
+        policy: policy_handle.clone(),
+        evidence: evidence_handle.clone(),
+        approval: approval_handle,
+        policy_file: policy.clone(),
+        credential: dev_credential(&creds, "supervisor").context("supervisor credential")?,
+        store: Arc::new(MemoryStore::default()),
+        connector: connector.clone(),
+        config: supervisor_config,
+        shutdown: shutdown.clone(),
+    });
+
+    // Workers: in-process, registered like remote ones.
+    let pool = WorkerPool {
+        policy: policy_handle.clone(),
+        evidence: evidence_handle.clone(),
+        connector: connector.clone(),
+        registry: registry.clone(),
+        credential: dev_credential(&creds, "worker-pool").context("worker credential")?,
+        data_dir: data_dir.to_owned(),
+        shutdown: shutdown.clone(),
+    };
+    let (profile_ids, workers) = pool.start(
+        args.profiles_file.as_deref(),
+        &args.tools_data_dir,
+        args.workers,
+        args.capacity,
+    )?;
+
+    let default_principal = pick_default_principal(&policy, args.default_principal.as_deref())?;
+    std::fs::write(
+        creds.join(DEFAULT_PRINCIPAL_FILE),
+        format!("{default_principal}\n"),
+    )
+    .context("cannot record the default principal")?;
+    // Creates the default principal's credential now, so the CLI finds it.
+    dev_credential(&creds, &default_principal).context("default principal credential")?;
+
+    let settings = ServerSettings {
+        listen: args.listen,
+        // Delegate calls wait for their children and workers run for minutes.
+        request_timeout: Some(Duration::from_secs(15 * 60)),
+        max_message_bytes: evidence_service.message_limit(),
+        ..ServerSettings::default()
+    };
+    let listener = convene_server::bind(args.listen).await?;
+    let addr = listener.local_addr()?;
+    let mut server = GrpcServer::new(settings);
+    server = policy_service.add_to(server);
+    server = evidence_service.add_to(server);
+    server = convene_approval::add_to_server(server, approval_service);
+    server = convene_supervisor::add_to(server, supervisor.clone(), registry.clone());
+    let server = tokio::spawn(server.serve(listener, shutdown.clone()));
+
+    wait_registered(&registry, args.workers.max(1)).await;
+    tracing::info!(
+        %addr,
+        data_dir = %data_dir.display(),
+        workers = args.workers.max(1),
+        profiles = ?profile_ids,
+        default_principal,
+        "convene up: policy, evidence store, approval, supervisor and workers serving"
+    );
+    Ok(Mesh {
+        addr,
+        shutdown,
+        supervisor,
+        default_principal,
+        server,
+        workers: std::sync::Mutex::new(workers),
+        pool,
+    })
+}
+
+/// `convene up`: starts the mesh and serves until Ctrl-C / SIGTERM.
+pub async fn run(args: UpArgs, data_dir: &Path) -> anyhow::Result<()> {
+    init_logging(args.log_format);
+    let shutdown = Shutdown::from_signals()?;
+    let mesh = start(&args, data_dir, shutdown).await?;
+    println!(
+        "convene up: serving on http://{} (data dir {}); client commands act as {} by default. Ctrl-C stops.",
+        mesh.addr,
+        data_dir.display(),
+        mesh.default_principal
+    );
+    mesh.stopped().await
+}

@@ -1,0 +1,336 @@
+//! The worker's configuration.
+//!
+//! [`Config::default`] is the development setup of the payment-incident example: listen
+//! on `127.0.0.1:7410`, serve the embedded example profiles over the example data in
+//! `examples/payment-incident/data`, reach the supervisor, policy service and evidence
+//! store on their well-known local ports, and read the `worker-pool` credential from
+//! `./.convene/credentials`. Every key can be overridden by a config file, `CONVENE_*`
+//! environment variables (`CONVENE_DATA_DIR`, `CONVENE_TOOLS_DATA_DIR`, ...) and flags,
+//! through [`convene_server::ConfigLoader`].
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use convene_server::ServerSettings;
+use serde::{Deserialize, Serialize};
+
+use crate::Error;
+use crate::profiles::{self, Profile};
+use crate::tools::ToolRegistry;
+
+/// The worker's well-known port.
+pub const DEFAULT_PORT: u16 = 7410;
+/// Default time an Execute call may take: it runs for the whole task, so the server's
+/// usual 30 s would cut investigations short. Task deadlines bound it in practice.
+pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(15 * 60);
+/// Default data directory, relative to the working directory.
+pub const DEFAULT_DATA_DIR: &str = "./.convene";
+/// Default directory of the tools' data, relative to the working directory.
+pub const DEFAULT_TOOLS_DATA_DIR: &str = "examples/payment-incident/data";
+/// Default delegations run at once.
+pub const DEFAULT_CAPACITY: u32 = 16;
+/// The principal whose credential workers register with.
+pub const WORKER_POOL_PRINCIPAL: &str = "worker-pool";
+
+/// Everything a worker is configured with.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// How the gRPC server listens; `request_timeout` must cover a whole task (or be
+    /// `"off"`).
+    pub server: ServerSettings,
+    /// This worker's id, stable across re-registrations. Default: `<hostname>-<pid>`.
+    pub worker_id: String,
+    /// Endpoint the supervisor dispatches to. Unset: derived from the bound address
+    /// (the host name when listening on all interfaces).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub advertise: Option<String>,
+    /// Profiles file (YAML). Unset: the embedded payment-incident example profiles.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub profiles_file: Option<PathBuf>,
+    /// Directory the read-only tools query: `logs/<service>.jsonl`,
+    /// `metrics/<metric>.json`, `changes/changes.json`.
+    pub tools_data_dir: PathBuf,
+    /// Delegations run at once; one more is refused as "worker busy".
+    pub capacity: u32,
+    /// Whether to register with the supervisor's worker registry.
+    pub register: bool,
+    /// The supervisor (worker registry).
+    pub supervisor_endpoint: String,
+    /// The policy service.
+    pub policy_endpoint: String,
+    /// The evidence store.
+    pub evidence_endpoint: String,
+    /// Data directory; the development `worker-pool` credential is
+    /// `<data_dir>/credentials/worker-pool.secret`.
+    pub data_dir: PathBuf,
+    /// File holding the `worker-pool` credential. Unset: the development credential in
+    /// the data directory (created if absent, shared with the other services there).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub credential_file: Option<PathBuf>,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            server: ServerSettings {
+                request_timeout: Some(DEFAULT_REQUEST_TIMEOUT),
+                ..ServerSettings::on_port(DEFAULT_PORT)
+            },
+            worker_id: default_worker_id(),
+            advertise: None,
+            profiles_file: None,
+            tools_data_dir: PathBuf::from(DEFAULT_TOOLS_DATA_DIR),
+            capacity: DEFAULT_CAPACITY,
+            register: true,
+            supervisor_endpoint: "http://127.0.0.1:7400".to_owned(),
+            policy_endpoint: "http://127.0.0.1:7401".to_owned(),
+            evidence_endpoint: "http://127.0.0.1:7402".to_owned(),
+            data_dir: PathBuf::from(DEFAULT_DATA_DIR),
+            credential_file: None,
+        }
+    }
+}
+
+/// `<hostname>-<pid>`: unique among the workers of one host and readable in logs.
+pub fn default_worker_id() -> String {
+    let host = std::env::var("HOSTNAME")
+        .ok()
+        .or_else(|| std::fs::read_to_string("/proc/sys/kernel/hostname").ok())
+        .map(|h| h.trim().to_owned())
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "worker".to_owned());
+    format!("{host}-{}", std::process::id())
+}
+
+impl Config {
+    /// Where development credentials are kept: `<data_dir>/credentials`.
+    pub fn credentials_dir(&self) -> PathBuf {
+        self.data_dir.join("credentials")
+    }
+
+    /// Checks the values that would make the worker useless.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Config`] naming the key.
+    pub fn validate(&self) -> Result<(), Error> {
+        self.server
+            .validate()
+            .map_err(|e| Error::Config(e.to_string()))?;
+        if self.capacity == 0 {
+            return Err(Error::Config(
+                "capacity must be at least 1 (delegations run at once)".into(),
+            ));
+        }
+        if self.worker_id.trim().is_empty() {
+            return Err(Error::Config(
+                "worker_id must not be empty; leave it unset for <hostname>-<pid>".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The configured profiles (the embedded example when `profiles_file` is unset).
+    ///
+    /// # Errors
+    ///
+    /// The file cannot be read or a profile is invalid.
+    pub fn load_profiles(&self) -> Result<Vec<Profile>, Error> {
+        Ok(match &self.profiles_file {
+            Some(path) => profiles::load(path)?,
+            None => profiles::example()?,
+        })
+    }
+
+    /// The built-in tools over `tools_data_dir`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::ToolsDataDir`] when the directory does not exist.
+    pub fn tools(&self) -> Result<ToolRegistry, Error> {
+        if !self.tools_data_dir.is_dir() {
+            return Err(Error::ToolsDataDir {
+                path: self.tools_data_dir.clone(),
+            });
+        }
+        Ok(ToolRegistry::builtin(self.tools_data_dir.clone()))
+    }
+
+    /// The `worker-pool` credential the worker registers with.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Credential`] when the file cannot be read (or created) or is empty.
+    pub fn credential(&self) -> Result<String, Error> {
+        let (path, read) = match &self.credential_file {
+            Some(path) => (
+                path.clone(),
+                std::fs::read_to_string(path).map(|s| s.trim().to_owned()),
+            ),
+            None => {
+                let dir = self.credentials_dir();
+                (
+                    convene_mesh::policy_file::dev_credential_path(&dir, WORKER_POOL_PRINCIPAL),
+                    std::fs::create_dir_all(&dir).and_then(|()| {
+                        convene_mesh::policy_file::dev_credential(&dir, WORKER_POOL_PRINCIPAL)
+                    }),
+                )
+            }
+        };
+        match read {
+            Ok(secret) if !secret.is_empty() => Ok(secret),
+            Ok(_) => Err(Error::Credential {
+                path,
+                source: std::io::Error::other("the file is empty"),
+            }),
+            Err(source) => Err(Error::Credential { path, source }),
+        }
+    }
+
+    /// The endpoint to register: `advertise`, or one derived from the bound address.
+    pub fn advertise_endpoint(&self, bound: SocketAddr) -> String {
+        if let Some(a) = self.advertise.as_deref().filter(|a| !a.trim().is_empty()) {
+            return a.to_owned();
+        }
+        if bound.ip().is_unspecified() {
+            let host = std::env::var("HOSTNAME")
+                .ok()
+                .or_else(|| std::fs::read_to_string("/proc/sys/kernel/hostname").ok())
+                .map(|h| h.trim().to_owned())
+                .filter(|h| !h.is_empty())
+                .unwrap_or_else(|| "localhost".to_owned());
+            format!("http://{host}:{}", bound.port())
+        } else {
+            format!("http://{bound}")
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use convene_server::ConfigLoader;
+
+    use super::*;
+
+    #[test]
+    fn defaults_are_the_development_settings() {
+        let config = Config::default();
+        assert_eq!(config.server.listen.port(), DEFAULT_PORT);
+        assert!(config.server.listen.ip().is_loopback());
+        assert_eq!(config.server.request_timeout, Some(DEFAULT_REQUEST_TIMEOUT));
+        assert_eq!(config.capacity, 16);
+        assert!(
+            config
+                .worker_id
+                .ends_with(&format!("-{}", std::process::id()))
+        );
+        assert_eq!(
+            config.credentials_dir(),
+            PathBuf::from("./.convene/credentials")
+        );
+        config.validate().unwrap();
+        assert_eq!(config.load_profiles().unwrap().len(), 3);
+    }
+
+    #[test]
+    fn environment_overrides_and_unknown_keys_are_refused() {
+        let config: Config = ConfigLoader::new()
+            .env([
+                ("CONVENE_DATA_DIR", "/var/lib/convene"),
+                ("CONVENE_TOOLS_DATA_DIR", "/srv/data"),
+                ("CONVENE_CAPACITY", "4"),
+                ("CONVENE_SERVER__REQUEST_TIMEOUT", "off"),
+            ])
+            .load()
+            .unwrap();
+        assert_eq!(config.data_dir, PathBuf::from("/var/lib/convene"));
+        assert_eq!(config.tools_data_dir, PathBuf::from("/srv/data"));
+        assert_eq!(config.capacity, 4);
+        assert_eq!(config.server.request_timeout, None);
+        let err = ConfigLoader::new()
+            .env([("CONVENE_TOOL_DATA_DIR", "/srv/data")])
+            .load::<Config>()
+            .unwrap_err();
+        assert!(err.to_string().contains("CONVENE_TOOL_DATA_DIR"), "{err}");
+    }
+
+    #[test]
+    fn missing_tools_data_dir_says_how_to_fix_it() {
+        let config = Config {
+            tools_data_dir: PathBuf::from("/nonexistent/convene-data"),
+            ..Config::default()
+        };
+        let err = config.tools().unwrap_err().to_string();
+        assert!(err.contains("/nonexistent/convene-data"), "{err}");
+        assert!(err.contains("--tools-data"), "{err}");
+        assert!(err.contains("tools_data_dir"), "{err}");
+    }
+
+    #[test]
+    fn zero_capacity_is_refused() {
+        let config = Config {
+            capacity: 0,
+            ..Config::default()
+        };
+        assert!(
+            config
+                .validate()
+                .unwrap_err()
+                .to_string()
+                .contains("capacity")
+        );
+    }
+
+    #[test]
+    fn credential_comes_from_the_file_or_the_data_dir() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = Config {
+            data_dir: dir.path().to_owned(),
+            ..Config::default()
+        };
+        let dev = config.credential().unwrap();
+        assert_eq!(
+            config.credential().unwrap(),
+            dev,
+            "created once, then reused"
+        );
+        assert!(dir.path().join("credentials/worker-pool.secret").is_file());
+
+        let file = dir.path().join("pool.secret");
+        std::fs::write(&file, "cvn_given\n").unwrap();
+        let config = Config {
+            credential_file: Some(file.clone()),
+            ..config
+        };
+        assert_eq!(config.credential().unwrap(), "cvn_given");
+        std::fs::write(&file, "  ").unwrap();
+        assert!(
+            config
+                .credential()
+                .unwrap_err()
+                .to_string()
+                .contains("empty")
+        );
+    }
+
+    #[test]
+    fn advertised_endpoint_follows_the_bound_address() {
+        let config = Config::default();
+        assert_eq!(
+            config.advertise_endpoint("127.0.0.1:7410".parse().unwrap()),
+            "http://127.0.0.1:7410"
+        );
+        let any = config.advertise_endpoint("0.0.0.0:7410".parse().unwrap());
+        assert!(any.starts_with("http://") && any.ends_with(":7410") && !any.contains("0.0.0.0"));
+        let explicit = Config {
+            advertise: Some("http://worker-3.pool:7410".into()),
+            ..Config::default()
+        };
+        assert_eq!(
+            explicit.advertise_endpoint("0.0.0.0:7410".parse().unwrap()),
+            "http://worker-3.pool:7410"
+        );
+    }
+}

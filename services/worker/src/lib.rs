@@ -1,0 +1,153 @@
+//! A convene worker: serves worker profiles and runs the delegations the supervisor
+//! sends it.
+//!
+//! A worker owns nothing global. For each delegation it runs a bounded agent loop
+//! ([`agent`]) in which a model ([`provider`]; by default the deterministic
+//! [`playbook`]) asks for tool calls; every call is authorized by the policy service and
+//! its raw output is stored with its evidence record in the evidence store; the model's
+//! final report becomes the [`v1::TaskResult`](convene_proto::v1::TaskResult) whose
+//! claims cite that evidence. The worker registers its profiles and capacity with the
+//! supervisor's worker registry and heartbeats ([`registration`]).
+//!
+//! - [`WorkerService`]: the `convene.v1.Worker` service and its in-process handle.
+//! - [`Config`], [`run`]: the standalone binary's configuration and main loop.
+//! - [`profiles`]: the profiles file; [`tools`]: the read-only tools; [`faults`]: fault
+//!   injection for tests.
+#![forbid(unsafe_code)]
+
+pub mod agent;
+pub mod config;
+mod error;
+pub mod faults;
+pub mod playbook;
+pub mod profiles;
+pub mod provider;
+pub mod registration;
+pub mod report;
+mod service;
+pub mod tools;
+
+use std::sync::Arc;
+
+use convene_mesh::handles::{
+    EvidenceHandle, GrpcEvidenceStore, GrpcPolicy, GrpcWorkerRegistry, PolicyHandle, RegistryHandle,
+};
+use convene_server::{GrpcServer, Shutdown};
+
+pub use config::Config;
+pub use error::Error;
+pub use registration::{Registrar, Registration};
+pub use service::{RESULT_CACHE, SetupError, WorkerOptions, WorkerService};
+
+impl WorkerService {
+    /// A worker as `config` describes it (profiles, tools, id, capacity), with the
+    /// built-in model providers, calling the policy service and the evidence store
+    /// through `policy` and `evidence`. `exit_process_on_fault` is for the standalone
+    /// binary only (see [`WorkerOptions`]).
+    ///
+    /// # Errors
+    ///
+    /// Invalid configuration or profiles, a missing tool data directory, or a profile
+    /// naming an unknown provider or tool.
+    pub fn from_config(
+        config: &Config,
+        policy: PolicyHandle,
+        evidence: EvidenceHandle,
+        exit_process_on_fault: bool,
+    ) -> Result<Self, Error> {
+        config.validate()?;
+        let profiles = config.load_profiles()?;
+        let tools = config.tools()?;
+        let options = WorkerOptions {
+            worker_id: config.worker_id.clone(),
+            capacity: config.capacity,
+            exit_process_on_fault,
+        };
+        Ok(Self::new(
+            options,
+            profiles,
+            &provider::ProviderRegistry::builtin(),
+            tools,
+            policy,
+            evidence,
+        )?)
+    }
+
+    /// The registration this worker announces at `endpoint`.
+    pub fn registration(&self, endpoint: String) -> Registration {
+        Registration {
+            worker_id: self.worker_id().to_owned(),
+            endpoint,
+            profiles: self.profiles(),
+            capacity: self.capacity(),
+        }
+    }
+
+    /// A registrar keeping this worker registered at `endpoint` in `registry`.
+    pub fn registrar(
+        &self,
+        registry: RegistryHandle,
+        credential: String,
+        endpoint: String,
+    ) -> Registrar {
+        let this = self.clone();
+        Registrar::new(
+            registry,
+            credential,
+            self.registration(endpoint),
+            Arc::new(move || this.in_flight()),
+        )
+    }
+}
+
+/// Runs a standalone worker until `shutdown` triggers: connects to the policy service,
+/// the evidence store and (unless `register` is off) the supervisor's registry, serves
+/// `convene.v1.Worker` on `server.listen`, and deregisters on the way out.
+///
+/// # Errors
+///
+/// Invalid configuration or profiles, a missing tool data directory or credential, an
+/// address that cannot be bound, or a server failure.
+pub async fn run(config: Config, shutdown: Shutdown) -> Result<(), Error> {
+    let policy: PolicyHandle = Arc::new(GrpcPolicy::connect(&config.policy_endpoint)?);
+    let evidence: EvidenceHandle = Arc::new(GrpcEvidenceStore::connect(&config.evidence_endpoint)?);
+    let worker = WorkerService::from_config(&config, policy, evidence, true)?;
+    let listener = convene_server::bind(config.server.listen)
+        .await
+        .map_err(Error::Serve)?;
+    let bound = listener
+        .local_addr()
+        .map_err(|e| Error::Serve(convene_server::ServeError::LocalAddr(e)))?;
+    let endpoint = config.advertise_endpoint(bound);
+
+    let registrar = if config.register {
+        let registry: RegistryHandle =
+            Arc::new(GrpcWorkerRegistry::connect(&config.supervisor_endpoint)?);
+        let credential = config.credential()?;
+        let registrar = worker.registrar(registry, credential, endpoint.clone());
+        Some(tokio::spawn(registrar.run(shutdown.clone())))
+    } else {
+        tracing::info!("registration is off: the supervisor must be told about this worker");
+        None
+    };
+    tracing::info!(
+        worker_id = %worker.worker_id(),
+        %endpoint,
+        profiles = ?worker.profiles().iter().map(|p| p.id.as_str()).collect::<Vec<_>>(),
+        capacity = worker.capacity(),
+        tools_data_dir = %config.tools_data_dir.display(),
+        "worker ready"
+    );
+    let served = worker
+        .add_to(GrpcServer::new(config.server.clone()))
+        .serve(listener, shutdown.clone())
+        .await;
+    // A failed server must not leave the registrar heartbeating for a dead worker.
+    shutdown.trigger();
+    if let Some(registrar) = registrar
+        && let Err(e) = registrar.await
+    {
+        tracing::warn!(error = %e, "the registrar task failed");
+    }
+    served.map_err(Error::from)
+}

@@ -1,0 +1,215 @@
+//! `convene-worker`: a standalone convene worker.
+//!
+//! Loads its configuration (defaults → `--config` file → `CONVENE_*` environment →
+//! flags), starts logging, and runs [`convene_worker::run`] until SIGTERM or Ctrl-C.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::Parser;
+use convene_server::cli::{ServiceArgs, init_logging};
+use convene_server::{Shutdown, dump};
+use convene_worker::Config;
+use convene_worker::config::{DEFAULT_DATA_DIR, DEFAULT_TOOLS_DATA_DIR};
+
+/// A convene worker: serves worker profiles (logs, metrics, change-audit specialists)
+/// and runs the delegations the supervisor sends it. Every tool call is authorized by
+/// the policy service and its output stored as evidence in the evidence store.
+///
+/// Without --config it runs the development settings of the payment-incident example:
+/// the built-in example profiles over examples/payment-incident/data, with the
+/// supervisor, policy service and evidence store on 127.0.0.1:7400, :7401 and :7402.
+#[derive(Debug, Parser)]
+#[command(name = "convene-worker", version)]
+struct Cli {
+    #[command(flatten)]
+    common: ServiceArgs,
+
+    /// Directory the read-only tools query: logs/<service>.jsonl, metrics/<metric>.json
+    /// and changes/changes.json. Overrides `tools_data_dir` (CONVENE_TOOLS_DATA_DIR).
+    /// [default: examples/payment-incident/data]
+    #[arg(long, value_name = "DIR")]
+    tools_data: Option<PathBuf>,
+
+    /// Profiles file (YAML) listing the worker profiles to serve, each with its tools,
+    /// capabilities, evidence prefixes and playbook. Overrides `profiles_file`.
+    /// [default: the payment-incident example profiles, built in]
+    #[arg(long, value_name = "FILE")]
+    profiles: Option<PathBuf>,
+
+    /// This worker's id, stable across re-registrations. Overrides `worker_id`.
+    /// [default: <hostname>-<pid>]
+    #[arg(long, value_name = "ID")]
+    worker_id: Option<String>,
+
+    /// Delegations run at once; one more is refused with RESOURCE_EXHAUSTED so the
+    /// supervisor dispatches it elsewhere. Overrides `capacity`. [default: 16]
+    #[arg(long, value_name = "N")]
+    capacity: Option<u32>,
+
+    /// The supervisor, whose worker registry this worker registers with. Overrides
+    /// `supervisor_endpoint`. [default: http://127.0.0.1:7400]
+    #[arg(long, value_name = "URL")]
+    supervisor: Option<String>,
+
+    /// The policy service, which authorizes every tool call. Overrides
+    /// `policy_endpoint`. [default: http://127.0.0.1:7401]
+    #[arg(long, value_name = "URL")]
+    policy: Option<String>,
+
+    /// The evidence store, which keeps every tool output and its evidence record.
+    /// Overrides `evidence_endpoint`. [default: http://127.0.0.1:7402]
+    #[arg(long, value_name = "URL")]
+    evidence: Option<String>,
+
+    /// Endpoint the supervisor should dispatch to, when it differs from the listen
+    /// address (containers, load balancers). Overrides `advertise`. [default: derived
+    /// from the listen address]
+    #[arg(long, value_name = "URL")]
+    advertise: Option<String>,
+
+    /// Do not register with the supervisor; serve Execute only (a static pool, or
+    /// tests that call the worker directly).
+    #[arg(long)]
+    no_register: bool,
+}
+
+impl Cli {
+    /// The config loader with the file and every flag applied; `main` adds the process
+    /// environment.
+    fn loader(&self) -> convene_server::ConfigLoader {
+        let mut loader = self.common.config_loader();
+        if let Some(dir) = &self.tools_data {
+            loader = loader.set("tools_data_dir", dir.display().to_string());
+        }
+        if let Some(file) = &self.profiles {
+            loader = loader.set("profiles_file", file.display().to_string());
+        }
+        if let Some(id) = &self.worker_id {
+            loader = loader.set("worker_id", id);
+        }
+        if let Some(n) = self.capacity {
+            loader = loader.set("capacity", n);
+        }
+        if let Some(url) = &self.supervisor {
+            loader = loader.set("supervisor_endpoint", url);
+        }
+        if let Some(url) = &self.policy {
+            loader = loader.set("policy_endpoint", url);
+        }
+        if let Some(url) = &self.evidence {
+            loader = loader.set("evidence_endpoint", url);
+        }
+        if let Some(url) = &self.advertise {
+            loader = loader.set("advertise", url);
+        }
+        if self.no_register {
+            loader = loader.set("register", false);
+        }
+        loader
+    }
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let config: Config = match cli.loader().env(std::env::vars()).load() {
+        Ok(config) => config,
+        Err(e) => {
+            eprintln!("convene-worker: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    if let Some(format) = cli.common.dump_config {
+        return match dump(&config, format) {
+            Ok(text) => {
+                print!("{text}");
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("convene-worker: {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
+    init_logging(cli.common.log_format);
+    if cli.common.config.is_none() {
+        tracing::info!(
+            "no --config given: using the development settings of the payment-incident \
+             example (data dir {}, tool data {}, profiles {})",
+            if config.data_dir.as_os_str() == DEFAULT_DATA_DIR {
+                DEFAULT_DATA_DIR.to_owned()
+            } else {
+                config.data_dir.display().to_string()
+            },
+            if config.tools_data_dir.as_os_str() == DEFAULT_TOOLS_DATA_DIR {
+                DEFAULT_TOOLS_DATA_DIR.to_owned()
+            } else {
+                config.tools_data_dir.display().to_string()
+            },
+            config
+                .profiles_file
+                .as_ref()
+                .map_or_else(|| "built in".to_owned(), |p| p.display().to_string()),
+        );
+    }
+    let shutdown = match Shutdown::from_signals() {
+        Ok(shutdown) => shutdown,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot install the signal handlers");
+            return ExitCode::FAILURE;
+        }
+    };
+    match convene_worker::run(config, shutdown).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!(error = %e, "worker stopped");
+            eprintln!("convene-worker: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory as _;
+
+    use super::*;
+
+    #[test]
+    fn flags_override_the_config() {
+        let cli = Cli::try_parse_from([
+            "convene-worker",
+            "--tools-data",
+            "/srv/data",
+            "--capacity",
+            "3",
+            "--worker-id",
+            "w-1",
+            "--no-register",
+            "--policy",
+            "http://policy:7401",
+        ])
+        .unwrap();
+        let config: Config = cli.loader().load().unwrap();
+        assert_eq!(config.tools_data_dir, PathBuf::from("/srv/data"));
+        assert_eq!(config.capacity, 3);
+        assert_eq!(config.worker_id, "w-1");
+        assert!(!config.register);
+        assert_eq!(config.policy_endpoint, "http://policy:7401");
+    }
+
+    #[test]
+    fn help_teaches_the_flags() {
+        let help = Cli::command().render_long_help().to_string();
+        for needle in [
+            "--tools-data",
+            "CONVENE_TOOLS_DATA_DIR",
+            "--profiles",
+            "--no-register",
+            "payment-incident",
+        ] {
+            assert!(help.contains(needle), "help lacks {needle}:\n{help}");
+        }
+    }
+}

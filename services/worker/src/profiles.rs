@@ -1,0 +1,484 @@
+//! The profiles file: the worker profiles a worker serves.
+//!
+//! A YAML file with a list of profiles. Each has the fields of `convene.v1.WorkerProfile`
+//! (capabilities in the policy file's scope syntax), plus the provider-specific
+//! `playbook` section for the `playbook` provider and an optional `faults` section for
+//! tests ([`crate::faults`]). Unknown keys are refused, and every profile is validated
+//! with [`convene_core::validate::worker_profile`], so errors name the field
+//! (`profiles[1].max_iterations`).
+//!
+//! The payment-incident example's profiles are embedded ([`EXAMPLE_PROFILES`]) so the
+//! binary runs from any directory.
+
+use std::collections::BTreeSet;
+use std::path::Path;
+
+use convene_core::model;
+use convene_core::validate;
+use convene_mesh::policy_file::ScopeEntry;
+use convene_proto::v1;
+use serde::{Deserialize, Serialize};
+
+use crate::faults::Faults;
+use crate::playbook::{self, PlaybookSpec};
+
+/// The profiles of the payment-incident example, embedded in the binary.
+pub const EXAMPLE_PROFILES: &str = include_str!("../../../examples/payment-incident/profiles.yaml");
+
+/// How the embedded example profiles are named in errors and logs.
+pub const EXAMPLE_PROFILES_NAME: &str = "<embedded payment-incident example profiles>";
+
+/// Errors loading a profiles file.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The file cannot be read.
+    #[error("cannot read profiles file {path}: {source}")]
+    Read {
+        /// The file.
+        path: String,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// The file does not parse (syntax, unknown key, wrong type).
+    #[error("profiles file {path}: {detail}")]
+    Parse {
+        /// The file.
+        path: String,
+        /// What is wrong, with its location.
+        detail: String,
+    },
+    /// The file parses but a value is invalid.
+    #[error("profiles file {path}: {field}: {detail}")]
+    Invalid {
+        /// The file.
+        path: String,
+        /// The field, e.g. `profiles[0].playbook.steps[1].tool`.
+        field: String,
+        /// What is wrong and what to do.
+        detail: String,
+    },
+}
+
+/// The profiles file as written.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ProfilesFile {
+    /// The profiles.
+    pub profiles: Vec<ProfileEntry>,
+}
+
+/// One profile as written.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ProfileEntry {
+    /// Stable id, e.g. `logs-investigator`.
+    #[serde(default)]
+    pub id: String,
+    /// Version, reported in results.
+    #[serde(default)]
+    pub version: String,
+    /// Display name (default: the id).
+    #[serde(default)]
+    pub name: String,
+    /// What the profile is for.
+    #[serde(default)]
+    pub description: String,
+    /// Instructions given to the profile's model.
+    #[serde(default)]
+    pub instructions: String,
+    /// Tools it may use, `name@version`.
+    #[serde(default)]
+    pub default_tools: Vec<String>,
+    /// Model provider (default `playbook`).
+    #[serde(default = "default_provider")]
+    pub provider: String,
+    /// Model name for the provider (empty for `playbook`).
+    #[serde(default)]
+    pub model: String,
+    /// Agent-loop iteration limit (0: 12).
+    #[serde(default)]
+    pub max_iterations: u32,
+    /// Model tokens per task (0: 8192).
+    #[serde(default)]
+    pub max_tokens: u32,
+    /// Sampling temperature (0: 0.4).
+    #[serde(default)]
+    pub temperature: f64,
+    /// Scopes the profile may ever hold, as in the policy file.
+    #[serde(default)]
+    pub capabilities: Vec<ScopeEntry>,
+    /// Evidence URI prefixes its claims may cite.
+    #[serde(default)]
+    pub evidence_prefixes: Vec<String>,
+    /// Whether its delegations complete without external input.
+    #[serde(default)]
+    pub supports_parallel_completion: bool,
+    /// The `playbook` provider's script.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub playbook: Option<PlaybookSpec>,
+    /// Fault injection, for tests only.
+    #[serde(default, skip_serializing_if = "faults_unset")]
+    pub faults: Faults,
+}
+
+fn default_provider() -> String {
+    playbook::PROVIDER_NAME.to_owned()
+}
+
+fn faults_unset(f: &Faults) -> bool {
+    !f.any()
+}
+
+/// A validated profile.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Profile {
+    /// The profile, defaults applied.
+    pub profile: model::WorkerProfile,
+    /// The same on the wire, as registered with the supervisor.
+    pub wire: v1::WorkerProfile,
+    /// The playbook, for the `playbook` provider.
+    pub playbook: Option<PlaybookSpec>,
+    /// Injected faults (none in real profiles).
+    pub faults: Faults,
+}
+
+/// Loads and validates a profiles file.
+///
+/// # Errors
+///
+/// The file cannot be read, does not parse, or a profile is invalid.
+pub fn load(path: &Path) -> Result<Vec<Profile>, Error> {
+    let shown = path.display().to_string();
+    let text = std::fs::read_to_string(path).map_err(|source| Error::Read {
+        path: shown.clone(),
+        source,
+    })?;
+    parse(&text, &shown)
+}
+
+/// The embedded example profiles.
+///
+/// # Errors
+///
+/// Only if the embedded file is broken, which the tests rule out.
+pub fn example() -> Result<Vec<Profile>, Error> {
+    parse(EXAMPLE_PROFILES, EXAMPLE_PROFILES_NAME)
+}
+
+/// Parses and validates profiles from YAML `text`; `shown` names the source in errors.
+///
+/// # Errors
+///
+/// The text does not parse, or a profile is invalid.
+pub fn parse(text: &str, shown: &str) -> Result<Vec<Profile>, Error> {
+    let file: ProfilesFile = serde_yaml::from_str(text).map_err(|e| Error::Parse {
+        path: shown.to_owned(),
+        detail: e.to_string(),
+    })?;
+    let invalid = |field: String, detail: String| Error::Invalid {
+        path: shown.to_owned(),
+        field,
+        detail,
+    };
+    if file.profiles.is_empty() {
+        return Err(invalid(
+            "profiles".into(),
+            "list at least one profile for the worker to serve".into(),
+        ));
+    }
+    let mut ids = BTreeSet::new();
+    let mut profiles = Vec::with_capacity(file.profiles.len());
+    for (i, entry) in file.profiles.iter().enumerate() {
+        let field = format!("profiles[{i}]");
+        let profile = entry.validate(&field).map_err(|(f, d)| invalid(f, d))?;
+        if !ids.insert(profile.profile.id.clone()) {
+            return Err(invalid(
+                format!("{field}.id"),
+                format!("profile {} is listed twice", profile.profile.id),
+            ));
+        }
+        profiles.push(profile);
+    }
+    Ok(profiles)
+}
+
+impl ProfileEntry {
+    /// The wire form of the entry as written (no defaults applied).
+    ///
+    /// # Errors
+    ///
+    /// `(field, detail)` for a capability time range that is not RFC 3339.
+    pub fn to_wire(&self, field: &str) -> Result<v1::WorkerProfile, (String, String)> {
+        let capabilities = self
+            .capabilities
+            .iter()
+            .enumerate()
+            .map(|(j, s)| scope_to_proto(s, &format!("{field}.capabilities[{j}]")))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(v1::WorkerProfile {
+            id: self.id.clone(),
+            name: self.name.clone(),
+            description: self.description.clone(),
+            instructions: self.instructions.clone(),
+            default_tools: self.default_tools.clone(),
+            model: self.model.clone(),
+            provider: self.provider.clone(),
+            max_iterations: self.max_iterations,
+            max_tokens: self.max_tokens,
+            temperature: self.temperature,
+            capabilities,
+            evidence_prefixes: self.evidence_prefixes.clone(),
+            supports_parallel_completion: self.supports_parallel_completion,
+            version: self.version.clone(),
+        })
+    }
+
+    /// Validates the entry; errors name the field below `field`.
+    ///
+    /// # Errors
+    ///
+    /// `(field, detail)` for the first invalid value.
+    pub fn validate(&self, field: &str) -> Result<Profile, (String, String)> {
+        let wire = self.to_wire(field)?;
+        let profile = validate::worker_profile(&wire, field).map_err(|e| (e.field, e.message))?;
+        if profile.provider.is_empty() {
+            return Err((
+                format!("{field}.provider"),
+                format!("name a model provider, e.g. `{}`", playbook::PROVIDER_NAME),
+            ));
+        }
+        match (&self.playbook, profile.provider.as_str()) {
+            (Some(p), playbook::PROVIDER_NAME) => {
+                p.validate(&profile.default_tools, &format!("{field}.playbook"))?;
+            }
+            (None, playbook::PROVIDER_NAME) => {
+                return Err((
+                    format!("{field}.playbook"),
+                    "the playbook provider needs a `playbook` section with steps and rules".into(),
+                ));
+            }
+            (Some(_), other) => {
+                return Err((
+                    format!("{field}.playbook"),
+                    format!(
+                        "only the `{}` provider reads a playbook; remove it or set provider \
+                         to `{}` (this profile uses `{other}`)",
+                        playbook::PROVIDER_NAME,
+                        playbook::PROVIDER_NAME
+                    ),
+                ));
+            }
+            (None, _) => {}
+        }
+        if let Some(scheme) = &self.faults.evidence_scheme {
+            let name = scheme.trim_end_matches("://");
+            let ok = name.chars().next().is_some_and(|c| c.is_ascii_alphabetic())
+                && name
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.'));
+            if !ok {
+                return Err((
+                    format!("{field}.faults.evidence_scheme"),
+                    format!("{scheme:?} is not a URI scheme; write e.g. `other://`"),
+                ));
+            }
+        }
+        // The registered form carries the defaults, so the supervisor sees the limits
+        // the worker actually applies.
+        let wire = v1::WorkerProfile {
+            id: profile.id.clone(),
+            name: profile.name.clone(),
+            description: profile.description.clone(),
+            instructions: profile.instructions.clone(),
+            default_tools: profile.default_tools.clone(),
+            model: profile.model.clone(),
+            provider: profile.provider.clone(),
+            max_iterations: profile.max_iterations,
+            max_tokens: profile.max_tokens,
+            temperature: profile.temperature,
+            capabilities: profile.capabilities.to_proto(),
+            evidence_prefixes: profile.evidence_prefixes.clone(),
+            supports_parallel_completion: profile.supports_parallel_completion,
+            version: profile.version.clone(),
+        };
+        Ok(Profile {
+            profile,
+            wire,
+            playbook: self.playbook.clone(),
+            faults: self.faults.clone(),
+        })
+    }
+}
+
+fn scope_to_proto(s: &ScopeEntry, field: &str) -> Result<v1::PermissionScope, (String, String)> {
+    let time = |t: &Option<String>, which: &str| {
+        t.as_deref()
+            .map(|t| {
+                humantime::parse_rfc3339(t)
+                    .map(convene_core::time::to_timestamp)
+                    .map_err(|e| {
+                        (
+                            format!("{field}.time_range.{which}"),
+                            format!("{t:?} is not an RFC 3339 time ({e})"),
+                        )
+                    })
+            })
+            .transpose()
+    };
+    let time_range = match &s.time_range {
+        Some(tr) => Some(v1::TimeRange {
+            start: time(&tr.start, "start")?,
+            end: time(&tr.end, "end")?,
+        }),
+        None => None,
+    };
+    let data_scope = (time_range.is_some() || s.max_rows.is_some()).then(|| v1::DataScope {
+        time_range,
+        max_rows: s.max_rows.unwrap_or(0),
+    });
+    Ok(v1::PermissionScope {
+        action: s.action.clone(),
+        resource: s.resource.clone(),
+        data_scope,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use convene_core::permissions::Permission;
+
+    use super::*;
+
+    const MINIMAL: &str = r#"
+profiles:
+  - id: logs-investigator
+    version: "1"
+    default_tools: [search_logs@1]
+    capabilities:
+      - { action: "logs:read", resource: "service/*", max_rows: 100 }
+    evidence_prefixes: ["logs://"]
+    playbook:
+      steps:
+        - { id: errors, tool: search_logs@1, args: { service: payment-api }, evidence_kind: log_query }
+      rules:
+        - step: errors
+          when: { path: matched, op: gt, value: 0 }
+          claim: { claim_id: c1, topic: errors, value: some, statement: "{matched} errors" }
+"#;
+
+    fn invalid_field(text: &str) -> String {
+        match parse(text, "p.yaml").unwrap_err() {
+            Error::Invalid { field, .. } => field,
+            other => panic!("expected an invalid field, got {other}"),
+        }
+    }
+
+    #[test]
+    fn minimal_profile_gets_defaults() {
+        let profiles = parse(MINIMAL, "p.yaml").unwrap();
+        let p = &profiles[0];
+        assert_eq!(p.profile.provider, "playbook");
+        assert_eq!(p.profile.name, "logs-investigator");
+        assert_eq!(p.profile.max_iterations, 12);
+        assert_eq!(p.wire.max_tokens, 8192);
+        assert_eq!(p.wire.version, "1");
+        assert!(!p.faults.any());
+        let mut cap = Permission::new("logs:read", "service/*").unwrap();
+        cap.data.max_rows = Some(100);
+        assert!(p.profile.capabilities.covers(&cap));
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        assert_eq!(
+            invalid_field(&MINIMAL.replace("version: \"1\"", "version: \"\"")),
+            "profiles[0].version"
+        );
+        assert_eq!(
+            invalid_field(&MINIMAL.replace("[search_logs@1]", "[search_logs]")),
+            "profiles[0].default_tools[0]"
+        );
+        assert_eq!(
+            invalid_field(&MINIMAL.replace("\"logs://\"", "\"logs\"")),
+            "profiles[0].evidence_prefixes[0]"
+        );
+        assert_eq!(
+            invalid_field(&MINIMAL.replace("tool: search_logs@1", "tool: query_metrics@1")),
+            "profiles[0].playbook.steps[0].tool"
+        );
+        assert_eq!(
+            invalid_field(&MINIMAL.replace("- step: errors", "- step: warnings")),
+            "profiles[0].playbook.rules[0].step"
+        );
+        assert_eq!(
+            invalid_field(&MINIMAL.replace("{matched} errors", "{matched errors")),
+            "profiles[0].playbook.rules[0].claim.statement"
+        );
+        assert_eq!(
+            invalid_field(&MINIMAL.replace("op: gt, value: 0", "op: gt")),
+            "profiles[0].playbook.rules[0].when[0].value"
+        );
+        assert_eq!(
+            invalid_field(&MINIMAL.replace(
+                "evidence_prefixes",
+                "provider: openai\n    evidence_prefixes"
+            )),
+            "profiles[0].playbook"
+        );
+        let twice = format!("{MINIMAL}{}", &MINIMAL[MINIMAL.find("  - id").unwrap()..]);
+        assert_eq!(invalid_field(&twice), "profiles[1].id");
+        assert_eq!(invalid_field("profiles: []"), "profiles");
+    }
+
+    #[test]
+    fn unknown_keys_are_refused_by_name() {
+        let err = parse(
+            &MINIMAL.replace("evidence_prefixes", "evidence_prefix"),
+            "p.yaml",
+        )
+        .unwrap_err();
+        assert!(matches!(err, Error::Parse { .. }));
+        assert!(err.to_string().contains("evidence_prefix"), "{err}");
+        let err = parse(
+            &MINIMAL.replace(
+                "evidence_kind: log_query",
+                "evidence_kind: log_query, kind: x",
+            ),
+            "p.yaml",
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("kind"), "{err}");
+    }
+
+    #[test]
+    fn example_profiles_agree_with_the_example_policy() {
+        let profiles = example().expect("the embedded example profiles are valid");
+        let policy_path = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../../examples/payment-incident/policy.yaml");
+        let policy = convene_mesh::policy_file::Policy::load(policy_path).unwrap();
+        let ids: Vec<&str> = profiles.iter().map(|p| p.profile.id.as_str()).collect();
+        assert_eq!(
+            ids,
+            [
+                "logs-investigator",
+                "metrics-investigator",
+                "change-auditor"
+            ]
+        );
+        for p in &profiles {
+            let entry = &policy.profiles[&p.profile.id];
+            assert_eq!(p.profile.default_tools, entry.tools, "{}", p.profile.id);
+            assert_eq!(
+                p.profile.evidence_prefixes, entry.evidence_prefixes,
+                "{}",
+                p.profile.id
+            );
+            assert_eq!(
+                p.profile.capabilities, entry.capabilities,
+                "{}",
+                p.profile.id
+            );
+            assert!(!p.faults.any(), "{} must not inject faults", p.profile.id);
+        }
+    }
+}

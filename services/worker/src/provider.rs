@@ -1,0 +1,313 @@
+//! The model-provider boundary: a chat conversation with tool calls, shaped like the
+//! chat APIs of hosted language models, so a real model can replace the deterministic
+//! playbook without the agent loop noticing.
+//!
+//! The agent loop only ever sees [`ModelProvider`]: it sends the conversation so far and
+//! the tools it may call ([`ModelRequest`]), and gets back one assistant message that
+//! either asks for tool calls ([`FinishReason::ToolCalls`]) or carries the final report
+//! as JSON ([`FinishReason::Stop`], see [`crate::report::FinalReport`]).
+//!
+//! A [`ProviderRegistry`] maps a profile's `provider` name to a factory that builds the
+//! provider for that profile; a profile naming a provider the registry does not know
+//! keeps the worker from starting.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::playbook;
+use crate::profiles::Profile;
+
+/// Who wrote a message of the conversation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    /// Standing instructions (usually carried in [`ModelRequest::system`] instead).
+    System,
+    /// The task, or the loop's corrections.
+    User,
+    /// The model.
+    Assistant,
+    /// The outcome of one tool call, answering the assistant's call of the same id.
+    Tool,
+}
+
+/// A tool call the model asks for.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ToolCall {
+    /// Id of the call, unique within the conversation; the tool's answer quotes it.
+    pub id: String,
+    /// Tool name, `name@version`.
+    pub name: String,
+    /// Arguments, a JSON object matching the tool's parameter schema.
+    pub arguments: Value,
+}
+
+/// One message of the conversation.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Message {
+    /// Who wrote it.
+    pub role: Role,
+    /// Its text: the task, the model's answer, or a tool outcome as JSON.
+    pub content: String,
+    /// Tool calls an assistant message asks for (empty otherwise).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ToolCall>,
+    /// For a tool message: the id of the call it answers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+}
+
+impl Message {
+    /// A user message.
+    pub fn user(content: impl Into<String>) -> Self {
+        Self {
+            role: Role::User,
+            content: content.into(),
+            tool_calls: Vec::new(),
+            tool_call_id: None,
+        }
+    }
+
+    /// An assistant message with text only.
+    pub fn assistant(content: impl Into<String>) -> Self {
+        Self {
+            role: Role::Assistant,
+            content: content.into(),
+            tool_calls: Vec::new(),
+            tool_call_id: None,
+        }
+    }
+
+    /// An assistant message asking for tool calls.
+    pub fn tool_calls(calls: Vec<ToolCall>) -> Self {
+        Self {
+            role: Role::Assistant,
+            content: String::new(),
+            tool_calls: calls,
+            tool_call_id: None,
+        }
+    }
+
+    /// The outcome of the tool call `call_id`.
+    pub fn tool_result(call_id: impl Into<String>, content: impl Into<String>) -> Self {
+        Self {
+            role: Role::Tool,
+            content: content.into(),
+            tool_calls: Vec::new(),
+            tool_call_id: Some(call_id.into()),
+        }
+    }
+}
+
+/// A tool the model may call.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ToolSpec {
+    /// Tool name, `name@version`.
+    pub name: String,
+    /// What it does, for the model.
+    pub description: String,
+    /// JSON schema of its arguments.
+    pub parameters: Value,
+}
+
+/// One completion request: the whole conversation so far.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModelRequest {
+    /// Model name for the provider (empty for providers without models).
+    pub model: String,
+    /// System prompt: the profile's instructions and the report format.
+    pub system: String,
+    /// The conversation, oldest first.
+    pub messages: Vec<Message>,
+    /// Tools the model may call in this task.
+    pub tools: Vec<ToolSpec>,
+    /// Tokens the answer may use at most.
+    pub max_tokens: u32,
+    /// Sampling temperature.
+    pub temperature: f64,
+}
+
+/// Why the model stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishReason {
+    /// It asks for tool calls.
+    ToolCalls,
+    /// It gave its final answer.
+    Stop,
+    /// It hit the token limit mid-answer.
+    Length,
+}
+
+/// Tokens a completion consumed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct TokenUsage {
+    /// Prompt tokens.
+    pub input: u64,
+    /// Completion tokens.
+    pub output: u64,
+}
+
+impl TokenUsage {
+    /// Input and output together.
+    pub fn total(self) -> u64 {
+        self.input.saturating_add(self.output)
+    }
+}
+
+/// A completion.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModelResponse {
+    /// The assistant's message.
+    pub message: Message,
+    /// Why it stopped.
+    pub finish: FinishReason,
+    /// What it consumed.
+    pub usage: TokenUsage,
+}
+
+/// A provider could not complete a request.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("model provider {provider}: {message}")]
+pub struct ProviderError {
+    /// The provider's name.
+    pub provider: String,
+    /// What went wrong.
+    pub message: String,
+    /// Whether the same request may succeed later (rate limits, outages).
+    pub retryable: bool,
+}
+
+impl ProviderError {
+    /// An error that retrying may cure (rate limit, outage).
+    pub fn transient(provider: &str, message: impl Into<String>) -> Self {
+        Self {
+            provider: provider.to_owned(),
+            message: message.into(),
+            retryable: true,
+        }
+    }
+
+    /// An error that retrying the same request does not cure.
+    pub fn permanent(provider: &str, message: impl Into<String>) -> Self {
+        Self {
+            provider: provider.to_owned(),
+            message: message.into(),
+            retryable: false,
+        }
+    }
+}
+
+/// A model: turns a conversation into the next assistant message.
+#[async_trait::async_trait]
+pub trait ModelProvider: Send + Sync + fmt::Debug {
+    /// The provider's name, as profiles write it (`playbook`).
+    fn name(&self) -> &str;
+
+    /// Answers the conversation with one assistant message.
+    async fn complete(&self, request: &ModelRequest) -> Result<ModelResponse, ProviderError>;
+}
+
+/// Builds the provider for one profile from the profile's settings, or says what is
+/// wrong with them.
+pub type ProviderFactory =
+    Arc<dyn Fn(&Profile) -> Result<Arc<dyn ModelProvider>, String> + Send + Sync>;
+
+/// The model providers a worker knows, by the name profiles use.
+#[derive(Clone, Default)]
+pub struct ProviderRegistry {
+    factories: BTreeMap<String, ProviderFactory>,
+}
+
+impl fmt::Debug for ProviderRegistry {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ProviderRegistry")
+            .field("providers", &self.factories.keys().collect::<Vec<_>>())
+            .finish()
+    }
+}
+
+/// A profile cannot get its provider.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ProviderSetupError {
+    /// The profile names a provider the registry does not know.
+    #[error(
+        "profile {profile} asks for model provider {provider:?}, which this worker does not \
+         have (it has: {known}); set the profile's provider to one of them"
+    )]
+    Unknown {
+        /// The profile.
+        profile: String,
+        /// The provider it names.
+        provider: String,
+        /// The providers the registry knows, comma-separated.
+        known: String,
+    },
+    /// The provider refused the profile's settings.
+    #[error("profile {profile}: provider {provider} cannot use its settings: {detail}")]
+    Settings {
+        /// The profile.
+        profile: String,
+        /// The provider.
+        provider: String,
+        /// What is wrong.
+        detail: String,
+    },
+}
+
+impl ProviderRegistry {
+    /// A registry without providers.
+    pub fn empty() -> Self {
+        Self::default()
+    }
+
+    /// The providers built into the worker: [`crate::playbook`].
+    pub fn builtin() -> Self {
+        let mut registry = Self::empty();
+        registry.register(
+            playbook::PROVIDER_NAME,
+            Arc::new(|profile: &Profile| {
+                playbook::PlaybookProvider::for_profile(profile)
+                    .map(|p| Arc::new(p) as Arc<dyn ModelProvider>)
+            }),
+        );
+        registry
+    }
+
+    /// Adds (or replaces) the factory of provider `name`.
+    pub fn register(&mut self, name: impl Into<String>, factory: ProviderFactory) {
+        self.factories.insert(name.into(), factory);
+    }
+
+    /// The names of the known providers, sorted.
+    pub fn names(&self) -> Vec<&str> {
+        self.factories.keys().map(String::as_str).collect()
+    }
+
+    /// Builds the provider `profile` names.
+    ///
+    /// # Errors
+    ///
+    /// [`ProviderSetupError::Unknown`] for a provider the registry does not have,
+    /// [`ProviderSetupError::Settings`] when the provider refuses the profile.
+    pub fn build(&self, profile: &Profile) -> Result<Arc<dyn ModelProvider>, ProviderSetupError> {
+        let name = profile.profile.provider.as_str();
+        let factory = self
+            .factories
+            .get(name)
+            .ok_or_else(|| ProviderSetupError::Unknown {
+                profile: profile.profile.id.clone(),
+                provider: name.to_owned(),
+                known: self.names().join(", "),
+            })?;
+        factory(profile).map_err(|detail| ProviderSetupError::Settings {
+            profile: profile.profile.id.clone(),
+            provider: name.to_owned(),
+            detail,
+        })
+    }
+}

@@ -1,0 +1,468 @@
+//! [`WorkerService`]: the `convene.v1.Worker` service, and so its own in-process handle.
+//!
+//! Execute is idempotent per delegation id while the worker is alive: a second Execute
+//! for a running delegation joins it (the task runs once, in its own Tokio task, and
+//! every caller awaits the same shared future), and one for a finished delegation gets
+//! the cached result (the cache is bounded; the oldest results go first). A retry with
+//! a higher attempt number runs the delegation again only when the cached result
+//! invites it: FAILED with `retryable` or `cancelled`, or TIMED_OUT.
+//!
+//! Cancel ends a running delegation promptly: its Execute returns a FAILED result with
+//! error code `cancelled` and whatever evidence was gathered, rather than a gRPC error,
+//! so the supervisor's ledger records how the delegation ended like any other result.
+//!
+//! Capacity counts running delegations; one more is refused with RESOURCE_EXHAUSTED
+//! ("worker busy") so the supervisor dispatches it elsewhere. Joining a running
+//! delegation does not count.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use convene_core::validate;
+use convene_mesh::handles::{EvidenceHandle, PolicyHandle};
+use convene_proto::v1::{self, worker_server};
+use convene_server::{ErrorCode, GrpcServer, ServiceError, into_status, invalid_field};
+use futures::FutureExt as _;
+use futures::future::{BoxFuture, Shared};
+use tonic::{Request, Response, Status};
+
+use crate::agent::{Agent, Assignment, CancelSignal};
+use crate::profiles::Profile;
+use crate::provider::{ProviderRegistry, ProviderSetupError};
+use crate::tools::ToolRegistry;
+
+/// Finished results kept for repeated Execute calls.
+pub const RESULT_CACHE: usize = 1024;
+
+/// Why the service cannot be built.
+#[derive(Debug, thiserror::Error)]
+pub enum SetupError {
+    /// No profile to serve.
+    #[error("the worker has no profile to serve; list at least one in the profiles file")]
+    NoProfiles,
+    /// A profile's provider is unknown or refuses it.
+    #[error(transparent)]
+    Provider(#[from] ProviderSetupError),
+    /// A profile lists a tool the worker does not implement.
+    #[error(
+        "profile {profile} lists tool {tool}, which this worker does not implement (it has: \
+         {known}); remove it from the profile's default_tools"
+    )]
+    UnknownTool {
+        /// The profile.
+        profile: String,
+        /// The tool.
+        tool: String,
+        /// The tools the worker has.
+        known: String,
+    },
+    /// Capacity zero would refuse every delegation.
+    #[error("capacity must be at least 1 (delegations run at once)")]
+    ZeroCapacity,
+}
+
+/// Why Execute refuses a call (a result is always returned once a delegation runs).
+#[derive(Debug, thiserror::Error)]
+enum ExecuteError {
+    #[error("this worker does not serve profile {profile}; it serves: {served}")]
+    UnknownProfile { profile: String, served: String },
+    #[error(
+        "worker busy: {running} of {capacity} delegations running; dispatch to another worker \
+         or retry later"
+    )]
+    Busy { running: usize, capacity: usize },
+}
+
+impl ServiceError for ExecuteError {
+    fn code(&self) -> ErrorCode {
+        match self {
+            ExecuteError::UnknownProfile { .. } => ErrorCode::FailedPrecondition,
+            ExecuteError::Busy { .. } => ErrorCode::ResourceExhausted,
+        }
+    }
+}
+
+/// A worker: serves its profiles' delegations.
+#[derive(Debug, Clone)]
+pub struct WorkerService {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    worker_id: Arc<str>,
+    agents: BTreeMap<String, Agent>,
+    capacity: usize,
+    tasks: Mutex<Tasks>,
+}
+
+type ResultFuture = Shared<BoxFuture<'static, v1::TaskResult>>;
+
+#[derive(Debug, Default)]
+struct Tasks {
+    running: HashMap<String, Running>,
+    done: HashMap<String, Done>,
+    /// Finished delegation ids, oldest first, for eviction.
+    order: VecDeque<String>,
+}
+
+struct Running {
+    result: ResultFuture,
+    cancel: Arc<CancelSignal>,
+    attempt: u32,
+}
+
+impl std::fmt::Debug for Running {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Running")
+            .field("attempt", &self.attempt)
+            .finish_non_exhaustive()
+    }
+}
+
+#[derive(Debug)]
+struct Done {
+    result: v1::TaskResult,
+    attempt: u32,
+}
+
+impl Done {
+    /// Whether a call with `attempt` should run the delegation again rather than get
+    /// this result: only a later attempt after an ending that invites one (a retryable
+    /// failure, a cancellation, a timeout).
+    fn rerun_for(&self, attempt: u32) -> bool {
+        let status = v1::TaskStatus::try_from(self.result.status).ok();
+        let failed = status == Some(v1::TaskStatus::Failed);
+        let invites_retry = self
+            .result
+            .error
+            .as_ref()
+            .is_some_and(|e| e.retryable || e.code == "cancelled");
+        attempt > self.attempt
+            && ((failed && invites_retry) || status == Some(v1::TaskStatus::TimedOut))
+    }
+}
+
+fn lock(m: &Mutex<Tasks>) -> MutexGuard<'_, Tasks> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// What a worker is built from besides its handles.
+#[derive(Debug, Clone)]
+pub struct WorkerOptions {
+    /// This worker's id, reported in results and registration.
+    pub worker_id: String,
+    /// Delegations run at once.
+    pub capacity: u32,
+    /// Whether the `exit_process_after_tools` fault may exit the process. Only the
+    /// standalone binary sets it; a worker hosted with other services abandons the
+    /// task instead.
+    pub exit_process_on_fault: bool,
+}
+
+impl WorkerService {
+    /// A worker serving `profiles` with `tools`, building each profile's model provider
+    /// from `providers`.
+    ///
+    /// # Errors
+    ///
+    /// No profiles, zero capacity, a profile naming an unknown provider or tool.
+    pub fn new(
+        options: WorkerOptions,
+        profiles: Vec<Profile>,
+        providers: &ProviderRegistry,
+        tools: ToolRegistry,
+        policy: PolicyHandle,
+        evidence: EvidenceHandle,
+    ) -> Result<Self, SetupError> {
+        if profiles.is_empty() {
+            return Err(SetupError::NoProfiles);
+        }
+        if options.capacity == 0 {
+            return Err(SetupError::ZeroCapacity);
+        }
+        let worker_id: Arc<str> = Arc::from(options.worker_id.as_str());
+        let tools = Arc::new(tools);
+        let mut agents = BTreeMap::new();
+        for profile in profiles {
+            for tool in &profile.profile.default_tools {
+                if tools.get(tool).is_none() {
+                    return Err(SetupError::UnknownTool {
+                        profile: profile.profile.id.clone(),
+                        tool: tool.clone(),
+                        known: tools.names().join(", "),
+                    });
+                }
+            }
+            if profile.faults.any() {
+                tracing::warn!(
+                    profile = %profile.profile.id,
+                    faults = ?profile.faults,
+                    "fault injection is on for this profile; it is for tests only"
+                );
+            }
+            let provider = providers.build(&profile)?;
+            agents.insert(
+                profile.profile.id.clone(),
+                Agent {
+                    worker_id: worker_id.clone(),
+                    profile: Arc::new(profile),
+                    provider,
+                    tools: tools.clone(),
+                    policy: policy.clone(),
+                    evidence: evidence.clone(),
+                    exit_process: options.exit_process_on_fault,
+                },
+            );
+        }
+        Ok(Self {
+            inner: Arc::new(Inner {
+                worker_id,
+                agents,
+                capacity: usize::try_from(options.capacity).unwrap_or(usize::MAX),
+                tasks: Mutex::new(Tasks::default()),
+            }),
+        })
+    }
+
+    /// This worker's id.
+    pub fn worker_id(&self) -> &str {
+        &self.inner.worker_id
+    }
+
+    /// The profiles served, as registered with the supervisor.
+    pub fn profiles(&self) -> Vec<v1::WorkerProfile> {
+        self.inner
+            .agents
+            .values()
+            .map(|a| a.profile.wire.clone())
+            .collect()
+    }
+
+    /// Delegations running at once at most.
+    pub fn capacity(&self) -> u32 {
+        u32::try_from(self.inner.capacity).unwrap_or(u32::MAX)
+    }
+
+    /// Delegations running now.
+    pub fn in_flight(&self) -> u32 {
+        u32::try_from(lock(&self.inner.tasks).running.len()).unwrap_or(u32::MAX)
+    }
+
+    /// Adds the Worker service to `server`, so one listener can host it beside others.
+    #[must_use]
+    pub fn add_to(&self, server: GrpcServer) -> GrpcServer {
+        server.add_service(worker_server::WorkerServer::new(self.clone()))
+    }
+
+    /// Joins the delegation if it runs, returns its cached result if it finished, or
+    /// starts it.
+    fn start_or_join(
+        &self,
+        agent: &Agent,
+        assignment: Assignment,
+    ) -> Result<ResultFuture, ExecuteError> {
+        let id = assignment.task.delegation_id.clone();
+        let attempt = assignment.attempt;
+        let mut tasks = lock(&self.inner.tasks);
+        if let Some(running) = tasks.running.get(&id) {
+            tracing::info!(delegation_id = %id, attempt, running_attempt = running.attempt, "joining the running delegation");
+            return Ok(running.result.clone());
+        }
+        if let Some(done) = tasks.done.get(&id) {
+            if !done.rerun_for(attempt) {
+                tracing::info!(delegation_id = %id, attempt, "returning the cached result");
+                let result = done.result.clone();
+                return Ok(futures::future::ready(result).boxed().shared());
+            }
+            tasks.done.remove(&id);
+            tasks.order.retain(|d| d != &id);
+        }
+        if tasks.running.len() >= self.inner.capacity {
+            return Err(ExecuteError::Busy {
+                running: tasks.running.len(),
+                capacity: self.inner.capacity,
+            });
+        }
+        let cancel = Arc::new(CancelSignal::default());
+        let handle = {
+            let agent = agent.clone();
+            let cancel = cancel.clone();
+            let service = self.clone();
+            let id = id.clone();
+            tokio::spawn(async move {
+                tracing::info!(delegation_id = %id, profile = %agent.profile.profile.id, attempt, "delegation started");
+                let result = agent.run(&assignment, &cancel).await;
+                tracing::info!(
+                    delegation_id = %id,
+                    status = v1::TaskStatus::try_from(result.status).map_or("UNKNOWN", |s| s.as_str_name()),
+                    claims = result.claims.len(),
+                    evidence = result.evidence.len(),
+                    "delegation finished"
+                );
+                service.finish(&id, attempt, &result);
+                result
+            })
+        };
+        let task_id = id.clone();
+        let this = self.clone();
+        let result = handle
+            .map(move |joined| {
+                joined.unwrap_or_else(|e| {
+                    // The agent panicked: a bug. Answer with a failed result rather than
+                    // leave the caller hanging, and free the slot.
+                    tracing::error!(delegation_id = %task_id, error = %e, "delegation task crashed");
+                    let result = v1::TaskResult {
+                        delegation_id: task_id.clone(),
+                        worker_id: this.worker_id().to_owned(),
+                        status: v1::TaskStatus::Failed as i32,
+                        summary: "the worker crashed while running the delegation".into(),
+                        error: Some(v1::ErrorInfo {
+                            code: "internal".into(),
+                            retryable: false,
+                            message: "the worker crashed while running the delegation; see its log".into(),
+                        }),
+                        ..v1::TaskResult::default()
+                    };
+                    this.finish(&task_id, attempt, &result);
+                    result
+                })
+            })
+            .boxed()
+            .shared();
+        tasks.running.insert(
+            id,
+            Running {
+                result: result.clone(),
+                cancel,
+                attempt,
+            },
+        );
+        Ok(result)
+    }
+
+    /// Moves a finished delegation from running to the bounded result cache.
+    fn finish(&self, id: &str, attempt: u32, result: &v1::TaskResult) {
+        let mut tasks = lock(&self.inner.tasks);
+        tasks.running.remove(id);
+        tasks.done.insert(
+            id.to_owned(),
+            Done {
+                result: result.clone(),
+                attempt,
+            },
+        );
+        tasks.order.retain(|d| d != id);
+        tasks.order.push_back(id.to_owned());
+        while tasks.order.len() > RESULT_CACHE {
+            if let Some(old) = tasks.order.pop_front() {
+                tasks.done.remove(&old);
+            }
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl worker_server::Worker for WorkerService {
+    async fn execute(
+        &self,
+        request: Request<v1::WorkerExecuteRequest>,
+    ) -> Result<Response<v1::WorkerExecuteResponse>, Status> {
+        let request = request.into_inner();
+        let task = request
+            .task
+            .ok_or_else(|| invalid_field("task", "give the Delegation Contract to run"))?;
+        validate::delegation_task(&task, "task").map_err(|e| invalid_field(&e.field, e.message))?;
+        if request.task_token.trim().is_empty() {
+            return Err(invalid_field(
+                "task_token",
+                "give the task token the policy service issued for this delegation",
+            ));
+        }
+        let agent = self.inner.agents.get(&task.profile_id).ok_or_else(|| {
+            into_status(&ExecuteError::UnknownProfile {
+                profile: task.profile_id.clone(),
+                served: self
+                    .inner
+                    .agents
+                    .keys()
+                    .cloned()
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            })
+        })?;
+        let assignment = Assignment {
+            task,
+            token: request.task_token,
+            attempt: request.attempt.max(1),
+        };
+        let result = self
+            .start_or_join(agent, assignment)
+            .map_err(|e| into_status(&e))?
+            .await;
+        Ok(Response::new(v1::WorkerExecuteResponse {
+            result: Some(result),
+        }))
+    }
+
+    async fn cancel(
+        &self,
+        request: Request<v1::WorkerCancelRequest>,
+    ) -> Result<Response<v1::WorkerCancelResponse>, Status> {
+        let request = request.into_inner();
+        if request.delegation_id.trim().is_empty() {
+            return Err(invalid_field(
+                "delegation_id",
+                "name the delegation to cancel",
+            ));
+        }
+        let signal = lock(&self.inner.tasks)
+            .running
+            .get(&request.delegation_id)
+            .map(|r| r.cancel.clone());
+        let cancelled = match signal {
+            Some(signal) => {
+                tracing::info!(delegation_id = %request.delegation_id, reason = %request.reason, "cancelling delegation");
+                signal.cancel(&request.reason);
+                true
+            }
+            None => false,
+        };
+        Ok(Response::new(v1::WorkerCancelResponse { cancelled }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn done(status: v1::TaskStatus, code: &str, retryable: bool) -> Done {
+        Done {
+            result: v1::TaskResult {
+                status: status as i32,
+                error: (!code.is_empty()).then(|| v1::ErrorInfo {
+                    code: code.into(),
+                    retryable,
+                    message: String::new(),
+                }),
+                ..v1::TaskResult::default()
+            },
+            attempt: 1,
+        }
+    }
+
+    #[test]
+    fn only_later_attempts_after_retryable_endings_run_again() {
+        let transient = done(v1::TaskStatus::Failed, "upstream_unavailable", true);
+        assert!(
+            !transient.rerun_for(1),
+            "a duplicate delivery gets the cached result"
+        );
+        assert!(transient.rerun_for(2));
+        assert!(done(v1::TaskStatus::TimedOut, "timeout", false).rerun_for(2));
+        assert!(done(v1::TaskStatus::Failed, "cancelled", false).rerun_for(2));
+        assert!(!done(v1::TaskStatus::Failed, "no_findings", false).rerun_for(2));
+        assert!(!done(v1::TaskStatus::Blocked, "permission_denied", false).rerun_for(2));
+        assert!(!done(v1::TaskStatus::Completed, "", false).rerun_for(2));
+    }
+}

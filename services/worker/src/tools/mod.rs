@@ -1,0 +1,471 @@
+//! The worker's tools: read-only queries over a data directory.
+//!
+//! A call goes through two stages. [`Tool::prepare`] checks and normalizes the
+//! arguments and says what the call touches (action, resource, time window, row limit)
+//! before anything is read, so the loop can ask the policy service first.
+//! [`Tool::run`] then reads the data and returns the output as canonical JSON bytes.
+//!
+//! Outputs are deterministic: the same arguments over the same files give the same
+//! bytes (sorted keys, no wall-clock time), so a re-executed delegation stores the same
+//! artifact and its evidence keeps its hash.
+//!
+//! Data layout under the directory:
+//! - `logs/<service>.jsonl`: one JSON object per line with at least `ts` (RFC 3339);
+//! - `metrics/<metric>.json`: `{metric, unit, interval, points: [{ts, value}]}`;
+//! - `changes/changes.json`: `{changes: [{change_id, ts, kind, service, ...}]}`.
+
+mod changes;
+mod logs;
+mod metrics;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::SystemTime;
+
+use convene_core::permissions::TimeWindow;
+use convene_proto::v1;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+pub use changes::ListChanges;
+pub use logs::SearchLogs;
+pub use metrics::{
+    BASELINE_POINTS, CHANGE_PERSISTENCE, CHANGE_THRESHOLD, QueryMetrics, change_point, median,
+};
+
+use crate::provider::ToolSpec;
+
+/// Why a tool call could not be prepared or run. Each becomes a failed tool outcome
+/// the model reads, so the messages say what to change.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ToolError {
+    /// The arguments do not fit the tool.
+    #[error("invalid arguments for {tool}: {detail}")]
+    InvalidArguments {
+        /// The tool.
+        tool: &'static str,
+        /// What is wrong.
+        detail: String,
+    },
+    /// The data file the call needs does not exist.
+    #[error("data file {path} not found; no data is available for this {what}")]
+    MissingData {
+        /// The file.
+        path: String,
+        /// What the file would hold (`service`, `metric`, ...).
+        what: &'static str,
+    },
+    /// The data file exists but cannot be read or parsed.
+    #[error("data file {path} is unreadable: {detail}")]
+    BadData {
+        /// The file.
+        path: String,
+        /// What is wrong.
+        detail: String,
+    },
+}
+
+/// A prepared call: normalized arguments and what the call touches.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PreparedCall {
+    /// Tool, `name@version`.
+    pub tool: &'static str,
+    /// Action the call performs, e.g. `logs:read`.
+    pub action: &'static str,
+    /// Resource it reads, e.g. `service/payment-api`.
+    pub resource: String,
+    /// Time window it reads.
+    pub window: TimeWindow,
+    /// Rows it reads at most.
+    pub max_rows: u64,
+    /// Scheme of its evidence ids, e.g. `logs`.
+    pub scheme: &'static str,
+    /// Subject of its evidence ids, e.g. `payment-api`.
+    pub subject: String,
+    /// Data source, e.g. `logs.payment-api`.
+    pub source: String,
+    /// Evidence kind recorded when the caller names none.
+    pub default_kind: &'static str,
+    /// Normalized arguments (defaults applied), the input of [`Tool::run`].
+    pub args: Value,
+}
+
+impl PreparedCall {
+    /// `sha256:` of the canonical JSON of (tool, normalized arguments): the same
+    /// question gives the same fingerprint, whatever key order or defaults it was asked
+    /// with.
+    pub fn fingerprint(&self) -> String {
+        let query = serde_json::json!({ "tool": self.tool, "args": self.args });
+        convene_core::ids::content_hash(canonical_json(&query).as_bytes())
+    }
+
+    /// The data scope the call asks the policy service for.
+    pub fn data_scope(&self) -> v1::DataScope {
+        v1::DataScope {
+            time_range: convene_core::permissions::time_window_to_proto(&self.window),
+            max_rows: self.max_rows,
+        }
+    }
+}
+
+/// A tool's output.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ToolOutput {
+    /// The output as parsed JSON, for the model.
+    pub value: Value,
+    /// The output as stored: canonical JSON bytes.
+    pub bytes: Vec<u8>,
+    /// Whether a limit cut the read short (the evidence is then DEGRADED).
+    pub truncated: bool,
+}
+
+impl ToolOutput {
+    /// The output `value`, serialized canonically.
+    pub fn new(value: Value, truncated: bool) -> Self {
+        let bytes = canonical_json(&value).into_bytes();
+        Self {
+            value,
+            bytes,
+            truncated,
+        }
+    }
+}
+
+/// A read-only tool.
+pub trait Tool: Send + Sync + std::fmt::Debug {
+    /// `name@version`.
+    fn name(&self) -> &'static str;
+
+    /// What the model is told about the tool.
+    fn spec(&self) -> ToolSpec;
+
+    /// Checks and normalizes `args`; `scope` is the task's time window, the default
+    /// window of the call.
+    ///
+    /// # Errors
+    ///
+    /// [`ToolError::InvalidArguments`] naming the argument.
+    fn prepare(&self, args: &Value, scope: &TimeWindow) -> Result<PreparedCall, ToolError>;
+
+    /// Runs a call prepared by [`prepare`](Self::prepare) over `data_dir`. Blocking
+    /// (file I/O): the loop runs it off the async threads.
+    ///
+    /// # Errors
+    ///
+    /// A missing or unreadable data file.
+    fn run(&self, call: &PreparedCall, data_dir: &Path) -> Result<ToolOutput, ToolError>;
+}
+
+/// The tools a worker has, over one data directory.
+#[derive(Debug, Clone)]
+pub struct ToolRegistry {
+    tools: BTreeMap<&'static str, Arc<dyn Tool>>,
+    data_dir: PathBuf,
+}
+
+impl ToolRegistry {
+    /// The built-in tools (`search_logs@1`, `query_metrics@1`, `list_changes@1`) over
+    /// `data_dir`.
+    pub fn builtin(data_dir: impl Into<PathBuf>) -> Self {
+        let tools: [Arc<dyn Tool>; 3] = [
+            Arc::new(SearchLogs),
+            Arc::new(QueryMetrics),
+            Arc::new(ListChanges),
+        ];
+        Self {
+            tools: tools.into_iter().map(|t| (t.name(), t)).collect(),
+            data_dir: data_dir.into(),
+        }
+    }
+
+    /// The tool called `name` (`name@version`).
+    pub fn get(&self, name: &str) -> Option<&Arc<dyn Tool>> {
+        self.tools.get(name)
+    }
+
+    /// The names of every tool, sorted.
+    pub fn names(&self) -> Vec<&'static str> {
+        self.tools.keys().copied().collect()
+    }
+
+    /// The directory the tools read.
+    pub fn data_dir(&self) -> &Path {
+        &self.data_dir
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Helpers shared by the tools.
+
+/// JSON with object keys sorted at every level and no insignificant whitespace.
+pub fn canonical_json(value: &Value) -> String {
+    fn write(value: &Value, out: &mut String) {
+        match value {
+            Value::Object(map) => {
+                out.push('{');
+                let mut keys: Vec<&String> = map.keys().collect();
+                keys.sort();
+                for (i, k) in keys.into_iter().enumerate() {
+                    if i > 0 {
+                        out.push(',');
+                    }
+                    out.push_str(&Value::String(k.clone()).to_string());
+                    out.push(':');
+                    write(&map[k], out);
+                }
+                out.push('}');
+            }
+            Value::Array(items) => {
+                out.push('[');
+                for (i, item) in items.iter().enumerate() {
+                    if i > 0 {
+                        out.push(',');
+                    }
+                    write(item, out);
+                }
+                out.push(']');
+            }
+            scalar => out.push_str(&scalar.to_string()),
+        }
+    }
+    let mut out = String::new();
+    write(value, &mut out);
+    out
+}
+
+/// A time range argument: RFC 3339 bounds, either may be left out.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TimeRangeArg {
+    /// Inclusive start.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub start: Option<String>,
+    /// Exclusive end.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub end: Option<String>,
+}
+
+/// Resolves a call's window: the given bounds, or the task's where one is left out.
+/// Bounds are normalized to RFC 3339 with milliseconds.
+pub(crate) fn resolve_window(
+    tool: &'static str,
+    arg: Option<&TimeRangeArg>,
+    scope: &TimeWindow,
+) -> Result<(TimeWindow, TimeRangeArg), ToolError> {
+    let parse = |s: &Option<String>, which: &str| {
+        s.as_deref()
+            .map(|s| {
+                parse_time(s).map_err(|e| ToolError::InvalidArguments {
+                    tool,
+                    detail: format!("time_range.{which} {s:?} is not an RFC 3339 time ({e})"),
+                })
+            })
+            .transpose()
+    };
+    let given = arg.cloned().unwrap_or_default();
+    let window = TimeWindow {
+        start: parse(&given.start, "start")?.or(scope.start),
+        end: parse(&given.end, "end")?.or(scope.end),
+    };
+    if window.is_empty() {
+        return Err(ToolError::InvalidArguments {
+            tool,
+            detail: "time_range.start must lie before time_range.end".into(),
+        });
+    }
+    let normalized = TimeRangeArg {
+        start: window.start.map(format_time),
+        end: window.end.map(format_time),
+    };
+    Ok((window, normalized))
+}
+
+/// Whether `t` lies in `window`.
+pub(crate) fn in_window(t: SystemTime, window: &TimeWindow) -> bool {
+    window.start.is_none_or(|s| t >= s) && window.end.is_none_or(|e| t < e)
+}
+
+/// Parses an RFC 3339 time in UTC (`Z`), with any fraction of a second.
+pub fn parse_time(s: &str) -> Result<SystemTime, humantime::TimestampError> {
+    humantime::parse_rfc3339(s)
+}
+
+/// Formats a time as RFC 3339 UTC with milliseconds, the form the data uses.
+pub fn format_time(t: SystemTime) -> String {
+    humantime::format_rfc3339_millis(t).to_string()
+}
+
+/// Checks a name that becomes part of a file path (a service or metric): letters,
+/// digits, `.`, `_` and `-`, not starting with `.`, so it cannot leave its directory.
+pub(crate) fn file_name_arg(
+    tool: &'static str,
+    arg: &str,
+    value: &str,
+) -> Result<String, ToolError> {
+    let ok = !value.is_empty()
+        && value.len() <= 200
+        && !value.starts_with('.')
+        && value
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'));
+    if ok {
+        Ok(value.to_owned())
+    } else {
+        Err(ToolError::InvalidArguments {
+            tool,
+            detail: format!(
+                "{arg} {value:?} must be 1-200 letters, digits, `.`, `_` or `-`, not \
+                 starting with `.`"
+            ),
+        })
+    }
+}
+
+/// Parses a tool's arguments, naming the tool in the error.
+pub(crate) fn parse_args<T: serde::de::DeserializeOwned>(
+    tool: &'static str,
+    args: &Value,
+) -> Result<T, ToolError> {
+    let args = if args.is_null() {
+        Value::Object(serde_json::Map::new())
+    } else {
+        args.clone()
+    };
+    serde_json::from_value(args).map_err(|e| ToolError::InvalidArguments {
+        tool,
+        detail: e.to_string(),
+    })
+}
+
+/// Serializes normalized arguments (infallible for the plain structs the tools use).
+pub(crate) fn to_args<T: Serialize>(args: &T) -> Value {
+    serde_json::to_value(args).unwrap_or(Value::Null)
+}
+
+/// Reads a data file, telling a missing file apart from an unreadable one.
+pub(crate) fn read_data(path: &Path, what: &'static str) -> Result<String, ToolError> {
+    std::fs::read_to_string(path).map_err(|e| {
+        if e.kind() == std::io::ErrorKind::NotFound {
+            ToolError::MissingData {
+                path: path.display().to_string(),
+                what,
+            }
+        } else {
+            ToolError::BadData {
+                path: path.display().to_string(),
+                detail: e.to_string(),
+            }
+        }
+    })
+}
+
+/// Rounds to `decimals` places, so outputs carry no floating-point noise.
+pub(crate) fn round(x: f64, decimals: i32) -> f64 {
+    let factor = 10f64.powi(decimals);
+    (x * factor).round() / factor
+}
+
+/// A JSON number, or null for a non-finite value (JSON has none).
+pub(crate) fn number(x: f64) -> Value {
+    serde_json::Number::from_f64(x).map_or(Value::Null, Value::Number)
+}
+
+/// The JSON schema of a time range argument.
+pub(crate) fn time_range_schema() -> Value {
+    serde_json::json!({
+        "type": "object",
+        "description": "Window to read, RFC 3339 UTC bounds [start, end); defaults to the task's window.",
+        "properties": {
+            "start": { "type": "string", "format": "date-time" },
+            "end": { "type": "string", "format": "date-time" }
+        },
+        "additionalProperties": false
+    })
+}
+
+/// The JSON schema of the row limit argument.
+pub(crate) fn max_rows_schema(default: u64) -> Value {
+    serde_json::json!({
+        "type": "integer",
+        "minimum": 1,
+        "description": format!("Rows read at most (default {default}); a read cut short is recorded as degraded evidence."),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn canonical_json_sorts_keys_at_every_level() {
+        let a: Value =
+            serde_json::from_str(r#"{"b":1,"a":{"d":[1,{"z":0,"y":"x"}],"c":null}}"#).unwrap();
+        assert_eq!(
+            canonical_json(&a),
+            r#"{"a":{"c":null,"d":[1,{"y":"x","z":0}]},"b":1}"#
+        );
+    }
+
+    #[test]
+    fn windows_default_to_the_task_and_normalize() {
+        let scope = TimeWindow {
+            start: Some(parse_time("2026-07-23T01:45:00Z").unwrap()),
+            end: Some(parse_time("2026-07-23T02:10:00Z").unwrap()),
+        };
+        let (w, n) = resolve_window("t@1", None, &scope).unwrap();
+        assert_eq!(w, scope);
+        assert_eq!(n.start.as_deref(), Some("2026-07-23T01:45:00.000Z"));
+        let arg = TimeRangeArg {
+            start: Some("2026-07-23T02:00:00Z".into()),
+            end: None,
+        };
+        let (w, n) = resolve_window("t@1", Some(&arg), &scope).unwrap();
+        assert_eq!(w.start, Some(parse_time("2026-07-23T02:00:00Z").unwrap()));
+        assert_eq!(w.end, scope.end);
+        assert_eq!(n.end.as_deref(), Some("2026-07-23T02:10:00.000Z"));
+        let bad = TimeRangeArg {
+            start: Some("yesterday".into()),
+            end: None,
+        };
+        let err = resolve_window("t@1", Some(&bad), &scope).unwrap_err();
+        assert!(err.to_string().contains("time_range.start"), "{err}");
+        let inverted = TimeRangeArg {
+            start: Some("2026-07-23T02:10:00Z".into()),
+            end: Some("2026-07-23T02:00:00Z".into()),
+        };
+        assert!(resolve_window("t@1", Some(&inverted), &scope).is_err());
+    }
+
+    #[test]
+    fn file_names_cannot_leave_their_directory() {
+        assert!(file_name_arg("t@1", "service", "payment-api").is_ok());
+        assert!(file_name_arg("t@1", "metric", "risk.rule_hit_rate.RC-4711").is_ok());
+        for bad in ["", "../etc/passwd", ".hidden", "a/b", "a b"] {
+            let err = file_name_arg("t@1", "service", bad).unwrap_err();
+            assert!(err.to_string().contains("service"), "{err}");
+        }
+    }
+
+    #[test]
+    fn fingerprints_ignore_key_order() {
+        let call = |args: Value| PreparedCall {
+            tool: "t@1",
+            action: "a:read",
+            resource: "r".into(),
+            window: TimeWindow::unbounded(),
+            max_rows: 1,
+            scheme: "s",
+            subject: "x".into(),
+            source: "s.x".into(),
+            default_kind: "k",
+            args,
+        };
+        let a = call(serde_json::json!({"x": 1, "y": [1, 2]}));
+        let b = call(serde_json::from_str(r#"{"y":[1,2],"x":1}"#).unwrap());
+        assert_eq!(a.fingerprint(), b.fingerprint());
+        assert!(a.fingerprint().starts_with("sha256:"));
+        let c = call(serde_json::json!({"x": 2, "y": [1, 2]}));
+        assert_ne!(a.fingerprint(), c.fingerprint());
+    }
+}

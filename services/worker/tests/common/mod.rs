@@ -1,0 +1,317 @@
+//! The mesh a worker needs, for real: the policy service and the evidence store on
+//! loopback gRPC servers over a temporary data directory with the example policy, a
+//! supervisor credential to issue task tokens with, and helpers to start workers and
+//! build their tasks.
+
+#![allow(dead_code)] // each test file uses part of the harness
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use convene_core::time::to_timestamp;
+use convene_evidence_store::EvidenceStoreService;
+use convene_mesh::auth;
+use convene_mesh::handles::{EvidenceHandle, GrpcEvidenceStore, GrpcPolicy, PolicyHandle};
+use convene_mesh::policy_file::dev_credential;
+use convene_policy::PolicyService;
+use convene_policy::decision_log::{AuthorizeRecord, LogEntry, MemoryDecisionLog};
+use convene_proto::v1::{self, worker_client::WorkerClient};
+use convene_server::test_util::{TestServer, endpoint};
+use convene_server::{GrpcServer, ServerSettings};
+use convene_worker::profiles::{self, Profile};
+use convene_worker::provider::ProviderRegistry;
+use convene_worker::tools::ToolRegistry;
+use convene_worker::{WorkerOptions, WorkerService};
+use tempfile::TempDir;
+use tonic::transport::Channel;
+
+/// The incident window of the example.
+pub const WINDOW_START: &str = "2026-07-23T01:45:00Z";
+/// End of the incident window.
+pub const WINDOW_END: &str = "2026-07-23T02:10:00Z";
+/// The run every test task belongs to.
+pub const RUN_ID: &str = "run-incident-20260723";
+
+/// The example's data directory.
+pub fn example_data() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../examples/payment-incident/data")
+}
+
+/// The policy service and evidence store, serving on loopback.
+pub struct Mesh {
+    /// The data directory (keys, credentials, artifacts).
+    pub dir: TempDir,
+    /// The policy service's decisions.
+    pub decisions: Arc<MemoryDecisionLog>,
+    /// The compiled example policy.
+    pub policy: Arc<convene_mesh::policy_file::Policy>,
+    /// The supervisor principal's credential.
+    pub supervisor: String,
+    /// The policy service's server.
+    pub policy_server: TestServer,
+    /// The evidence store's server.
+    pub evidence_server: TestServer,
+}
+
+impl Mesh {
+    /// Starts both services with the example policy in a fresh directory.
+    pub async fn start() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let policy_config = convene_policy::Config::in_dir(dir.path());
+        let (policy, _) = policy_config.load_policy().unwrap();
+        let ring = convene_tokens::KeyRing::open(policy_config.keys_dir()).unwrap();
+        let decisions = Arc::new(MemoryDecisionLog::new());
+        let policy_service = PolicyService::builder(policy, ring)
+            .decision_log(decisions.clone())
+            .build();
+        let compiled = policy_service.policy().clone();
+        let policy_server =
+            TestServer::start(policy_service.add_to(GrpcServer::new(ServerSettings::default())))
+                .await;
+
+        let store = EvidenceStoreService::open(
+            &convene_evidence_store::Config::in_dir(dir.path()),
+            Arc::new(policy_service),
+        )
+        .unwrap();
+        let evidence_server =
+            TestServer::start(store.add_to(GrpcServer::new(ServerSettings::default()))).await;
+
+        let supervisor = dev_credential(&dir.path().join("credentials"), "supervisor").unwrap();
+        Self {
+            dir,
+            decisions,
+            policy: compiled,
+            supervisor,
+            policy_server,
+            evidence_server,
+        }
+    }
+
+    /// A gRPC handle on the policy service.
+    pub fn policy_handle(&self) -> PolicyHandle {
+        Arc::new(GrpcPolicy::connect(&endpoint(self.policy_server.addr)).unwrap())
+    }
+
+    /// A gRPC handle on the evidence store.
+    pub fn evidence_handle(&self) -> EvidenceHandle {
+        Arc::new(GrpcEvidenceStore::connect(&endpoint(self.evidence_server.addr)).unwrap())
+    }
+
+    /// Issues the task token of `grant` through IssueTaskToken, as the supervisor.
+    pub async fn issue(&self, grant: v1::TokenGrantRequest) -> v1::IssuedToken {
+        let request = v1::IssueTaskTokenRequest {
+            principal: "oncall@acme".into(),
+            run_id: RUN_ID.into(),
+            parent_token: String::new(),
+            grants: vec![grant],
+        };
+        self.policy_handle()
+            .issue_task_token(auth::request(request, &self.supervisor))
+            .await
+            .expect("the supervisor may issue task tokens")
+            .into_inner()
+            .tokens
+            .remove(0)
+    }
+
+    /// The token `task` needs: its required scopes plus evidence access, over its scope
+    /// plus the evidence resource, for `tools` (empty: the profile's).
+    pub async fn token_for(&self, task: &v1::DelegationTask, tools: &[&str]) -> String {
+        let mut required = task.required_scopes.clone();
+        required.push(scope("evidence:*", "evidence"));
+        let mut task_scope = task.scope.clone().unwrap();
+        task_scope.resources.push("evidence".into());
+        self.issue(v1::TokenGrantRequest {
+            delegation_id: task.delegation_id.clone(),
+            profile_id: task.profile_id.clone(),
+            depth: 1,
+            required_scopes: required,
+            task_scope: Some(task_scope),
+            tools: tools.iter().map(|t| (*t).to_owned()).collect(),
+            max_calls: 0,
+            may_redelegate: false,
+            ttl: None,
+            max_depth: 0,
+        })
+        .await
+        .token
+    }
+
+    /// The authorization decisions made for `delegation_id`, in order.
+    pub fn decisions_for(&self, delegation_id: &str) -> Vec<AuthorizeRecord> {
+        self.decisions
+            .entries()
+            .into_iter()
+            .filter_map(|e| match e {
+                LogEntry::Authorize(a) if a.delegation_id == delegation_id => Some(a),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// The evidence prefixes the policy file gives `profile`.
+    pub fn prefixes(&self, profile: &str) -> Vec<String> {
+        self.policy.profiles[profile].evidence_prefixes.clone()
+    }
+
+    /// A worker over this mesh serving `profiles`, on its own loopback server.
+    pub async fn worker(&self, profiles: Vec<Profile>, capacity: u32) -> TestWorker {
+        let service = WorkerService::new(
+            WorkerOptions {
+                worker_id: "worker-test-1".into(),
+                capacity,
+                exit_process_on_fault: false,
+            },
+            profiles,
+            &ProviderRegistry::builtin(),
+            ToolRegistry::builtin(example_data()),
+            self.policy_handle(),
+            self.evidence_handle(),
+        )
+        .unwrap();
+        TestWorker::start(service).await
+    }
+}
+
+/// A worker serving on loopback, with a gRPC client.
+pub struct TestWorker {
+    /// The service (for in-flight counts).
+    pub service: WorkerService,
+    /// Its server.
+    pub server: TestServer,
+    /// A client connected to it.
+    pub client: WorkerClient<Channel>,
+}
+
+impl TestWorker {
+    /// Serves `service` with no request timeout (Execute runs as long as its task).
+    pub async fn start(service: WorkerService) -> Self {
+        let settings = ServerSettings {
+            request_timeout: None,
+            ..ServerSettings::default()
+        };
+        let server = TestServer::start(service.add_to(GrpcServer::new(settings))).await;
+        let client = WorkerClient::new(server.channel().await);
+        Self {
+            service,
+            server,
+            client,
+        }
+    }
+
+    /// Calls Execute over gRPC.
+    pub async fn execute(
+        &self,
+        task: &v1::DelegationTask,
+        token: &str,
+        attempt: u32,
+    ) -> Result<v1::TaskResult, tonic::Status> {
+        let response = self
+            .client
+            .clone()
+            .execute(v1::WorkerExecuteRequest {
+                task: Some(task.clone()),
+                task_token: token.to_owned(),
+                attempt,
+            })
+            .await?;
+        Ok(response
+            .into_inner()
+            .result
+            .expect("Execute answers with a result"))
+    }
+}
+
+/// The example profiles, with `edit` applied to the one called `id`.
+pub fn profiles_with(id: &str, edit: impl FnOnce(&mut Profile)) -> Vec<Profile> {
+    let mut profiles = profiles::example().unwrap();
+    edit(profiles.iter_mut().find(|p| p.profile.id == id).unwrap());
+    profiles
+}
+
+/// A permission scope.
+pub fn scope(action: &str, resource: &str) -> v1::PermissionScope {
+    v1::PermissionScope {
+        action: action.into(),
+        resource: resource.into(),
+        data_scope: None,
+    }
+}
+
+fn time(s: &str) -> prost_types::Timestamp {
+    to_timestamp(humantime::parse_rfc3339(s).unwrap())
+}
+
+/// The example run's delegation for `profile`, with a deadline `timeout` from now.
+pub fn task(delegation_id: &str, profile: &str, timeout: Duration) -> v1::DelegationTask {
+    let (goal, resources, required, tools, prefixes): (&str, &[&str], Vec<_>, &[&str], &[&str]) =
+        match profile {
+            "logs-investigator" => (
+                "Identify the main error patterns in payment logs and when they first occurred.",
+                &["service/payment-api", "service/risk-gateway"],
+                vec![scope("logs:read", "service/*")],
+                &["search_logs@1"],
+                &["logs://"],
+            ),
+            "metrics-investigator" => (
+                "Quantify the impact and the timeline of the success-rate and latency change.",
+                &["metric/payment.*", "metric/gateway.*"],
+                vec![scope("metrics:read", "metric/*")],
+                &["query_metrics@1"],
+                &["metrics://"],
+            ),
+            "change-auditor" => (
+                "Find rule, configuration and deployment changes that coincide with the drop.",
+                &["change/*", "metric/risk.*"],
+                vec![
+                    scope("changes:read", "change/*"),
+                    scope("metrics:read", "metric/risk.*"),
+                ],
+                &["list_changes@1", "query_metrics@1"],
+                &["changes://", "metrics://risk."],
+            ),
+            other => panic!("no example task for {other}"),
+        };
+    v1::DelegationTask {
+        delegation_id: delegation_id.into(),
+        run_id: RUN_ID.into(),
+        parent_delegation_id: String::new(),
+        depth: 1,
+        profile_id: profile.into(),
+        goal: goal.into(),
+        acceptance_criteria: vec!["Cite read-only query evidence for every conclusion".into()],
+        scope: Some(v1::TaskScope {
+            resources: resources.iter().map(|r| (*r).to_owned()).collect(),
+            time_range: Some(v1::TimeRange {
+                start: Some(time(WINDOW_START)),
+                end: Some(time(WINDOW_END)),
+            }),
+        }),
+        input_refs: Vec::new(),
+        allowed_tools: tools.iter().map(|t| (*t).to_owned()).collect(),
+        allowed_evidence_prefixes: prefixes.iter().map(|p| (*p).to_owned()).collect(),
+        required_scopes: required,
+        deadline: Some(to_timestamp(SystemTime::now() + timeout)),
+        budget: None,
+        may_redelegate: false,
+        name: profile.split('-').next().unwrap_or(profile).into(),
+        round: 0,
+        call_index: 0,
+    }
+}
+
+/// The status of a result.
+pub fn status(result: &v1::TaskResult) -> v1::TaskStatus {
+    v1::TaskStatus::try_from(result.status).unwrap()
+}
+
+/// The claim on `topic`.
+pub fn claim<'a>(result: &'a v1::TaskResult, topic: &str) -> &'a v1::Claim {
+    result
+        .claims
+        .iter()
+        .find(|c| c.topic == topic)
+        .unwrap_or_else(|| panic!("no claim on {topic}: {:#?}", result.claims))
+}

@@ -1,0 +1,736 @@
+//! End-to-end behaviour of runs: the payment incident in both modes, deadlines and late
+//! results, invalid results, duplicates, width limits, idempotency.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+use convene_mesh::auth::request;
+use convene_proto::v1::{
+    self, approval_server::Approval as _, evidence_store_server::EvidenceStore as _,
+    run_event::Kind,
+};
+use convene_tests::{MeshOptions, Mode, TestMesh, Workers, example_profiles, example_spec};
+use futures::StreamExt as _;
+
+const ONCALL: &str = "oncall@acme";
+const LIMIT: Duration = Duration::from_secs(30);
+
+/// The example profiles with `faults` added to the named profiles.
+fn profiles_with_faults(faults: &[(&str, &str)]) -> String {
+    let mut text = example_profiles();
+    for (profile, f) in faults {
+        let anchor = format!("  - id: {profile}\n");
+        assert!(
+            text.contains(&anchor),
+            "profile {profile} is in the example"
+        );
+        text = text.replace(&anchor, &format!("{anchor}    faults: {f}\n"));
+    }
+    text
+}
+
+fn one_group(profiles: String) -> MeshOptions {
+    MeshOptions {
+        workers: vec![Workers {
+            profiles: Some(profiles),
+            count: 1,
+            capacity: 64,
+        }],
+    }
+}
+
+fn delegation_id(run: &v1::Run, name: &str) -> String {
+    run.delegations
+        .iter()
+        .filter_map(|d| d.task.as_ref())
+        .find(|t| t.name == name)
+        .map(|t| t.delegation_id.clone())
+        .unwrap_or_else(|| panic!("no delegation {name}"))
+}
+
+fn rejection(run: &v1::Run, name: &str) -> v1::Rejection {
+    let id = delegation_id(run, name);
+    run.decision
+        .as_ref()
+        .expect("a decision")
+        .rejected
+        .iter()
+        .find(|r| r.delegation_id == id)
+        .cloned()
+        .unwrap_or_else(|| panic!("{name} was not rejected: {:#?}", run.decision))
+}
+
+async fn payment_incident(mode: Mode) {
+    // Each specialist holds its task a moment, so all three are provably in flight at
+    // once; the assertion below is on event order, not on durations.
+    let profiles = profiles_with_faults(&[
+        ("logs-investigator", "{ delay: 300ms }"),
+        ("metrics-investigator", "{ delay: 300ms }"),
+        ("change-auditor", "{ delay: 300ms }"),
+    ]);
+    let mesh = TestMesh::start(mode, one_group(profiles)).await;
+    let started = mesh
+        .start_run(ONCALL, example_spec())
+        .await
+        .expect("StartRun");
+    assert!(started.created);
+    let run_id = started.run.expect("run").run_id;
+    let run = mesh.wait_terminal(ONCALL, &run_id, LIMIT).await;
+
+    // Three delegations in parallel: every dispatch precedes the first completion.
+    let events = mesh.run_events(ONCALL, &run_id).await;
+    let first_completed = events
+        .iter()
+        .position(|e| matches!(e.kind, Some(Kind::Completed(_))))
+        .expect("a completion");
+    let dispatched_before: BTreeSet<String> = events[..first_completed]
+        .iter()
+        .filter_map(|e| match &e.kind {
+            Some(Kind::Dispatched(d)) => Some(d.name.clone()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        dispatched_before,
+        ["changes", "logs", "metrics"].map(String::from).into(),
+        "all three were dispatched before any completed: {events:#?}"
+    );
+
+    // Outcome and the preserved conflict.
+    assert_eq!(run.state, v1::RunState::WaitingApproval as i32, "{run:#?}");
+    assert_eq!(run.outcome, v1::JoinOutcome::ConflictRequiresHuman as i32);
+    let decision = run.decision.clone().expect("decision");
+    assert_eq!(decision.accepted.len(), 3);
+    assert!(decision.quorum_met);
+    let conflict = decision
+        .conflicts
+        .iter()
+        .find(|c| c.topic == "primary_cause")
+        .expect("the primary_cause conflict is preserved");
+    assert_eq!(
+        conflict.resolution,
+        v1::ConflictResolution::Unresolved as i32
+    );
+    let values: BTreeMap<String, &v1::ConflictingClaim> = conflict
+        .claims
+        .iter()
+        .map(|c| (c.value.clone(), c))
+        .collect();
+    assert_eq!(
+        values.keys().cloned().collect::<Vec<_>>(),
+        ["connection_pool_exhaustion", "risk_rule_change"]
+    );
+    assert_eq!(
+        values["connection_pool_exhaustion"].delegation_id,
+        delegation_id(&run, "logs")
+    );
+    assert_eq!(
+        values["risk_rule_change"].delegation_id,
+        delegation_id(&run, "changes")
+    );
+    for c in values.values() {
+        assert!(!c.evidence_refs.is_empty(), "each side keeps its evidence");
+    }
+
+    // Every claim's evidence chain verifies, artifacts re-hashed.
+    let claims: Vec<v1::ChainClaim> = run
+        .delegations
+        .iter()
+        .filter_map(|d| d.result.as_ref())
+        .flat_map(|r| &r.claims)
+        .map(|c| v1::ChainClaim {
+            claim_id: c.claim_id.clone(),
+            evidence_refs: c.evidence_refs.clone(),
+        })
+        .collect();
+    assert!(claims.len() >= 5, "{claims:#?}");
+    let chain = mesh
+        .evidence()
+        .verify_chain(request(
+            v1::VerifyChainRequest {
+                claims,
+                rehash_content: true,
+            },
+            &mesh.credential(ONCALL),
+        ))
+        .await
+        .expect("VerifyChain")
+        .into_inner();
+    assert!(chain.intact, "{:#?}", chain.links);
+
+    // The R3 rollback exists as a request, and nothing executed.
+    assert_eq!(run.approval_ids.len(), 1);
+    let approval = mesh
+        .approval()
+        .get_approval(request(
+            v1::GetApprovalRequest {
+                approval_id: run.approval_ids[0].clone(),
+            },
+            &mesh.credential(ONCALL),
+        ))
+        .await
+        .expect("GetApproval")
+        .into_inner()
+        .approval
+        .expect("approval");
+    assert_eq!(approval.action, "rule:rollback");
+    assert_eq!(approval.risk_level, v1::RiskLevel::R3 as i32);
+    assert_eq!(approval.approvals_required, 2);
+    assert_eq!(approval.state, v1::ApprovalState::Pending as i32);
+    assert_eq!(approval.requester, ONCALL);
+    assert!(approval.execution.is_none(), "nothing was executed");
+    assert_eq!(approval.run_id, run_id);
+
+    // One CloudEvent per state transition.
+    let mut stream = mesh
+        .supervisor()
+        .watch_events(request(
+            v1::WatchEventsRequest {
+                run_id: run_id.clone(),
+                follow: false,
+                ..Default::default()
+            },
+            &mesh.credential(ONCALL),
+        ))
+        .await
+        .expect("WatchEvents")
+        .into_inner();
+    let mut counts: BTreeMap<String, usize> = BTreeMap::new();
+    while let Some(e) = stream.next().await {
+        let e = e.expect("event").event.expect("event");
+        assert_eq!(e.correlation_id, run_id);
+        assert_eq!(e.tenant_id, "acme-payments");
+        assert_eq!(e.spec_version, "1.0");
+        *counts.entry(e.r#type).or_default() += 1;
+    }
+    let expected: BTreeMap<String, usize> = [
+        ("dev.convene.run.started.v1", 1),
+        ("dev.convene.delegation.completed.v1", 3),
+        ("dev.convene.join.decided.v1", 1),
+        ("dev.convene.approval.requested.v1", 1),
+        ("dev.convene.run.completed.v1", 1),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_owned(), v))
+    .collect();
+    assert_eq!(counts, expected);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn payment_incident_in_one_process() {
+    payment_incident(Mode::InProcess).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn payment_incident_with_every_service_its_own_process() {
+    payment_incident(Mode::Processes).await;
+}
+
+fn with_join_timeout(
+    mut spec: v1::RunSpec,
+    timeout: Duration,
+    late: v1::LateResultPolicy,
+) -> v1::RunSpec {
+    let join = spec.join.as_mut().expect("join");
+    join.timeout = Some(convene_core::time::to_duration(timeout));
+    join.late_result = late as i32;
+    spec
+}
+
+async fn slow_metrics(mode: Mode) {
+    let mesh = TestMesh::start(
+        mode,
+        one_group(profiles_with_faults(&[(
+            "metrics-investigator",
+            "{ delay: 3s }",
+        )])),
+    )
+    .await;
+    let spec = with_join_timeout(
+        example_spec(),
+        Duration::from_millis(1500),
+        v1::LateResultPolicy::AppendRevision,
+    );
+    let run_id = mesh
+        .start_run(ONCALL, spec)
+        .await
+        .expect("StartRun")
+        .run
+        .expect("run")
+        .run_id;
+    let run = mesh.wait_terminal(ONCALL, &run_id, LIMIT).await;
+    assert_eq!(run.state, v1::RunState::Partial as i32, "{run:#?}");
+    let decision = run.decision.clone().expect("decision");
+    assert_eq!(decision.outcome, v1::JoinOutcome::PartialEvidence as i32);
+    assert_eq!(decision.revision, 1);
+    let metrics = delegation_id(&run, "metrics");
+    assert_eq!(
+        decision.missing_optional,
+        vec![metrics.clone()],
+        "the gap is named"
+    );
+    assert!(
+        decision.reasons.iter().any(|r| r.contains("metrics")),
+        "{:?}",
+        decision.reasons
+    );
+    // The late result arrives, becomes revision 2, and the run stays PARTIAL.
+    let deadline = tokio::time::Instant::now() + LIMIT;
+    let run = loop {
+        let run = mesh.get_run(ONCALL, &run_id).await;
+        if run.revisions.len() >= 2 {
+            break run;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no late revision: {run:#?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(
+        run.state,
+        v1::RunState::Partial as i32,
+        "a late result never reopens the run"
+    );
+    let revised = run.decision.clone().expect("decision");
+    assert_eq!(revised.revision, 2);
+    assert!(revised.accepted.contains(&metrics), "{revised:#?}");
+    assert_eq!(
+        run.revisions[0].outcome,
+        v1::JoinOutcome::PartialEvidence as i32
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_metrics_worker_gives_partial_at_the_deadline_in_one_process() {
+    slow_metrics(Mode::InProcess).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_metrics_worker_gives_partial_at_the_deadline_as_processes() {
+    slow_metrics(Mode::Processes).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hung_worker_is_cancelled_and_its_result_discarded() {
+    let mesh = TestMesh::start(
+        Mode::InProcess,
+        one_group(profiles_with_faults(&[(
+            "metrics-investigator",
+            "{ hang: true }",
+        )])),
+    )
+    .await;
+    let spec = with_join_timeout(
+        example_spec(),
+        Duration::from_millis(800),
+        v1::LateResultPolicy::Discard,
+    );
+    let run_id = mesh
+        .start_run(ONCALL, spec)
+        .await
+        .expect("StartRun")
+        .run
+        .expect("run")
+        .run_id;
+    let run = mesh.wait_terminal(ONCALL, &run_id, LIMIT).await;
+    assert_eq!(
+        run.outcome,
+        v1::JoinOutcome::PartialEvidence as i32,
+        "{run:#?}"
+    );
+    // The hung delegation is cancelled; the decision never changes.
+    let metrics = delegation_id(&run, "metrics");
+    let deadline = tokio::time::Instant::now() + LIMIT;
+    loop {
+        let now = mesh.get_run(ONCALL, &run_id).await;
+        let d = now
+            .delegations
+            .iter()
+            .find(|d| d.task.as_ref().is_some_and(|t| t.delegation_id == metrics))
+            .expect("metrics");
+        if d.state != v1::DelegationState::TimedOut as i32 || d.completed_at.is_some() {
+            assert_eq!(now.revisions.len(), 1, "DISCARD never adds a revision");
+            assert_eq!(now.state, v1::RunState::Partial as i32);
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the hung delegation was not cancelled"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn invalid_results_are_rejected_with_their_reason_and_siblings_are_unaffected() {
+    let cases = [
+        (
+            "logs-investigator",
+            "{ drop_evidence_refs: true }",
+            "logs",
+            v1::RejectionReason::ClaimWithoutEvidence,
+        ),
+        (
+            "change-auditor",
+            "{ evidence_scheme: 'other://' }",
+            "changes",
+            v1::RejectionReason::EvidenceOutsidePrefix,
+        ),
+        (
+            "metrics-investigator",
+            "{ corrupt_evidence_hash: true }",
+            "metrics",
+            v1::RejectionReason::HashMismatch,
+        ),
+        (
+            "metrics-investigator",
+            "{ result_delegation_id: del-000000000000000000000000 }",
+            "metrics",
+            v1::RejectionReason::UnknownDelegation,
+        ),
+    ];
+    for (profile, faults, name, reason) in cases {
+        let mesh = TestMesh::start(
+            Mode::InProcess,
+            one_group(profiles_with_faults(&[(profile, faults)])),
+        )
+        .await;
+        let spec = with_join_timeout(
+            example_spec(),
+            Duration::from_secs(2),
+            v1::LateResultPolicy::Discard,
+        );
+        let run_id = mesh
+            .start_run(ONCALL, spec)
+            .await
+            .expect("StartRun")
+            .run
+            .expect("run")
+            .run_id;
+        let run = mesh.wait_terminal(ONCALL, &run_id, LIMIT).await;
+        let decision = run.decision.clone().expect("decision");
+        let rejected = if reason == v1::RejectionReason::UnknownDelegation {
+            decision
+                .rejected
+                .iter()
+                .find(|r| r.delegation_id == "del-000000000000000000000000")
+                .cloned()
+                .unwrap_or_else(|| panic!("the foreign result was not rejected: {decision:#?}"))
+        } else {
+            rejection(&run, name)
+        };
+        assert_eq!(rejected.reason, reason as i32, "{faults}: {rejected:#?}");
+        assert!(!rejected.detail.is_empty());
+        for sibling in ["logs", "metrics", "changes"]
+            .into_iter()
+            .filter(|n| *n != name)
+        {
+            assert!(
+                decision.accepted.contains(&delegation_id(&run, sibling)),
+                "{faults}: sibling {sibling} must stay accepted: {decision:#?}"
+            );
+        }
+        assert!(
+            !decision.accepted.contains(&delegation_id(&run, name)),
+            "{faults}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn duplicate_results_count_once_and_conflicting_duplicates_fail_closed() {
+    for conflicting in [false, true] {
+        let mesh = TestMesh::start(
+            Mode::InProcess,
+            one_group(profiles_with_faults(&[(
+                "metrics-investigator",
+                "{ delay: 1500ms }",
+            )])),
+        )
+        .await;
+        let run_id = mesh
+            .start_run(ONCALL, example_spec())
+            .await
+            .expect("StartRun")
+            .run
+            .expect("run")
+            .run_id;
+        // Wait for the logs result, then deliver it again before the join decides.
+        let deadline = tokio::time::Instant::now() + LIMIT;
+        let logs_result = loop {
+            let run = mesh.get_run(ONCALL, &run_id).await;
+            let logs = delegation_id(&run, "logs");
+            if let Some(r) = run
+                .delegations
+                .iter()
+                .find(|d| d.task.as_ref().is_some_and(|t| t.delegation_id == logs))
+                .and_then(|d| d.result.clone())
+            {
+                break r;
+            }
+            assert!(tokio::time::Instant::now() < deadline);
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        };
+        let mut again = logs_result.clone();
+        if conflicting {
+            again.summary.push_str(" (edited)");
+        }
+        mesh.supervisor_service()
+            .deliver_result(&run_id, again)
+            .expect("the run is still running");
+        let run = mesh.wait_terminal(ONCALL, &run_id, LIMIT).await;
+        let decision = run.decision.clone().expect("decision");
+        let logs = delegation_id(&run, "logs");
+        if conflicting {
+            assert_eq!(
+                rejection(&run, "logs").reason,
+                v1::RejectionReason::ConflictingDuplicate as i32
+            );
+            assert!(!decision.accepted.contains(&logs));
+            assert_eq!(
+                decision.outcome,
+                v1::JoinOutcome::InsufficientEvidence as i32,
+                "logs is required"
+            );
+        } else {
+            assert_eq!(
+                decision.accepted.iter().filter(|id| **id == logs).count(),
+                1
+            );
+            assert!(decision.rejected.iter().all(|r| r.delegation_id != logs));
+            assert_eq!(
+                decision.outcome,
+                v1::JoinOutcome::ConflictRequiresHuman as i32
+            );
+        }
+    }
+}
+
+fn wide_spec(overflow: v1::OverflowPolicy) -> v1::RunSpec {
+    let mut spec = example_spec();
+    spec.idempotency_key.clear();
+    let logs = spec.delegations[0].clone();
+    spec.delegations = (1..=6)
+        .map(|i| v1::PlannedDelegation {
+            name: format!("l{i}"),
+            ..logs.clone()
+        })
+        .collect();
+    let join = spec.join.as_mut().expect("join");
+    join.required.clear();
+    join.optional.clear();
+    join.strategy = v1::JoinStrategy::All as i32;
+    join.minimum = Some(v1::JoinMinimum {
+        count: 1,
+        ..Default::default()
+    });
+    let limits = spec.limits.as_mut().expect("limits");
+    limits.max_parallel_workers = 2;
+    limits.overflow = overflow as i32;
+    spec
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn width_past_max_parallel_workers_follows_the_overflow_mode() {
+    let mesh = TestMesh::start(
+        Mode::InProcess,
+        one_group(profiles_with_faults(&[(
+            "logs-investigator",
+            "{ delay: 150ms }",
+        )])),
+    )
+    .await;
+
+    // QUEUE: all six run, never more than two at once.
+    let run_id = mesh
+        .start_run(ONCALL, wide_spec(v1::OverflowPolicy::Queue))
+        .await
+        .expect("StartRun")
+        .run
+        .expect("run")
+        .run_id;
+    let run = mesh.wait_terminal(ONCALL, &run_id, LIMIT).await;
+    assert_eq!(
+        run.decision.as_ref().expect("decision").accepted.len(),
+        6,
+        "{run:#?}"
+    );
+    let mut in_flight = 0i32;
+    let mut peak = 0;
+    for e in mesh.run_events(ONCALL, &run_id).await {
+        match e.kind {
+            Some(Kind::Dispatched(_)) => in_flight += 1,
+            Some(Kind::Completed(_)) => in_flight -= 1,
+            _ => {}
+        }
+        peak = peak.max(in_flight);
+    }
+    assert_eq!(
+        peak, 2,
+        "QUEUE keeps at most max_parallel_workers in flight"
+    );
+
+    // TRUNCATE: exactly the last four are dropped and recorded.
+    let run_id = mesh
+        .start_run(ONCALL, wide_spec(v1::OverflowPolicy::Truncate))
+        .await
+        .expect("StartRun")
+        .run
+        .expect("run")
+        .run_id;
+    let run = mesh.wait_terminal(ONCALL, &run_id, LIMIT).await;
+    assert_eq!(run.truncated, ["l3", "l4", "l5", "l6"]);
+    let states: Vec<i32> = run.delegations.iter().map(|d| d.state).collect();
+    assert_eq!(&states[..2], &[v1::DelegationState::Completed as i32; 2]);
+    assert_eq!(&states[2..], &[v1::DelegationState::Dropped as i32; 4]);
+    assert_eq!(run.decision.as_ref().expect("decision").accepted.len(), 2);
+
+    // REJECT: the run is refused as a whole, saying why.
+    let started = mesh
+        .start_run(ONCALL, wide_spec(v1::OverflowPolicy::Reject))
+        .await
+        .expect("StartRun");
+    let run = started.run.expect("run");
+    assert_eq!(run.state, v1::RunState::Rejected as i32);
+    assert!(
+        run.terminal_reason.contains("max_parallel_workers 2"),
+        "{}",
+        run.terminal_reason
+    );
+    assert!(
+        run.delegations
+            .iter()
+            .all(|d| d.result.is_none() && d.attempts == 0)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fifty_concurrent_start_runs_with_one_key_make_one_run() {
+    let mesh = TestMesh::start(Mode::InProcess, MeshOptions::default()).await;
+    let mut spec = example_spec();
+    spec.idempotency_key = "same-key-for-everyone".to_owned();
+    let calls = (0..50).map(|_| {
+        let spec = spec.clone();
+        let mesh = &mesh;
+        async move { mesh.start_run(ONCALL, spec).await.expect("StartRun") }
+    });
+    let answers = futures::future::join_all(calls).await;
+    let ids: BTreeSet<String> = answers
+        .iter()
+        .map(|a| a.run.clone().expect("run").run_id)
+        .collect();
+    assert_eq!(ids.len(), 1, "{ids:?}");
+    assert_eq!(answers.iter().filter(|a| a.created).count(), 1);
+    // A different spec under the same key is refused, naming the key.
+    spec.goal.push_str(" (changed)");
+    let err = mesh
+        .start_run(ONCALL, spec)
+        .await
+        .expect_err("a different spec under a used key");
+    assert_eq!(err.code(), tonic::Code::AlreadyExists);
+    assert!(
+        err.message().contains("same-key-for-everyone"),
+        "{}",
+        err.message()
+    );
+    let listed = mesh
+        .supervisor()
+        .list_runs(request(
+            v1::ListRunsRequest::default(),
+            &mesh.credential(ONCALL),
+        ))
+        .await
+        .expect("ListRuns")
+        .into_inner();
+    assert_eq!(listed.runs.len(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tenants_never_see_each_others_runs() {
+    let mesh = TestMesh::start(Mode::InProcess, MeshOptions::default()).await;
+    let run_id = mesh
+        .start_run(ONCALL, example_spec())
+        .await
+        .expect("StartRun")
+        .run
+        .expect("run")
+        .run_id;
+    let err = mesh
+        .supervisor()
+        .get_run(request(
+            v1::GetRunRequest {
+                run_id: run_id.clone(),
+            },
+            &mesh.credential("analyst@globex"),
+        ))
+        .await
+        .expect_err("another tenant's run");
+    assert_eq!(err.code(), tonic::Code::NotFound);
+    let listed = mesh
+        .supervisor()
+        .list_runs(request(
+            v1::ListRunsRequest::default(),
+            &mesh.credential("analyst@globex"),
+        ))
+        .await
+        .expect("ListRuns")
+        .into_inner();
+    assert!(listed.runs.is_empty());
+    // Bad input: a clear error naming the field, and nothing stored.
+    let mut bad = example_spec();
+    bad.delegations[1].profile_id = "no-such-profile".to_owned();
+    let err = mesh
+        .start_run(ONCALL, bad)
+        .await
+        .expect_err("unknown profile");
+    assert_eq!(err.code(), tonic::Code::InvalidArgument);
+    assert!(
+        err.message().contains("spec.delegations[1].profile_id"),
+        "{}",
+        err.message()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancel_stops_in_flight_delegations_and_nothing_reopens_the_run() {
+    let mesh = TestMesh::start(
+        Mode::InProcess,
+        one_group(profiles_with_faults(&[(
+            "metrics-investigator",
+            "{ hang: true }",
+        )])),
+    )
+    .await;
+    let run_id = mesh
+        .start_run(ONCALL, example_spec())
+        .await
+        .expect("StartRun")
+        .run
+        .expect("run")
+        .run_id;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let cancelled = mesh
+        .supervisor()
+        .cancel_run(request(
+            v1::CancelRunRequest {
+                run_id: run_id.clone(),
+                reason: "test".to_owned(),
+            },
+            &mesh.credential(ONCALL),
+        ))
+        .await
+        .expect("CancelRun")
+        .into_inner()
+        .run
+        .expect("run");
+    assert_eq!(cancelled.state, v1::RunState::Cancelled as i32);
+    assert!(cancelled.terminal_reason.contains("test"));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let run = mesh.get_run(ONCALL, &run_id).await;
+    assert_eq!(run.state, v1::RunState::Cancelled as i32);
+    assert!(
+        run.decision.is_none(),
+        "a cancelled run is not decided afterwards"
+    );
+}
