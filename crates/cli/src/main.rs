@@ -73,8 +73,13 @@ enum Command {
         #[arg(long)]
         json: bool,
         /// Print the run id as soon as the run is accepted and return.
-        #[arg(long)]
+        #[arg(long, conflicts_with = "local")]
         detach: bool,
+        /// Start every service in this process first (exactly as `convene up` does, on
+        /// a free port, with state in the data directory), run, and stop. Nothing else
+        /// needs to be running.
+        #[arg(long)]
+        local: bool,
         #[command(flatten)]
         client: ClientArgs,
     },
@@ -264,6 +269,15 @@ fn client(data_dir: &std::path::Path, args: ClientArgs) -> anyhow::Result<Client
     )
 }
 
+/// Logging for `run --local`: warnings only, so the assessment stays readable.
+fn init_logging_quiet() {
+    use tracing_subscriber::EnvFilter;
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(EnvFilter::new("warn"))
+        .with_writer(std::io::stderr)
+        .try_init();
+}
+
 fn jaeger() -> Option<String> {
     std::env::var("CONVENE_JAEGER_URL")
         .ok()
@@ -336,8 +350,22 @@ async fn main_inner(cli: Cli) -> anyhow::Result<ExitCode> {
             file,
             json,
             detach,
-            client: c,
+            local,
+            client: mut c,
         } => {
+            let mesh = if local {
+                // Quiet unless asked: the assessment is the output.
+                if std::env::var_os("RUST_LOG").is_none() {
+                    init_logging_quiet();
+                }
+                let args = up::UpArgs::defaults("127.0.0.1:0".parse()?);
+                let mesh = up::start(&args, &data_dir, Shutdown::new()).await?;
+                c.endpoint = format!("http://{}", mesh.addr);
+                c.approval_endpoint = None;
+                Some(mesh)
+            } else {
+                None
+            };
             let c = client(&data_dir, c)?;
             let run = commands::run(
                 &c,
@@ -349,6 +377,10 @@ async fn main_inner(cli: Cli) -> anyhow::Result<ExitCode> {
                 },
             )
             .await?;
+            if let Some(mesh) = mesh {
+                mesh.shutdown.trigger();
+                mesh.stopped().await?;
+            }
             if detach || report::is_success(run.state) {
                 Ok(ExitCode::SUCCESS)
             } else {

@@ -1,0 +1,178 @@
+//! The `convene` binary, black-box: what a person typing the README's commands sees.
+
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn convene() -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_convene"));
+    cmd.current_dir(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.."))
+        .env_remove("CONVENE_DATA_DIR")
+        .env_remove("CONVENE_ENDPOINT")
+        .env_remove("CONVENE_CREDENTIAL");
+    cmd
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+#[test]
+fn check_explains_the_example_and_names_bad_fields() {
+    let out = convene()
+        .args(["check", "examples/payment-incident/run.yaml"])
+        .output()
+        .expect("convene runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("3 delegation(s)"), "{text}");
+    assert!(text.contains("impact_metric + causal_signal"), "{text}");
+
+    let dir = tempfile::tempdir().expect("tempdir");
+    let bad = dir.path().join("bad.yaml");
+    std::fs::write(&bad, "goal: x\ndelegations:\n  - name: Bad Name\n    profile_id: p\n    goal: g\njoin: { strategy: JOIN_STRATEGY_ALL }\n")
+        .expect("written");
+    let out = convene()
+        .args(["check"])
+        .arg(&bad)
+        .output()
+        .expect("convene runs");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("spec.delegations[0].name"), "{err}");
+}
+
+#[test]
+fn client_commands_say_what_to_do_when_nothing_listens() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = convene()
+        .args([
+            "run",
+            "examples/payment-incident/run.yaml",
+            "--credential",
+            "x",
+            "--endpoint",
+        ])
+        .arg(format!("http://127.0.0.1:{}", free_port()))
+        .arg("--data-dir")
+        .arg(dir.path())
+        .output()
+        .expect("convene runs");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("is `convene up` running?"), "{err}");
+    // Without credentials at all, the message says where they come from.
+    let out = convene()
+        .args(["runs", "list", "--data-dir"])
+        .arg(dir.path())
+        .output()
+        .expect("convene runs");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--credential") && err.contains("convene up"),
+        "{err}"
+    );
+}
+
+struct Up(std::process::Child);
+
+impl Drop for Up {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[test]
+fn up_then_run_prints_the_assessment_and_evidence_verifies() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let port = free_port();
+    let endpoint = format!("http://127.0.0.1:{port}");
+    let _up = Up(convene()
+        .args(["up", "--listen", &format!("127.0.0.1:{port}")])
+        .arg("--data-dir")
+        .arg(dir.path())
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .spawn()
+        .expect("convene up starts"));
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err()
+        || !dir.path().join("credentials/default-principal").exists()
+    {
+        assert!(
+            Instant::now() < deadline,
+            "convene up did not start listening"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+
+    let out = convene()
+        .args([
+            "run",
+            "examples/payment-incident/run.yaml",
+            "--endpoint",
+            &endpoint,
+        ])
+        .arg("--data-dir")
+        .arg(dir.path())
+        .output()
+        .expect("convene run");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for needle in [
+        "WAITING_APPROVAL",
+        "Impact:",
+        "Strongest root-cause candidate",
+        "Unresolved conflict on primary_cause",
+        "connection pool exhaustion (logs)",
+        "risk rule change (changes)",
+        "R3 rule:rollback",
+        "nothing was executed",
+        "Trace: ",
+    ] {
+        assert!(text.contains(needle), "missing {needle:?} in:\n{text}");
+    }
+
+    // The same run again (same idempotency key) as JSON: the protobuf JSON mapping.
+    let out = convene()
+        .args([
+            "run",
+            "examples/payment-incident/run.yaml",
+            "--json",
+            "--endpoint",
+            &endpoint,
+        ])
+        .arg("--data-dir")
+        .arg(dir.path())
+        .output()
+        .expect("convene run --json");
+    assert!(out.status.success());
+    let run: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    assert_eq!(run["state"], "RUN_STATE_WAITING_APPROVAL");
+    assert_eq!(run["outcome"], "JOIN_OUTCOME_CONFLICT_REQUIRES_HUMAN");
+    let run_id = run["runId"].as_str().expect("runId").to_owned();
+    assert_eq!(run["traceId"].as_str().map(str::len), Some(32));
+
+    let out = convene()
+        .args(["evidence", "verify", &run_id, "--endpoint", &endpoint])
+        .arg("--data-dir")
+        .arg(dir.path())
+        .output()
+        .expect("convene evidence verify");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("intact"), "{text}");
+}
