@@ -59,6 +59,9 @@ impl Default for Workers {
 pub struct MeshOptions {
     /// Worker groups; empty: one worker with the example profiles.
     pub workers: Vec<Workers>,
+    /// Policy file content (YAML) for every service that reads the policy; None: the
+    /// example policy.
+    pub policy: Option<String>,
 }
 
 /// The repository's root directory.
@@ -167,18 +170,33 @@ impl TestMesh {
                 .expect("profiles file written");
             profile_files.push(path);
         }
+        let policy_file = options.policy.map(|text| {
+            let path = dir.path().join("policy.yaml");
+            std::fs::write(&path, text).expect("policy file written");
+            path
+        });
         match mode {
-            Mode::InProcess => Self::start_in_process(dir, &workers, &profile_files).await,
-            Mode::Processes => Self::start_processes(dir, &workers, &profile_files).await,
+            Mode::InProcess => {
+                Self::start_in_process(dir, &workers, &profile_files, policy_file).await
+            }
+            Mode::Processes => {
+                Self::start_processes(dir, &workers, &profile_files, policy_file.as_deref()).await
+            }
         }
     }
 
-    async fn start_in_process(dir: TempDir, workers: &[Workers], profiles: &[PathBuf]) -> Self {
+    async fn start_in_process(
+        dir: TempDir,
+        workers: &[Workers],
+        profiles: &[PathBuf],
+        policy_file: Option<PathBuf>,
+    ) -> Self {
         // In one process every worker group needs its own profiles; `up` starts one group,
         // and further groups are added the same way `up` adds its workers.
         let mut args = convene_cli::up::UpArgs::defaults("127.0.0.1:0".parse().expect("addr"));
         args.tools_data_dir = example_data();
         args.profiles_file = Some(profiles[0].clone());
+        args.policy_file = policy_file;
         args.workers = workers[0].count;
         args.capacity = workers[0].capacity;
         let shutdown = Shutdown::new();
@@ -203,7 +221,12 @@ impl TestMesh {
         }
     }
 
-    async fn start_processes(dir: TempDir, workers: &[Workers], profiles: &[PathBuf]) -> Self {
+    async fn start_processes(
+        dir: TempDir,
+        workers: &[Workers],
+        profiles: &[PathBuf],
+        policy_file: Option<&Path>,
+    ) -> Self {
         let bin = convene_bin();
         let data = dir.path().join("data");
         std::fs::create_dir_all(&data).expect("data dir");
@@ -231,6 +254,11 @@ impl TestMesh {
                 .env("RUST_LOG", "warn")
                 .stdin(std::process::Stdio::null())
                 .kill_on_drop(true);
+            // Every service here reads the policy file (workers do not: their
+            // configuration refuses the key).
+            if let Some(path) = policy_file {
+                cmd.env("CONVENE_POLICY_FILE", path);
+            }
         };
         // Policy first: it creates the development credentials everyone else reads.
         let mut cmd = Command::new(&bin);
@@ -299,6 +327,13 @@ impl TestMesh {
             .stdin(std::process::Stdio::null())
             .kill_on_drop(true);
         self.spawn(worker_id, cmd, port).await;
+    }
+
+    /// Writes a profiles file into the mesh's directory and returns its path.
+    pub fn write_profiles(&self, name: &str, text: &str) -> PathBuf {
+        let path = self.dir.path().join(format!("{name}.yaml"));
+        std::fs::write(&path, text).expect("profiles file written");
+        path
     }
 
     /// Kills a service or worker process by name (Processes mode): SIGKILL, no drain.

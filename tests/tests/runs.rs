@@ -36,6 +36,7 @@ fn one_group(profiles: String) -> MeshOptions {
             count: 1,
             capacity: 64,
         }],
+        ..MeshOptions::default()
     }
 }
 
@@ -362,8 +363,7 @@ async fn hung_worker_is_cancelled_and_its_result_discarded() {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn invalid_results_are_rejected_with_their_reason_and_siblings_are_unaffected() {
+async fn invalid_results(mode: Mode) {
     let cases = [
         (
             "logs-investigator",
@@ -391,11 +391,8 @@ async fn invalid_results_are_rejected_with_their_reason_and_siblings_are_unaffec
         ),
     ];
     for (profile, faults, name, reason) in cases {
-        let mesh = TestMesh::start(
-            Mode::InProcess,
-            one_group(profiles_with_faults(&[(profile, faults)])),
-        )
-        .await;
+        let mesh =
+            TestMesh::start(mode, one_group(profiles_with_faults(&[(profile, faults)]))).await;
         let spec = with_join_timeout(
             example_spec(),
             Duration::from_secs(2),
@@ -531,10 +528,9 @@ fn wide_spec(overflow: v1::OverflowPolicy) -> v1::RunSpec {
     spec
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn width_past_max_parallel_workers_follows_the_overflow_mode() {
+async fn width_limits(mode: Mode) {
     let mesh = TestMesh::start(
-        Mode::InProcess,
+        mode,
         one_group(profiles_with_faults(&[(
             "logs-investigator",
             "{ delay: 150ms }",
@@ -605,9 +601,8 @@ async fn width_past_max_parallel_workers_follows_the_overflow_mode() {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn fifty_concurrent_start_runs_with_one_key_make_one_run() {
-    let mesh = TestMesh::start(Mode::InProcess, MeshOptions::default()).await;
+async fn fifty_racing_start_runs(mode: Mode) {
+    let mesh = TestMesh::start(mode, MeshOptions::default()).await;
     let mut spec = example_spec();
     spec.idempotency_key = "same-key-for-everyone".to_owned();
     let calls = (0..50).map(|_| {
@@ -733,4 +728,35 @@ async fn cancel_stops_in_flight_delegations_and_nothing_reopens_the_run() {
         run.decision.is_none(),
         "a cancelled run is not decided afterwards"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn invalid_results_are_rejected_with_their_reason_and_siblings_are_unaffected_in_one_process()
+{
+    invalid_results(Mode::InProcess).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn invalid_results_are_rejected_with_their_reason_and_siblings_are_unaffected_as_processes() {
+    invalid_results(Mode::Processes).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn width_past_max_parallel_workers_follows_the_overflow_mode_in_one_process() {
+    width_limits(Mode::InProcess).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn width_past_max_parallel_workers_follows_the_overflow_mode_as_processes() {
+    width_limits(Mode::Processes).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fifty_concurrent_start_runs_with_one_key_make_one_run_in_one_process() {
+    fifty_racing_start_runs(Mode::InProcess).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fifty_concurrent_start_runs_with_one_key_make_one_run_as_processes() {
+    fifty_racing_start_runs(Mode::Processes).await;
 }

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use convene_mesh::handles::{
-    ApprovalHandle, EvidenceHandle, PolicyHandle, RegistryHandle, WorkerHandle,
+    ApprovalHandle, EvidenceHandle, PolicyHandle, RegistryHandle, SupervisorHandle, WorkerHandle,
 };
 use convene_mesh::policy_file::{Policy, PrincipalKind, dev_credential};
 use convene_server::cli::{LogFormat, init_logging};
@@ -99,6 +99,8 @@ pub struct Mesh {
 struct WorkerPool {
     policy: PolicyHandle,
     evidence: EvidenceHandle,
+    /// The in-process supervisor, whose Delegate `delegate@1` calls.
+    supervisor: SupervisorHandle,
     connector: Arc<MeshConnector>,
     registry: Arc<convene_supervisor::Registry>,
     credential: String,
@@ -135,7 +137,8 @@ impl WorkerPool {
                 self.evidence.clone(),
                 false,
             )
-            .context("starting a worker")?;
+            .context("starting a worker")?
+            .with_supervisor(self.supervisor.clone());
             if profile_ids.is_empty() {
                 profile_ids = worker.profiles().into_iter().map(|p| p.id).collect();
             }
@@ -287,6 +290,7 @@ pub async fn start(args: &UpArgs, data_dir: &Path, shutdown: Shutdown) -> anyhow
     let pool = WorkerPool {
         policy: policy_handle.clone(),
         evidence: evidence_handle.clone(),
+        supervisor: Arc::new(supervisor.clone()),
         connector: connector.clone(),
         registry: registry.clone(),
         credential: dev_credential(&creds, "worker-pool").context("worker credential")?,

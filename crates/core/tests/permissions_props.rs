@@ -12,8 +12,20 @@ use proptest::prelude::*;
 fn pattern() -> impl Strategy<Value = Pattern> {
     prop_oneof![
         Just(Pattern::any()),
-        prop::sample::select(vec!["logs:", "logs:read", "metrics:", "metrics:read", "service/", "service/pay", "service/payment-api", "metric/risk."])
-            .prop_flat_map(|s| prop_oneof![Just(Pattern::Exact(s.to_owned())), Just(Pattern::Prefix(s.to_owned()))]),
+        prop::sample::select(vec![
+            "logs:",
+            "logs:read",
+            "metrics:",
+            "metrics:read",
+            "service/",
+            "service/pay",
+            "service/payment-api",
+            "metric/risk."
+        ])
+        .prop_flat_map(|s| prop_oneof![
+            Just(Pattern::Exact(s.to_owned())),
+            Just(Pattern::Prefix(s.to_owned()))
+        ]),
     ]
 }
 
@@ -22,18 +34,26 @@ fn at(secs: u64) -> SystemTime {
 }
 
 fn window() -> impl Strategy<Value = TimeWindow> {
-    (prop::option::of(0u64..10), prop::option::of(5u64..20)).prop_filter_map("non-empty", |(s, e)| {
-        let w = TimeWindow { start: s.map(at), end: e.map(at) };
-        (!w.is_empty()).then_some(w)
-    })
+    (prop::option::of(0u64..10), prop::option::of(5u64..20)).prop_filter_map(
+        "non-empty",
+        |(s, e)| {
+            let w = TimeWindow {
+                start: s.map(at),
+                end: e.map(at),
+            };
+            (!w.is_empty()).then_some(w)
+        },
+    )
 }
 
 fn permission() -> impl Strategy<Value = Permission> {
-    (pattern(), pattern(), window(), prop::option::of(1u64..100)).prop_map(|(action, resource, time, max_rows)| Permission {
-        action,
-        resource,
-        data: DataConstraints { time, max_rows },
-    })
+    (pattern(), pattern(), window(), prop::option::of(1u64..100)).prop_map(
+        |(action, resource, time, max_rows)| Permission {
+            action,
+            resource,
+            data: DataConstraints { time, max_rows },
+        },
+    )
 }
 
 fn set() -> impl Strategy<Value = PermissionSet> {
@@ -43,12 +63,32 @@ fn set() -> impl Strategy<Value = PermissionSet> {
 /// Concrete accesses to probe sets with.
 fn access() -> impl Strategy<Value = (String, String, DataConstraints)> {
     (
-        prop::sample::select(vec!["logs:read", "logs:write", "metrics:read", "changes:read"]),
-        prop::sample::select(vec!["service/payment-api", "service/risk-gateway", "metric/risk.hit", "evidence"]),
+        prop::sample::select(vec![
+            "logs:read",
+            "logs:write",
+            "metrics:read",
+            "changes:read",
+        ]),
+        prop::sample::select(vec![
+            "service/payment-api",
+            "service/risk-gateway",
+            "metric/risk.hit",
+            "evidence",
+        ]),
         (0u64..10, 10u64..20, prop::option::of(1u64..150)),
     )
         .prop_map(|(a, r, (s, e, rows))| {
-            (a.to_owned(), r.to_owned(), DataConstraints { time: TimeWindow { start: Some(at(s)), end: Some(at(e)) }, max_rows: rows })
+            (
+                a.to_owned(),
+                r.to_owned(),
+                DataConstraints {
+                    time: TimeWindow {
+                        start: Some(at(s)),
+                        end: Some(at(e)),
+                    },
+                    max_rows: rows,
+                },
+            )
         })
 }
 

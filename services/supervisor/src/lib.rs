@@ -119,7 +119,12 @@ pub struct Config {
 impl Default for Config {
     fn default() -> Self {
         Self {
-            server: ServerSettings::on_port(DEFAULT_PORT),
+            server: ServerSettings {
+                // Delegate calls wait for their children, and WatchRun streams start
+                // with the backlog: give calls as long as a delegation may run.
+                request_timeout: Some(Duration::from_secs(15 * 60)),
+                ..ServerSettings::on_port(DEFAULT_PORT)
+            },
             data_dir: PathBuf::from(".convene"),
             policy_file: None,
             dev_credentials: true,

@@ -72,7 +72,13 @@ struct Slot {
     finished: bool,
     attempts: u32,
     workers: Vec<String>,
+    /// Children this delegation asked for in its current attempt, dropped ones included:
+    /// the next Delegate call's first call index.
     children: u32,
+    /// The attempt `children` counts for. A retried delegation repeats its Delegate
+    /// calls, so its call indices start again at 0 and address the children the earlier
+    /// attempt created.
+    children_attempt: u32,
     cancelled: bool,
 }
 
@@ -282,6 +288,7 @@ impl RunActor {
                 attempts: 0,
                 workers: Vec::new(),
                 children: 0,
+                children_attempt: 0,
                 cancelled: false,
             });
         }
@@ -425,7 +432,7 @@ impl RunActor {
                         .as_ref()
                         .is_some_and(|t| t.delegation_id == result.delegation_id)
                 }) {
-                    Some(index) => self.record(index, result, false).await,
+                    Some(index) => self.record(index, result, false, false).await,
                     None => {
                         // A result for a delegation this run does not have: the join
                         // rejects it as UNKNOWN_DELEGATION, visibly.
@@ -497,8 +504,11 @@ impl RunActor {
                     self.launch(index, backoff(&settings, attempt));
                     return Ok(());
                 }
+                // Charge before the slot frees up, so a result that exhausts the
+                // budget also stops the next queued delegation from starting.
+                self.account(&result);
                 self.release(index);
-                self.record(index, result, false).await
+                self.record(index, result, false, true).await
             }
             Err(status) => {
                 if matches!(status.code(), Code::Unavailable | Code::Unknown)
@@ -540,7 +550,7 @@ impl RunActor {
                     }),
                     ..Default::default()
                 };
-                self.record(index, failed, true).await
+                self.record(index, failed, true, false).await
             }
         }
     }
@@ -565,19 +575,13 @@ impl RunActor {
             }
             d.completed_at = Some(to_timestamp(now()));
         }
-        self.children_step().await;
+        self.children_step();
         self.commit(Events::default()).await
     }
 
-    /// Records a result (or a synthesized failure) of delegation `index`.
-    async fn record(
-        &mut self,
-        index: usize,
-        result: v1::TaskResult,
-        failure: bool,
-    ) -> Result<(), StoreError> {
-        let late = self.terminal();
-        self.verify_evidence(index, &result).await;
+    /// Adds a result's usage to the run and charges the budget; once the budget is
+    /// exhausted no further delegation starts.
+    fn account(&mut self, result: &v1::TaskResult) {
         if let Some(usage) = &result.usage {
             let u = self.run.usage.get_or_insert_with(Default::default);
             u.iterations += usage.iterations;
@@ -591,7 +595,26 @@ impl RunActor {
                 tracing::warn!(run_id = %self.run.run_id, error = %e, "budget exhausted: no further delegations start");
                 self.budget_stopped = true;
                 self.run.terminal_reason = e.to_string();
+                self.settle_queued_children(&format!(
+                    "not started: the run's budget is exhausted ({e})"
+                ));
             }
+        }
+    }
+
+    /// Records a result (or a synthesized failure) of delegation `index`; `accounted`
+    /// when its usage was already charged.
+    async fn record(
+        &mut self,
+        index: usize,
+        result: v1::TaskResult,
+        failure: bool,
+        accounted: bool,
+    ) -> Result<(), StoreError> {
+        let late = self.terminal();
+        self.verify_evidence(index, &result).await;
+        if !accounted {
+            self.account(&result);
         }
         let d = &mut self.run.delegations[index];
         d.state = if failure {
@@ -649,7 +672,7 @@ impl RunActor {
             self.join_step().await
         } else {
             self.commit(ev).await?;
-            self.children_step().await;
+            self.children_step();
             Ok(())
         }
     }
@@ -1035,7 +1058,7 @@ impl RunActor {
                 });
                 self.commit(Events::default()).await?;
                 self.pump(batch);
-                self.children_step().await;
+                self.children_step();
                 Ok(())
             }
         }
@@ -1119,9 +1142,21 @@ impl RunActor {
         )
         .map_err(|e| Status::resource_exhausted(e.to_string()))?;
         let parent_deadline = deadline_of(&parent_task);
+        // A retried delegation repeats its Delegate calls: its call indices start again
+        // at 0 with each attempt, so a repeated call derives the ids of the children the
+        // earlier attempt created and finds them in the ledger (running or finished)
+        // instead of creating and running them again.
+        let attempt = self.slots[parent].attempts;
+        if self.slots[parent].children_attempt != attempt {
+            self.slots[parent].children_attempt = attempt;
+            self.slots[parent].children = 0;
+        }
+        let first_index = self.slots[parent].children;
+        // Per kept child, in call order: the ledger index of the child an earlier attempt
+        // created (Ok), or the position of its new task in `tasks` (Err).
+        let mut kept: Vec<Result<usize, usize>> = Vec::with_capacity(children.len());
         let mut tasks = Vec::new();
         let mut dropped_names = Vec::new();
-        let first_index = self.slots[parent].children;
         for (i, (p, wire)) in planned.iter().zip(children).enumerate() {
             if plan.dropped.contains(&i) {
                 dropped_names.push(p.name.clone());
@@ -1129,7 +1164,7 @@ impl RunActor {
             }
             #[allow(clippy::cast_possible_truncation)] // batches are capped far below u32
             let call_index = first_index + i as u32;
-            tasks.push(plan::task(
+            let task = plan::task(
                 p,
                 wire,
                 Placement {
@@ -1142,8 +1177,38 @@ impl RunActor {
                 &self.deps.policy_file,
                 t,
                 parent_deadline.min(self.spec.limits.deadline),
-            ));
+            );
+            let existing = self.run.delegations.iter().position(|d| {
+                d.task
+                    .as_ref()
+                    .is_some_and(|e| e.delegation_id == task.delegation_id)
+            });
+            match existing {
+                Some(index) => {
+                    let earlier = self.run.delegations[index].task.as_ref();
+                    let same = earlier
+                        .is_some_and(|e| e.name == task.name && e.profile_id == task.profile_id);
+                    if !same {
+                        // Fail closed, as for a conflicting duplicate result: the id is
+                        // taken by another child.
+                        return Err(Status::failed_precondition(format!(
+                            "delegations[{i}]: call index {call_index} of delegation {} already \
+                             addresses child {} ({}) from an earlier attempt; a retried \
+                             delegation must repeat its Delegate calls in the same order",
+                            parent_task.delegation_id,
+                            earlier.map_or("", |e| e.name.as_str()),
+                            earlier.map_or("", |e| e.profile_id.as_str()),
+                        )));
+                    }
+                    kept.push(Ok(index));
+                }
+                None => {
+                    kept.push(Err(tasks.len()));
+                    tasks.push(task);
+                }
+            }
         }
+        let repeated = kept.iter().any(Result::is_ok);
         // Child tokens can only narrow the parent's; the policy service refuses wider.
         let tokens = self.issue_tokens(&tasks, Some(token)).await?;
         #[allow(clippy::cast_possible_truncation)]
@@ -1156,7 +1221,7 @@ impl RunActor {
             queue: VecDeque::new(),
             running: 0,
         });
-        let mut indices = Vec::with_capacity(tasks.len());
+        let mut created = Vec::with_capacity(tasks.len());
         for (task, token) in tasks.into_iter().zip(tokens) {
             let index = self.run.delegations.len();
             self.run.delegations.push(v1::Delegation {
@@ -1173,19 +1238,27 @@ impl RunActor {
                 attempts: 0,
                 workers: Vec::new(),
                 children: 0,
+                children_attempt: 0,
                 cancelled: false,
             });
             self.batches[batch].queue.push_back(index);
-            indices.push(index);
+            created.push(index);
         }
-        for name in &dropped_names {
-            self.run.truncated.push(name.clone());
+        let indices = kept
+            .into_iter()
+            .map(|k| k.unwrap_or_else(|position| created[position]))
+            .collect();
+        // A repeated call drops the same children again; they are recorded once.
+        if !repeated {
+            for name in &dropped_names {
+                self.run.truncated.push(name.clone());
+            }
         }
         Ok((indices, dropped_names, batch))
     }
 
     /// Answers Delegate calls whose children have all finished, in call order.
-    async fn children_step(&mut self) {
+    fn children_step(&mut self) {
         let mut i = 0;
         while i < self.pending.len() {
             let done = self.pending[i].children.iter().all(|(_, idx)| {
@@ -1244,6 +1317,35 @@ impl RunActor {
                 .collect();
             let _ = p.reply.send(Ok(outcomes));
         }
+    }
+
+    /// Settles the nested children still waiting for a slot: once the budget is
+    /// exhausted nothing starts again, so they never would. Their Delegate calls are
+    /// answered as soon as their running siblings are done, rather than holding the
+    /// delegating worker until its deadline. (Top-level delegations stay for the join,
+    /// which ends the run on the exhausted budget.)
+    fn settle_queued_children(&mut self, detail: &str) {
+        let t = to_timestamp(now());
+        for b in 0..self.batches.len() {
+            let queued: Vec<usize> = self.batches[b]
+                .queue
+                .iter()
+                .copied()
+                .filter(|&i| !self.slots[i].top_level)
+                .collect();
+            if queued.is_empty() {
+                continue;
+            }
+            self.batches[b].queue.retain(|i| !queued.contains(i));
+            for i in queued {
+                self.slots[i].finished = true;
+                let d = &mut self.run.delegations[i];
+                d.state = v1::DelegationState::Cancelled as i32;
+                d.detail = detail.to_owned();
+                d.completed_at = Some(t);
+            }
+        }
+        self.children_step();
     }
 }
 

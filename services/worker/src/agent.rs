@@ -13,7 +13,8 @@
 //! 2. the tool checks its arguments and says what it touches;
 //! 3. `Policy.Authorize(token, tool, action, resource, data scope, audience =
 //!    worker:<profile>)`; a deny is an answer;
-//! 4. the tool runs (read-only, deterministic output);
+//! 4. the tool runs (read-only, deterministic output; `delegate@1` calls the supervisor's
+//!    Delegate with the task token and waits for the children);
 //! 5. the output bytes and their evidence record are stored in one
 //!    `EvidenceStore.PutArtifact` call, with the task token as bearer.
 //!
@@ -36,7 +37,7 @@ use convene_core::permissions::{RiskLevel, TimeWindow, time_window_from_proto};
 use convene_core::time::{from_timestamp, to_timestamp};
 use convene_core::validate;
 use convene_mesh::auth;
-use convene_mesh::handles::{EvidenceHandle, PolicyHandle};
+use convene_mesh::handles::{EvidenceHandle, PolicyHandle, SupervisorHandle};
 use convene_proto::v1;
 use serde_json::Value;
 use tokio_util::sync::CancellationToken;
@@ -47,7 +48,7 @@ use crate::provider::{
     FinishReason, Message, ModelProvider, ModelRequest, ProviderError, ToolCall, ToolSpec,
 };
 use crate::report::{FinalReport, ToolOutcome};
-use crate::tools::{PreparedCall, ToolRegistry};
+use crate::tools::{PreparedCall, ToolEnv, ToolError, ToolRegistry};
 
 /// The argument a model (or playbook step) may add to any tool call to name the kind of
 /// evidence the call records, e.g. `impact_metric`. The loop removes it before the tool
@@ -123,6 +124,9 @@ pub struct Agent {
     pub policy: PolicyHandle,
     /// The evidence store.
     pub evidence: EvidenceHandle,
+    /// The supervisor, which `delegate@1` asks for child delegations; None when the
+    /// worker has none (the tool then fails with a message saying so).
+    pub supervisor: Option<SupervisorHandle>,
     /// Whether the `exit_process_after_tools` fault may exit the process (standalone
     /// binary only).
     pub exit_process: bool,
@@ -141,6 +145,7 @@ impl std::fmt::Debug for Agent {
 /// The per-task facts every tool call needs.
 struct TaskContext<'a> {
     task: &'a v1::DelegationTask,
+    attempt: u32,
     token: &'a str,
     audience: String,
     window: TimeWindow,
@@ -219,6 +224,8 @@ enum LoopEnd {
     TokenBudget(u64),
     Provider(ProviderError),
     Infra(Infra),
+    /// The `fail_attempts_after_tools` fault, after the first round of tool calls.
+    InjectedFailure(u32),
 }
 
 /// How the task ended.
@@ -298,6 +305,7 @@ impl Agent {
             .unwrap_or_default();
         Ok(TaskContext {
             task: &a.task,
+            attempt: a.attempt,
             token: &a.token,
             audience: format!("worker:{}", profile.id),
             window,
@@ -367,6 +375,9 @@ impl Agent {
                 }
                 if faults.exit_process_after_tools {
                     self.die().await;
+                }
+                if ctx.attempt <= faults.fail_attempts_after_tools {
+                    return LoopEnd::InjectedFailure(faults.fail_attempts_after_tools);
                 }
                 continue;
             }
@@ -531,22 +542,12 @@ impl Agent {
             )));
         }
 
-        let run = {
-            let tool = Arc::clone(tool);
-            let tools = Arc::clone(&self.tools);
-            let prepared = prepared.clone();
-            tokio::task::spawn_blocking(move || tool.run(&prepared, tools.data_dir()))
+        let env = ToolEnv {
+            data_dir: self.tools.data_dir(),
+            token: ctx.token,
+            supervisor: self.supervisor.as_ref(),
         };
-        let output = run
-            .await
-            .map_err(|e| {
-                CallError::Infra(Infra {
-                    code: "internal",
-                    retryable: false,
-                    message: format!("tool {} crashed: {e}", call.name),
-                })
-            })?
-            .map_err(|e| CallError::Failed(e.to_string()))?;
+        let output = tool.run(&prepared, &env).await.map_err(call_error)?;
 
         let evidence_id = format!(
             "{}://{}/{}/{}",
@@ -870,6 +871,18 @@ impl Agent {
                     ),
                 )),
             ),
+            Ending::Loop(LoopEnd::InjectedFailure(n)) => (
+                v1::TaskStatus::Failed,
+                Some(error(
+                    "injected_failure",
+                    true,
+                    format!(
+                        "fault injection: the first {n} attempt(s) of every delegation fail \
+                         after their tool calls ({gathered}); this was attempt {}",
+                        a.attempt
+                    ),
+                )),
+            ),
         };
         if result.summary.is_empty() {
             result.summary = match &error {
@@ -919,6 +932,28 @@ impl Agent {
             }
         }
         result
+    }
+}
+
+/// How a tool's failure counts: a permission problem, a failed call the model can work
+/// around, or a failure of the mesh that ends the task.
+fn call_error(e: ToolError) -> CallError {
+    match e {
+        ToolError::Denied { .. } => CallError::Denied(e.to_string()),
+        ToolError::Unavailable { .. } => CallError::Infra(Infra {
+            code: "upstream_unavailable",
+            retryable: true,
+            message: e.to_string(),
+        }),
+        ToolError::Crashed { .. } => CallError::Infra(Infra {
+            code: "internal",
+            retryable: false,
+            message: e.to_string(),
+        }),
+        ToolError::InvalidArguments { .. }
+        | ToolError::MissingData { .. }
+        | ToolError::BadData { .. }
+        | ToolError::Refused { .. } => CallError::Failed(e.to_string()),
     }
 }
 

@@ -56,7 +56,7 @@ pub struct Config {
     pub capacity: u32,
     /// Whether to register with the supervisor's worker registry.
     pub register: bool,
-    /// The supervisor (worker registry).
+    /// The supervisor: its worker registry, and its Delegate for `delegate@1`.
     pub supervisor_endpoint: String,
     /// The policy service.
     pub policy_endpoint: String,

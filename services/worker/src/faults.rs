@@ -2,10 +2,10 @@
 //!
 //! A profile's optional `faults` section makes the worker misbehave in one precise way,
 //! so tests can prove that the supervisor, the join and the evidence checks catch it:
-//! a worker that hangs, is slow, fails transiently, answers for the wrong delegation,
-//! cites no or foreign evidence, lies about a hash, or dies mid-task. Never set it in a
-//! profile that serves real work; the worker logs a warning for every profile that has
-//! one.
+//! a worker that hangs, is slow, fails transiently (before or after its tool calls),
+//! answers for the wrong delegation, cites no or foreign evidence, lies about a hash, or
+//! dies mid-task. Never set it in a profile that serves real work; the worker logs a
+//! warning for every profile that has one.
 
 use std::time::Duration;
 
@@ -26,6 +26,10 @@ pub struct Faults {
     pub delay: Option<Duration>,
     /// The first N attempts of every delegation return FAILED with `retryable = true`.
     pub fail_attempts: u32,
+    /// The first N attempts of every delegation make their first round of tool calls
+    /// (evidence stored, children delegated), then return FAILED with `retryable =
+    /// true`: a retry repeats calls whose effects already happened.
+    pub fail_attempts_after_tools: u32,
     /// Report this delegation id in the result instead of the task's.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub result_delegation_id: Option<String>,
@@ -70,6 +74,7 @@ mod tests {
             serde_yaml::from_str("{ delay: 2s, fail_attempts: 1, evidence_scheme: 'other://' }")
                 .unwrap();
         assert!(f.any());
+        assert_eq!(f.fail_attempts_after_tools, 0);
         assert_eq!(f.delay, Some(Duration::from_secs(2)));
         assert_eq!(f.scheme("logs"), "other");
         let err = serde_yaml::from_str::<Faults>("{ hang: true, crash: true }").unwrap_err();

@@ -11,8 +11,8 @@
 //!
 //! - [`WorkerService`]: the `convene.v1.Worker` service and its in-process handle.
 //! - [`Config`], [`run`]: the standalone binary's configuration and main loop.
-//! - [`profiles`]: the profiles file; [`tools`]: the read-only tools; [`faults`]: fault
-//!   injection for tests.
+//! - [`profiles`]: the profiles file; [`tools`]: the read-only tools and `delegate@1`
+//!   (nested delegation through the supervisor); [`faults`]: fault injection for tests.
 #![forbid(unsafe_code)]
 
 pub mod agent;
@@ -30,7 +30,8 @@ pub mod tools;
 use std::sync::Arc;
 
 use convene_mesh::handles::{
-    EvidenceHandle, GrpcEvidenceStore, GrpcPolicy, GrpcWorkerRegistry, PolicyHandle, RegistryHandle,
+    EvidenceHandle, GrpcEvidenceStore, GrpcPolicy, GrpcSupervisor, GrpcWorkerRegistry,
+    PolicyHandle, RegistryHandle, SupervisorHandle,
 };
 use convene_server::{GrpcServer, Shutdown};
 
@@ -43,7 +44,8 @@ impl WorkerService {
     /// A worker as `config` describes it (profiles, tools, id, capacity), with the
     /// built-in model providers, calling the policy service and the evidence store
     /// through `policy` and `evidence`. `exit_process_on_fault` is for the standalone
-    /// binary only (see [`WorkerOptions`]).
+    /// binary only (see [`WorkerOptions`]). Add the supervisor `delegate@1` calls with
+    /// [`WorkerService::with_supervisor`].
     ///
     /// # Errors
     ///
@@ -101,8 +103,9 @@ impl WorkerService {
 }
 
 /// Runs a standalone worker until `shutdown` triggers: connects to the policy service,
-/// the evidence store and (unless `register` is off) the supervisor's registry, serves
-/// `convene.v1.Worker` on `server.listen`, and deregisters on the way out.
+/// the evidence store and the supervisor (for `delegate@1`, and its registry unless
+/// `register` is off), serves `convene.v1.Worker` on `server.listen`, and deregisters on
+/// the way out.
 ///
 /// # Errors
 ///
@@ -111,7 +114,10 @@ impl WorkerService {
 pub async fn run(config: Config, shutdown: Shutdown) -> Result<(), Error> {
     let policy: PolicyHandle = Arc::new(GrpcPolicy::connect(&config.policy_endpoint)?);
     let evidence: EvidenceHandle = Arc::new(GrpcEvidenceStore::connect(&config.evidence_endpoint)?);
-    let worker = WorkerService::from_config(&config, policy, evidence, true)?;
+    let supervisor: SupervisorHandle =
+        Arc::new(GrpcSupervisor::connect(&config.supervisor_endpoint)?);
+    let worker =
+        WorkerService::from_config(&config, policy, evidence, true)?.with_supervisor(supervisor);
     let listener = convene_server::bind(config.server.listen)
         .await
         .map_err(Error::Serve)?;

@@ -47,8 +47,9 @@ struct Cli {
     #[arg(long, value_name = "N")]
     capacity: Option<u32>,
 
-    /// The supervisor, whose worker registry this worker registers with. Overrides
-    /// `supervisor_endpoint`. [default: http://127.0.0.1:7400]
+    /// The supervisor, whose worker registry this worker registers with and whose
+    /// Delegate the `delegate@1` tool calls. Overrides `supervisor_endpoint`.
+    /// [default: http://127.0.0.1:7400]
     #[arg(long, value_name = "URL")]
     supervisor: Option<String>,
 

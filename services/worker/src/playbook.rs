@@ -1029,7 +1029,12 @@ mod tests {
                 args.as_object_mut().unwrap().remove(EVIDENCE_KIND_ARG);
                 let tool = tools.get(&call.name).unwrap();
                 let prepared = tool.prepare(&args, &window).unwrap();
-                let output = tool.run(&prepared, &data).unwrap();
+                let env = crate::tools::ToolEnv {
+                    data_dir: &data,
+                    token: "",
+                    supervisor: None,
+                };
+                let output = tool.run(&prepared, &env).await.unwrap();
                 ToolOutcome::success(format!("ev/{}", call.id), output.value)
             };
             request

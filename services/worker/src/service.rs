@@ -19,7 +19,7 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use convene_core::validate;
-use convene_mesh::handles::{EvidenceHandle, PolicyHandle};
+use convene_mesh::handles::{EvidenceHandle, PolicyHandle, SupervisorHandle};
 use convene_proto::v1::{self, worker_server};
 use convene_server::{ErrorCode, GrpcServer, ServiceError, into_status, invalid_field};
 use futures::FutureExt as _;
@@ -211,6 +211,7 @@ impl WorkerService {
                     tools: tools.clone(),
                     policy: policy.clone(),
                     evidence: evidence.clone(),
+                    supervisor: None,
                     exit_process: options.exit_process_on_fault,
                 },
             );
@@ -223,6 +224,35 @@ impl WorkerService {
                 tasks: Mutex::new(Tasks::default()),
             }),
         })
+    }
+
+    /// The same worker with `supervisor` to delegate through: `delegate@1` calls its
+    /// `Delegate` with the task token. Call it before serving: a worker built without a
+    /// supervisor answers every `delegate@1` call with a failure saying so.
+    #[must_use]
+    pub fn with_supervisor(self, supervisor: SupervisorHandle) -> Self {
+        let inner = &self.inner;
+        let agents = inner
+            .agents
+            .iter()
+            .map(|(id, agent)| {
+                let agent = Agent {
+                    supervisor: Some(supervisor.clone()),
+                    ..agent.clone()
+                };
+                (id.clone(), agent)
+            })
+            .collect();
+        // A new service value: delegations already started on this one (there are none
+        // before serving) stay with it.
+        Self {
+            inner: Arc::new(Inner {
+                worker_id: inner.worker_id.clone(),
+                agents,
+                capacity: inner.capacity,
+                tasks: Mutex::new(Tasks::default()),
+            }),
+        }
     }
 
     /// This worker's id.

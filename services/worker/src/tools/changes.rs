@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value, json};
 
 use super::{
-    PreparedCall, TimeRangeArg, Tool, ToolError, ToolOutput, format_time, in_window,
+    PreparedCall, TimeRangeArg, Tool, ToolEnv, ToolError, ToolOutput, format_time, in_window,
     max_rows_schema, parse_args, parse_time, read_data, resolve_window, time_range_schema, to_args,
 };
 use crate::provider::ToolSpec;
@@ -42,6 +42,7 @@ struct ChangeLog {
     changes: Vec<Map<String, Value>>,
 }
 
+#[async_trait::async_trait]
 impl Tool for ListChanges {
     fn name(&self) -> &'static str {
         NAME
@@ -95,7 +96,19 @@ impl Tool for ListChanges {
         })
     }
 
-    fn run(&self, call: &PreparedCall, data_dir: &Path) -> Result<ToolOutput, ToolError> {
+    async fn run(&self, call: &PreparedCall, env: &ToolEnv<'_>) -> Result<ToolOutput, ToolError> {
+        env.read_blocking(NAME, call, |call, dir| ListChanges.read(call, dir))
+            .await
+    }
+}
+
+impl ListChanges {
+    /// Reads `<data>/changes/changes.json` for a prepared call. Blocking (file I/O).
+    ///
+    /// # Errors
+    ///
+    /// A missing or unreadable changes file.
+    pub fn read(&self, call: &PreparedCall, data_dir: &Path) -> Result<ToolOutput, ToolError> {
         let a: Args = parse_args(NAME, &call.args)?;
         let path = data_dir.join("changes").join("changes.json");
         let shown = path.display().to_string();
@@ -170,7 +183,7 @@ mod tests {
 
     fn list(args: Value) -> Value {
         let call = ListChanges.prepare(&args, &scope()).unwrap();
-        ListChanges.run(&call, &data_dir()).unwrap().value
+        ListChanges.read(&call, &data_dir()).unwrap().value
     }
 
     #[test]
@@ -224,7 +237,7 @@ mod tests {
     fn missing_change_log_is_named() {
         let dir = tempfile::tempdir().unwrap();
         let call = ListChanges.prepare(&json!({}), &scope()).unwrap();
-        let err = ListChanges.run(&call, dir.path()).unwrap_err();
+        let err = ListChanges.read(&call, dir.path()).unwrap_err();
         assert!(err.to_string().contains("changes.json"), "{err}");
         assert_eq!(call.resource, "change/log");
     }

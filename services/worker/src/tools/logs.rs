@@ -10,8 +10,8 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value, json};
 
 use super::{
-    PreparedCall, TimeRangeArg, Tool, ToolError, ToolOutput, file_name_arg, format_time, in_window,
-    max_rows_schema, number, parse_args, parse_time, read_data, resolve_window, round,
+    PreparedCall, TimeRangeArg, Tool, ToolEnv, ToolError, ToolOutput, file_name_arg, format_time,
+    in_window, max_rows_schema, number, parse_args, parse_time, read_data, resolve_window, round,
     time_range_schema, to_args,
 };
 use crate::provider::ToolSpec;
@@ -51,6 +51,7 @@ struct Args {
     max_rows: Option<u64>,
 }
 
+#[async_trait::async_trait]
 impl Tool for SearchLogs {
     fn name(&self) -> &'static str {
         NAME
@@ -129,7 +130,19 @@ impl Tool for SearchLogs {
         })
     }
 
-    fn run(&self, call: &PreparedCall, data_dir: &Path) -> Result<ToolOutput, ToolError> {
+    async fn run(&self, call: &PreparedCall, env: &ToolEnv<'_>) -> Result<ToolOutput, ToolError> {
+        env.read_blocking(NAME, call, |call, dir| SearchLogs.read(call, dir))
+            .await
+    }
+}
+
+impl SearchLogs {
+    /// Reads `<data>/logs/<service>.jsonl` for a prepared call. Blocking (file I/O).
+    ///
+    /// # Errors
+    ///
+    /// A missing or unreadable log file.
+    pub fn read(&self, call: &PreparedCall, data_dir: &Path) -> Result<ToolOutput, ToolError> {
         let a: Args = parse_args(NAME, &call.args)?;
         let path = data_dir.join("logs").join(format!("{}.jsonl", a.service));
         let text = read_data(&path, "service")?;
@@ -290,7 +303,7 @@ mod tests {
 
     fn search(args: Value) -> Value {
         let call = SearchLogs.prepare(&args, &scope()).unwrap();
-        SearchLogs.run(&call, &data_dir()).unwrap().value
+        SearchLogs.read(&call, &data_dir()).unwrap().value
     }
 
     #[test]
@@ -368,7 +381,7 @@ mod tests {
         let call = SearchLogs
             .prepare(&json!({"service": "payment-api", "max_rows": 10}), &scope())
             .unwrap();
-        let limited = SearchLogs.run(&call, &data_dir()).unwrap();
+        let limited = SearchLogs.read(&call, &data_dir()).unwrap();
         assert!(limited.truncated);
         assert_eq!(limited.value["scanned"], json!(10));
     }
@@ -380,8 +393,8 @@ mod tests {
         assert_eq!(call.resource, "service/payment-api");
         assert_eq!(call.action, "logs:read");
         assert_eq!(call.max_rows, DEFAULT_MAX_ROWS);
-        let a = SearchLogs.run(&call, &data_dir()).unwrap();
-        let b = SearchLogs.run(&call, &data_dir()).unwrap();
+        let a = SearchLogs.read(&call, &data_dir()).unwrap();
+        let b = SearchLogs.read(&call, &data_dir()).unwrap();
         assert_eq!(a.bytes, b.bytes);
     }
 
@@ -401,7 +414,7 @@ mod tests {
         let call = SearchLogs
             .prepare(&json!({"service": "ledger"}), &scope())
             .unwrap();
-        let err = SearchLogs.run(&call, &data_dir()).unwrap_err();
+        let err = SearchLogs.read(&call, &data_dir()).unwrap_err();
         assert!(matches!(err, ToolError::MissingData { .. }));
         assert!(err.to_string().contains("ledger.jsonl"), "{err}");
     }

@@ -9,8 +9,8 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
 use super::{
-    PreparedCall, TimeRangeArg, Tool, ToolError, ToolOutput, file_name_arg, format_time, in_window,
-    max_rows_schema, number, parse_args, parse_time, read_data, resolve_window, round,
+    PreparedCall, TimeRangeArg, Tool, ToolEnv, ToolError, ToolOutput, file_name_arg, format_time,
+    in_window, max_rows_schema, number, parse_args, parse_time, read_data, resolve_window, round,
     time_range_schema, to_args,
 };
 use crate::provider::ToolSpec;
@@ -55,6 +55,7 @@ struct Point {
     value: f64,
 }
 
+#[async_trait::async_trait]
 impl Tool for QueryMetrics {
     fn name(&self) -> &'static str {
         NAME
@@ -109,7 +110,19 @@ impl Tool for QueryMetrics {
         })
     }
 
-    fn run(&self, call: &PreparedCall, data_dir: &Path) -> Result<ToolOutput, ToolError> {
+    async fn run(&self, call: &PreparedCall, env: &ToolEnv<'_>) -> Result<ToolOutput, ToolError> {
+        env.read_blocking(NAME, call, |call, dir| QueryMetrics.read(call, dir))
+            .await
+    }
+}
+
+impl QueryMetrics {
+    /// Reads `<data>/metrics/<metric>.json` for a prepared call. Blocking (file I/O).
+    ///
+    /// # Errors
+    ///
+    /// A missing or unreadable metric file.
+    pub fn read(&self, call: &PreparedCall, data_dir: &Path) -> Result<ToolOutput, ToolError> {
         let a: Args = parse_args(NAME, &call.args)?;
         let path = data_dir.join("metrics").join(format!("{}.json", a.metric));
         let shown = path.display().to_string();
@@ -237,7 +250,7 @@ mod tests {
         let call = QueryMetrics
             .prepare(&json!({ "metric": metric }), &scope())
             .unwrap();
-        QueryMetrics.run(&call, &data_dir()).unwrap().value
+        QueryMetrics.read(&call, &data_dir()).unwrap().value
     }
 
     #[test]
@@ -328,7 +341,7 @@ mod tests {
         let call = QueryMetrics
             .prepare(&json!({"metric": "payment.refunds"}), &scope())
             .unwrap();
-        let err = QueryMetrics.run(&call, &data_dir()).unwrap_err();
+        let err = QueryMetrics.read(&call, &data_dir()).unwrap_err();
         assert!(err.to_string().contains("payment.refunds.json"), "{err}");
     }
 }

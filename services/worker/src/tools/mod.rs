@@ -1,13 +1,17 @@
-//! The worker's tools: read-only queries over a data directory.
+//! The worker's tools: read-only queries over a data directory, and `delegate@1`, which
+//! asks the supervisor for child delegations.
 //!
 //! A call goes through two stages. [`Tool::prepare`] checks and normalizes the
 //! arguments and says what the call touches (action, resource, time window, row limit)
 //! before anything is read, so the loop can ask the policy service first.
-//! [`Tool::run`] then reads the data and returns the output as canonical JSON bytes.
+//! [`Tool::run`] then performs the call — a read of the data directory on the blocking
+//! pool, or a call to another service with the task token ([`ToolEnv`]) — and returns
+//! the output as canonical JSON bytes.
 //!
 //! Outputs are deterministic: the same arguments over the same files give the same
 //! bytes (sorted keys, no wall-clock time), so a re-executed delegation stores the same
-//! artifact and its evidence keeps its hash.
+//! artifact and its evidence keeps its hash. `delegate@1`'s output is the children's
+//! outcomes, which are as deterministic as the children themselves.
 //!
 //! Data layout under the directory:
 //! - `logs/<service>.jsonl`: one JSON object per line with at least `ts` (RFC 3339);
@@ -15,6 +19,7 @@
 //! - `changes/changes.json`: `{changes: [{change_id, ts, kind, service, ...}]}`.
 
 mod changes;
+mod delegate;
 mod logs;
 mod metrics;
 
@@ -24,11 +29,13 @@ use std::sync::Arc;
 use std::time::SystemTime;
 
 use convene_core::permissions::TimeWindow;
+use convene_mesh::handles::SupervisorHandle;
 use convene_proto::v1;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 pub use changes::ListChanges;
+pub use delegate::Delegate;
 pub use logs::SearchLogs;
 pub use metrics::{
     BASELINE_POINTS, CHANGE_PERSISTENCE, CHANGE_THRESHOLD, QueryMetrics, change_point, median,
@@ -62,6 +69,51 @@ pub enum ToolError {
         /// The file.
         path: String,
         /// What is wrong.
+        detail: String,
+    },
+    /// The service the tool calls refused the call; `detail` is its answer, word for
+    /// word, so the model reads what to do instead.
+    #[error("{tool} was refused by the {service} ({code}): {detail}")]
+    Refused {
+        /// The tool.
+        tool: &'static str,
+        /// The service that refused.
+        service: &'static str,
+        /// The gRPC status code, e.g. `FAILED_PRECONDITION`.
+        code: String,
+        /// The service's message.
+        detail: String,
+    },
+    /// The service the tool calls denied it on permissions (the task's token does not
+    /// allow it); like a policy deny, this ends that path of the investigation.
+    #[error("{tool} was denied by the {service} ({code}): {detail}")]
+    Denied {
+        /// The tool.
+        tool: &'static str,
+        /// The service that denied.
+        service: &'static str,
+        /// The gRPC status code, e.g. `PERMISSION_DENIED`.
+        code: String,
+        /// The service's message.
+        detail: String,
+    },
+    /// The service the tool needs cannot be reached: a failure of the mesh, not of the
+    /// call, so the task ends as a retryable failure.
+    #[error("{tool} could not reach the {service}: {detail}")]
+    Unavailable {
+        /// The tool.
+        tool: &'static str,
+        /// The service.
+        service: &'static str,
+        /// What went wrong.
+        detail: String,
+    },
+    /// The tool panicked: a bug in the tool.
+    #[error("tool {tool} crashed: {detail}")]
+    Crashed {
+        /// The tool.
+        tool: &'static str,
+        /// The panic, as the runtime reported it.
         detail: String,
     },
 }
@@ -132,7 +184,55 @@ impl ToolOutput {
     }
 }
 
-/// A read-only tool.
+/// What a tool may use while it runs, besides its prepared call.
+#[derive(Clone, Copy)]
+pub struct ToolEnv<'a> {
+    /// The directory the read-only tools query.
+    pub data_dir: &'a Path,
+    /// The task token: the credential of every call a tool makes on the task's behalf.
+    pub token: &'a str,
+    /// The supervisor, for `delegate@1`; None when the worker was built without one.
+    pub supervisor: Option<&'a SupervisorHandle>,
+}
+
+impl std::fmt::Debug for ToolEnv<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The token is a credential: never in logs.
+        f.debug_struct("ToolEnv")
+            .field("data_dir", &self.data_dir)
+            .field("supervisor", &self.supervisor.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+impl ToolEnv<'_> {
+    /// Runs `read` (file I/O) over the data directory on the blocking pool, so a large
+    /// file never stalls the async threads.
+    ///
+    /// # Errors
+    ///
+    /// What `read` returns, or [`ToolError::Crashed`] when it panics.
+    pub async fn read_blocking(
+        &self,
+        tool: &'static str,
+        call: &PreparedCall,
+        read: fn(&PreparedCall, &Path) -> Result<ToolOutput, ToolError>,
+    ) -> Result<ToolOutput, ToolError> {
+        let call = call.clone();
+        let dir = self.data_dir.to_owned();
+        tokio::task::spawn_blocking(move || read(&call, &dir))
+            .await
+            .unwrap_or_else(|e| {
+                Err(ToolError::Crashed {
+                    tool,
+                    detail: e.to_string(),
+                })
+            })
+    }
+}
+
+/// A tool the agent loop can call.
+#[async_trait::async_trait]
 pub trait Tool: Send + Sync + std::fmt::Debug {
     /// `name@version`.
     fn name(&self) -> &'static str;
@@ -148,13 +248,13 @@ pub trait Tool: Send + Sync + std::fmt::Debug {
     /// [`ToolError::InvalidArguments`] naming the argument.
     fn prepare(&self, args: &Value, scope: &TimeWindow) -> Result<PreparedCall, ToolError>;
 
-    /// Runs a call prepared by [`prepare`](Self::prepare) over `data_dir`. Blocking
-    /// (file I/O): the loop runs it off the async threads.
+    /// Runs a call prepared by [`prepare`](Self::prepare), after the policy service
+    /// allowed it.
     ///
     /// # Errors
     ///
-    /// A missing or unreadable data file.
-    fn run(&self, call: &PreparedCall, data_dir: &Path) -> Result<ToolOutput, ToolError>;
+    /// A missing or unreadable data file, or a refusal of the service the tool calls.
+    async fn run(&self, call: &PreparedCall, env: &ToolEnv<'_>) -> Result<ToolOutput, ToolError>;
 }
 
 /// The tools a worker has, over one data directory.
@@ -165,13 +265,15 @@ pub struct ToolRegistry {
 }
 
 impl ToolRegistry {
-    /// The built-in tools (`search_logs@1`, `query_metrics@1`, `list_changes@1`) over
-    /// `data_dir`.
+    /// The built-in tools over `data_dir`: the read-only `search_logs@1`,
+    /// `query_metrics@1` and `list_changes@1`, and `delegate@1` (which needs the worker
+    /// to have a supervisor).
     pub fn builtin(data_dir: impl Into<PathBuf>) -> Self {
-        let tools: [Arc<dyn Tool>; 3] = [
+        let tools: [Arc<dyn Tool>; 4] = [
             Arc::new(SearchLogs),
             Arc::new(QueryMetrics),
             Arc::new(ListChanges),
+            Arc::new(Delegate),
         ];
         Self {
             tools: tools.into_iter().map(|t| (t.name(), t)).collect(),
