@@ -62,6 +62,15 @@ pub struct MeshOptions {
     /// Policy file content (YAML) for every service that reads the policy; None: the
     /// example policy.
     pub policy: Option<String>,
+    /// The database every service keeps its state in. None: what
+    /// [`DATABASE_ENV`] says (unset: the SQLite file in the mesh's data directory; a
+    /// `postgres://` server URL: a fresh database created on it for this mesh and
+    /// dropped with it; anything else: used as it is).
+    pub database_url: Option<String>,
+    /// Extra environment for every service and worker process (Processes mode), e.g.
+    /// `OTEL_EXPORTER_OTLP_ENDPOINT` to export their traces. Applied last, so it can
+    /// override the harness's own settings (`RUST_LOG`).
+    pub env: Vec<(String, String)>,
 }
 
 /// The repository's root directory.
@@ -117,6 +126,32 @@ fn free_port() -> u16 {
         .expect("a free loopback port")
 }
 
+/// The variable that chooses the database of every [`TestMesh`] whose
+/// [`MeshOptions::database_url`] is unset, so the whole end-to-end suite can run against
+/// PostgreSQL: `CONVENE_TEST_DATABASE_URL=postgres://postgres@127.0.0.1:5432/postgres`.
+pub const DATABASE_ENV: &str = "CONVENE_TEST_DATABASE_URL";
+
+/// The database URL a mesh uses (None: the default SQLite file in its data directory)
+/// and, for a PostgreSQL server, the fresh database created for it.
+async fn mesh_database(
+    asked: Option<String>,
+) -> (
+    Option<String>,
+    Option<convene_store::test_util::TestPostgres>,
+) {
+    let url = asked.or_else(|| std::env::var(DATABASE_ENV).ok());
+    match url.as_deref().map(str::trim) {
+        None | Some("") => (None, None),
+        Some(url) if url.starts_with("postgres://") || url.starts_with("postgresql://") => {
+            let database = convene_store::test_util::TestPostgres::create(url)
+                .await
+                .unwrap_or_else(|e| panic!("{DATABASE_ENV}: cannot create a test database: {e}"));
+            (Some(database.url().to_owned()), Some(database))
+        }
+        Some(url) => (Some(url.to_owned()), None),
+    }
+}
+
 /// A running mesh; stopped when dropped.
 pub struct TestMesh {
     /// The mode it runs in.
@@ -132,6 +167,10 @@ pub struct TestMesh {
     dir: TempDir,
     in_process: Option<(Shutdown, convene_cli::up::Mesh)>,
     children: Vec<(String, Child)>,
+    env: Vec<(String, String)>,
+    database_url: Option<String>,
+    /// A PostgreSQL database created for this mesh, dropped after it.
+    _database: Option<convene_store::test_util::TestPostgres>,
 }
 
 impl std::fmt::Debug for TestMesh {
@@ -175,14 +214,39 @@ impl TestMesh {
             std::fs::write(&path, text).expect("policy file written");
             path
         });
-        match mode {
+        let (database_url, database) = mesh_database(options.database_url).await;
+        let mut mesh = match mode {
             Mode::InProcess => {
-                Self::start_in_process(dir, &workers, &profile_files, policy_file).await
+                Self::start_in_process(
+                    dir,
+                    &workers,
+                    &profile_files,
+                    policy_file,
+                    database_url.as_deref(),
+                )
+                .await
             }
             Mode::Processes => {
-                Self::start_processes(dir, &workers, &profile_files, policy_file.as_deref()).await
+                Self::start_processes(
+                    dir,
+                    &workers,
+                    &profile_files,
+                    policy_file.as_deref(),
+                    options.env,
+                    database_url.as_deref(),
+                )
+                .await
             }
-        }
+        };
+        mesh.database_url = database_url;
+        mesh._database = database;
+        mesh
+    }
+
+    /// The database the mesh's services share; None: the SQLite file `convene.db` in
+    /// [`data_dir`](Self::data_dir).
+    pub fn database_url(&self) -> Option<&str> {
+        self.database_url.as_deref()
     }
 
     async fn start_in_process(
@@ -190,6 +254,7 @@ impl TestMesh {
         workers: &[Workers],
         profiles: &[PathBuf],
         policy_file: Option<PathBuf>,
+        database_url: Option<&str>,
     ) -> Self {
         // In one process every worker group needs its own profiles; `up` starts one group,
         // and further groups are added the same way `up` adds its workers.
@@ -199,6 +264,7 @@ impl TestMesh {
         args.policy_file = policy_file;
         args.workers = workers[0].count;
         args.capacity = workers[0].capacity;
+        args.database_url = database_url.map(str::to_owned);
         let shutdown = Shutdown::new();
         let mesh = convene_cli::up::start(&args, &dir.path().join("data"), shutdown.clone())
             .await
@@ -218,6 +284,9 @@ impl TestMesh {
             dir,
             in_process: Some((shutdown, mesh)),
             children: Vec::new(),
+            env: Vec::new(),
+            database_url: None,
+            _database: None,
         }
     }
 
@@ -226,6 +295,8 @@ impl TestMesh {
         workers: &[Workers],
         profiles: &[PathBuf],
         policy_file: Option<&Path>,
+        env: Vec<(String, String)>,
+        database_url: Option<&str>,
     ) -> Self {
         let bin = convene_bin();
         let data = dir.path().join("data");
@@ -247,7 +318,11 @@ impl TestMesh {
             dir,
             in_process: None,
             children: Vec::new(),
+            env,
+            database_url: None,
+            _database: None,
         };
+        let extra = mesh.env.clone();
         let common = |cmd: &mut Command, listen: u16| {
             cmd.env("CONVENE_DATA_DIR", &data)
                 .env("CONVENE_SERVER__LISTEN", format!("127.0.0.1:{listen}"))
@@ -259,6 +334,12 @@ impl TestMesh {
             if let Some(path) = policy_file {
                 cmd.env("CONVENE_POLICY_FILE", path);
             }
+            // Every service shares one database (SQLite in the data directory works across
+            // processes too: WAL and a busy timeout).
+            if let Some(url) = database_url {
+                cmd.env("CONVENE_DATABASE_URL", url);
+            }
+            cmd.envs(extra.iter().map(|(k, v)| (k, v)));
         };
         // Policy first: it creates the development credentials everyone else reads.
         let mut cmd = Command::new(&bin);
@@ -323,7 +404,10 @@ impl TestMesh {
             .env("CONVENE_PROFILES_FILE", profiles)
             .env("CONVENE_TOOLS_DATA_DIR", example_data())
             .env("CONVENE_CAPACITY", capacity.to_string())
+            // Workers keep no state; their configuration refuses the key.
+            .env_remove("CONVENE_DATABASE_URL")
             .env("RUST_LOG", "warn")
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
             .stdin(std::process::Stdio::null())
             .kill_on_drop(true);
         self.spawn(worker_id, cmd, port).await;
@@ -344,6 +428,37 @@ impl TestMesh {
             .find(|(n, _)| n == name)
             .unwrap_or_else(|| panic!("no process named {name}"));
         child.kill().await.expect("the process is killed");
+    }
+
+    /// Stops the mesh gracefully and waits for it: in Processes mode every process gets
+    /// SIGTERM (workers first, then the supervisor, then the services it calls), so each
+    /// drains and flushes what it buffered (trace spans) before exiting; one that has
+    /// not exited after `grace` is killed. (Dropping a mesh kills at once.)
+    pub async fn stop(mut self, grace: Duration) {
+        if let Some((shutdown, mesh)) = self.in_process.take() {
+            shutdown.trigger();
+            let _ = tokio::time::timeout(grace, mesh.stopped()).await;
+        }
+        let order = |name: &str| match name {
+            "supervisor" => 1,
+            "policy" | "evidence-store" | "approval" => 2,
+            _ => 0,
+        };
+        let mut children = std::mem::take(&mut self.children);
+        children.sort_by_key(|(name, _)| order(name));
+        for (name, child) in &mut children {
+            let pid = child
+                .id()
+                .and_then(|id| rustix::process::Pid::from_raw(i32::try_from(id).ok()?));
+            let Some(pid) = pid else { continue };
+            if rustix::process::kill_process(pid, rustix::process::Signal::TERM).is_err() {
+                continue;
+            }
+            if tokio::time::timeout(grace, child.wait()).await.is_err() {
+                eprintln!("{name} did not stop within {grace:?} of SIGTERM; killing it");
+                let _ = child.kill().await;
+            }
+        }
     }
 
     /// Whether the named process has exited.

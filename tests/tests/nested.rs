@@ -212,6 +212,7 @@ fn options(profiles: String) -> MeshOptions {
             capacity: 16,
         }],
         policy: Some(nested_policy()),
+        ..MeshOptions::default()
     }
 }
 

@@ -6,6 +6,7 @@
 //! `check`.
 #![forbid(unsafe_code)]
 
+pub mod bench;
 pub mod client;
 pub mod commands;
 pub mod report;

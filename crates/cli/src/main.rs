@@ -8,7 +8,7 @@ use convene_cli::client::{Client, DEFAULT_DATA_DIR, DEFAULT_ENDPOINT};
 use convene_cli::commands::{self, RunOptions};
 use convene_cli::{report, spec, up};
 use convene_proto::v1;
-use convene_server::cli::{ServiceArgs, init_logging};
+use convene_server::cli::{LogFormat, ServiceArgs};
 use convene_server::{Shutdown, dump};
 
 /// convene: a control plane for supervised multi-agent work.
@@ -269,13 +269,12 @@ fn client(data_dir: &std::path::Path, args: ClientArgs) -> anyhow::Result<Client
     )
 }
 
-/// Logging for `run --local`: warnings only, so the assessment stays readable.
-fn init_logging_quiet() {
-    use tracing_subscriber::EnvFilter;
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(EnvFilter::new("warn"))
-        .with_writer(std::io::stderr)
-        .try_init();
+/// Telemetry for `run --local`: warnings only unless RUST_LOG says otherwise, so the
+/// assessment stays readable; traces are exported when the OTEL_* variables say so.
+fn init_telemetry_quiet() -> convene_telemetry::Telemetry {
+    let settings = convene_telemetry::Settings::from_env(LogFormat::Text, None, std::env::vars())
+        .with_default_log_level(tracing::level_filters::LevelFilter::WARN);
+    convene_telemetry::init(convene_telemetry::ONE_PROCESS_SERVICE_NAME, &settings)
 }
 
 fn jaeger() -> Option<String> {
@@ -285,7 +284,8 @@ fn jaeger() -> Option<String> {
 }
 
 /// Loads a service's config (defaults → --config → CONVENE_* → flags, with --data-dir
-/// when given) and runs it until SIGTERM/SIGINT.
+/// when given) and runs it until SIGTERM/SIGINT, exporting traces as
+/// `convene-<name>` when a collector is configured.
 async fn serve<C, F, Fut, E>(
     args: &ServiceArgs,
     data_dir: Option<&PathBuf>,
@@ -307,7 +307,7 @@ where
         print!("{}", dump(&config, format)?);
         return Ok(());
     }
-    init_logging(args.log_format);
+    let telemetry = convene_telemetry::init(&format!("convene-{name}"), &args.telemetry());
     if args.config.is_none() {
         tracing::info!(
             "no --config given: using the development settings of the payment-incident example"
@@ -315,7 +315,9 @@ where
     }
     tracing::info!(service = name, "starting");
     let shutdown = Shutdown::from_signals()?;
-    run(config, shutdown).await?;
+    let served = run(config, shutdown).await;
+    telemetry.shutdown().await;
+    served?;
     Ok(())
 }
 
@@ -353,11 +355,9 @@ async fn main_inner(cli: Cli) -> anyhow::Result<ExitCode> {
             local,
             client: mut c,
         } => {
+            let mut telemetry = None;
             let mesh = if local {
-                // Quiet unless asked: the assessment is the output.
-                if std::env::var_os("RUST_LOG").is_none() {
-                    init_logging_quiet();
-                }
+                telemetry = Some(init_telemetry_quiet());
                 let args = up::UpArgs::defaults("127.0.0.1:0".parse()?);
                 let mesh = up::start(&args, &data_dir, Shutdown::new()).await?;
                 c.endpoint = format!("http://{}", mesh.addr);
@@ -380,6 +380,9 @@ async fn main_inner(cli: Cli) -> anyhow::Result<ExitCode> {
             if let Some(mesh) = mesh {
                 mesh.shutdown.trigger();
                 mesh.stopped().await?;
+            }
+            if let Some(telemetry) = telemetry {
+                telemetry.shutdown().await;
             }
             if detach || report::is_success(run.state) {
                 Ok(ExitCode::SUCCESS)

@@ -4,6 +4,14 @@ use std::fmt::Write as _;
 
 use convene_proto::v1;
 
+/// Whether a run state is terminal (the run has ended).
+pub fn is_terminal(state: i32) -> bool {
+    !matches!(
+        v1::RunState::try_from(state),
+        Ok(v1::RunState::Pending | v1::RunState::Running | v1::RunState::Unspecified) | Err(_)
+    )
+}
+
 /// Whether a run state counts as success for the exit status.
 pub fn is_success(state: i32) -> bool {
     matches!(
@@ -288,4 +296,38 @@ fn params(p: Option<&prost_types::Struct>) -> String {
         .collect();
     parts.sort();
     format!("({})", parts.join(", "))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run_with_trace(trace_id: &str) -> v1::Run {
+        v1::Run {
+            run_id: "run-1".to_owned(),
+            state: v1::RunState::Succeeded as i32,
+            trace_id: trace_id.to_owned(),
+            ..v1::Run::default()
+        }
+    }
+
+    #[test]
+    fn the_assessment_links_the_trace_in_jaeger_when_a_ui_is_known() {
+        let trace = "4bf92f3577b34da6a3ce929d0e0e4736";
+        let run = run_with_trace(trace);
+
+        let plain = assessment(&run, &[], None);
+        assert!(plain.contains(&format!("\nTrace: {trace}\n")), "{plain}");
+        assert!(!plain.contains("/trace/"), "{plain}");
+
+        for base in ["http://localhost:16686", "http://localhost:16686/"] {
+            let linked = assessment(&run, &[], Some(base));
+            assert!(
+                linked.ends_with(&format!(
+                    "Trace: {trace}\n  http://localhost:16686/trace/{trace}\n"
+                )),
+                "{linked}"
+            );
+        }
+    }
 }

@@ -15,10 +15,10 @@ use convene_mesh::handles::{
     ApprovalHandle, EvidenceHandle, PolicyHandle, RegistryHandle, SupervisorHandle, WorkerHandle,
 };
 use convene_mesh::policy_file::{Policy, PrincipalKind, dev_credential};
-use convene_server::cli::{LogFormat, init_logging};
+use convene_server::cli::LogFormat;
 use convene_server::{GrpcServer, ServerSettings, Shutdown};
 use convene_supervisor::registry::RegistryService;
-use convene_supervisor::{MemoryStore, MeshConnector, SupervisorService};
+use convene_supervisor::{MemoryStore, MeshConnector, SqlRunStore, SupervisorService};
 
 use crate::client::DEFAULT_PRINCIPAL_FILE;
 
@@ -58,9 +58,21 @@ pub struct UpArgs {
     /// allowed to start runs.
     #[arg(long, value_name = "PRINCIPAL")]
     pub default_principal: Option<String>,
+    /// Where every service keeps its state: `sqlite://<path>` (or a file path) for an
+    /// embedded SQLite database, `postgres://<user>@<host>:<port>/<database>` for
+    /// PostgreSQL, `memory` to keep nothing past exit. [default: the SQLite file
+    /// convene.db in the data directory]
+    #[arg(long, env = "CONVENE_DATABASE_URL", value_name = "URL")]
+    pub database_url: Option<String>,
     /// Log line format.
     #[arg(long, value_enum, default_value_t = LogFormat::Text, env = "CONVENE_LOG_FORMAT")]
     pub log_format: LogFormat,
+    /// Export trace spans over OTLP/gRPC to this collector, e.g. http://localhost:4317
+    /// (Jaeger's OTLP port), as service `convene`. Overrides
+    /// OTEL_EXPORTER_OTLP_TRACES_ENDPOINT and OTEL_EXPORTER_OTLP_ENDPOINT;
+    /// OTEL_SDK_DISABLED=true turns export off. [default: no export]
+    #[arg(long, value_name = "URL")]
+    pub otlp_endpoint: Option<String>,
 }
 
 impl UpArgs {
@@ -74,8 +86,20 @@ impl UpArgs {
             workers: 2,
             capacity: 64,
             default_principal: None,
+            database_url: None,
             log_format: LogFormat::Text,
+            otlp_endpoint: None,
         }
+    }
+
+    /// The telemetry settings of these flags and the process environment (the `OTEL_*`
+    /// variables). Reads `std::env::vars()`.
+    pub fn telemetry(&self) -> convene_telemetry::Settings {
+        convene_telemetry::Settings::from_env(
+            self.log_format,
+            self.otlp_endpoint.as_deref(),
+            std::env::vars(),
+        )
     }
 }
 
@@ -242,15 +266,35 @@ pub async fn start(args: &UpArgs, data_dir: &Path, shutdown: Shutdown) -> anyhow
         .with_context(|| format!("cannot create data directory {}", data_dir.display()))?;
     let creds = data_dir.join("credentials");
 
-    // Policy: keys, dev credentials and decision log in the data directory.
+    // One database (one pool) holds every service's state: the SQLite file in the data
+    // directory unless --database-url says otherwise; None keeps state in memory.
+    let database = convene_store::open(args.database_url.as_deref(), data_dir)
+        .await
+        .context("opening the database")?;
+    match &database {
+        Some(db) => {
+            tracing::info!(backend = %db.backend(), url = db.url(), "state is stored in the database")
+        }
+        None => {
+            tracing::info!("state is kept in memory (--database-url memory): it is lost at exit")
+        }
+    }
+
+    // Policy: keys and dev credentials in the data directory; counters, revocations and
+    // decisions in the database.
     let policy_config = convene_policy::Config {
         data_dir: data_dir.to_owned(),
         policy_file: args.policy_file.clone(),
         dev_credentials: true,
+        decision_log: convene_policy::DecisionLogTarget::Database,
         ..convene_policy::Config::default()
     };
-    let policy_service = convene_policy::PolicyService::open(&policy_config)
-        .context("starting the policy service")?;
+    let policy_service = convene_policy::PolicyService::open_with_database(
+        &policy_config,
+        convene_policy::system_clock(),
+        database.clone(),
+    )
+    .context("starting the policy service")?;
     let policy: Arc<Policy> = policy_service.policy().clone();
     let policy_handle: PolicyHandle = Arc::new(policy_service.clone());
 
@@ -258,17 +302,35 @@ pub async fn start(args: &UpArgs, data_dir: &Path, shutdown: Shutdown) -> anyhow
         data_dir: data_dir.to_owned(),
         ..convene_evidence_store::Config::default()
     };
-    let evidence_service = convene_evidence_store::EvidenceStoreService::open_with_policy(
+    let catalog: Arc<dyn convene_evidence_store::catalog::Catalog> = match &database {
+        Some(db) => Arc::new(convene_evidence_store::SqlCatalog::new(db.clone())),
+        None => Arc::new(convene_evidence_store::catalog::MemoryCatalog::new()),
+    };
+    let evidence_service = convene_evidence_store::EvidenceStoreService::open_with_catalog(
         &evidence_config,
         policy_handle.clone(),
         policy.clone(),
+        catalog,
     )
     .context("starting the evidence store")?;
     let evidence_handle: EvidenceHandle = Arc::new(evidence_service.clone());
 
-    let approval_service = Arc::new(convene_approval::ApprovalService::new(policy.clone()));
+    let approvals: Arc<dyn convene_approval::ApprovalStore> = match &database {
+        Some(db) => Arc::new(convene_approval::SqlApprovalStore::new(db.clone())),
+        None => Arc::new(convene_approval::MemoryStore::new()),
+    };
+    let approval_service =
+        Arc::new(convene_approval::ApprovalService::new(policy.clone()).with_store(approvals));
     let approval_handle: ApprovalHandle = approval_service.clone();
 
+    let run_store: Arc<dyn convene_supervisor::RunStore> = match database {
+        Some(db) => Arc::new(
+            SqlRunStore::open(db)
+                .await
+                .context("opening the run store")?,
+        ),
+        None => Arc::new(MemoryStore::default()),
+    };
     let connector = Arc::new(MeshConnector::default());
     let supervisor_config = convene_supervisor::Config {
         data_dir: data_dir.to_owned(),
@@ -280,7 +342,7 @@ pub async fn start(args: &UpArgs, data_dir: &Path, shutdown: Shutdown) -> anyhow
         approval: approval_handle,
         policy_file: policy.clone(),
         credential: dev_credential(&creds, "supervisor").context("supervisor credential")?,
-        store: Arc::new(MemoryStore::default()),
+        store: run_store,
         connector: connector.clone(),
         config: supervisor_config,
         shutdown: shutdown.clone(),
@@ -349,9 +411,14 @@ pub async fn start(args: &UpArgs, data_dir: &Path, shutdown: Shutdown) -> anyhow
     })
 }
 
-/// `convene up`: starts the mesh and serves until Ctrl-C / SIGTERM.
+/// `convene up`: starts the mesh and serves until Ctrl-C / SIGTERM, then flushes the
+/// trace spans still buffered. One process, one tracer provider: spans carry
+/// `service.name = convene` and name their logical service in `convene.service`.
 pub async fn run(args: UpArgs, data_dir: &Path) -> anyhow::Result<()> {
-    init_logging(args.log_format);
+    let telemetry = convene_telemetry::init(
+        convene_telemetry::ONE_PROCESS_SERVICE_NAME,
+        &args.telemetry(),
+    );
     let shutdown = Shutdown::from_signals()?;
     let mesh = start(&args, data_dir, shutdown).await?;
     println!(
@@ -360,5 +427,10 @@ pub async fn run(args: UpArgs, data_dir: &Path) -> anyhow::Result<()> {
         data_dir.display(),
         mesh.default_principal
     );
-    mesh.stopped().await
+    if let Some(endpoint) = telemetry.exporting_to() {
+        println!("convene up: exporting traces over OTLP to {endpoint}");
+    }
+    let stopped = mesh.stopped().await;
+    telemetry.shutdown().await;
+    stopped
 }

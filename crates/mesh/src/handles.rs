@@ -4,6 +4,11 @@
 //! is a direct async call: no socket, no protobuf encoding. Across processes it is a
 //! `Grpc*` adapter that forwards each request — metadata included — over a shared,
 //! multiplexed HTTP/2 channel. Both paths run the same service code behind the trait.
+//!
+//! Trace context: a `Grpc*` adapter writes the current span's W3C context
+//! (`traceparent`) into the request's metadata, so the callee's server span continues
+//! the caller's trace. An in-process call needs nothing: the callee runs inside the
+//! caller's span.
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -110,8 +115,9 @@ macro_rules! grpc_adapter {
             $(
                 async fn $method(
                     &self,
-                    request: Request<v1::$req>,
+                    mut request: Request<v1::$req>,
                 ) -> Result<Response<v1::$resp>, Status> {
+                    convene_telemetry::inject_current(request.metadata_mut());
                     self.client.clone().$method(request).await
                 }
             )*
@@ -120,8 +126,9 @@ macro_rules! grpc_adapter {
 
                 async fn $smethod(
                     &self,
-                    request: Request<v1::$sreq>,
+                    mut request: Request<v1::$sreq>,
                 ) -> Result<Response<Self::$stype>, Status> {
+                    convene_telemetry::inject_current(request.metadata_mut());
                     let response = self.client.clone().$smethod(request).await?;
                     Ok(response.map(|s| Box::pin(s) as BoxStream<v1::$sresp>))
                 }

@@ -10,15 +10,17 @@
 //!   through [`MessageLimits`];
 //! - a request timeout answered with `DEADLINE_EXCEEDED`, a concurrency limit that sheds
 //!   excess calls with `RESOURCE_EXHAUSTED`, both as proper gRPC responses;
+//! - a server span per call whose parent is the caller's W3C trace context, with the
+//!   OpenTelemetry RPC attributes and the call's gRPC status;
 //! - graceful shutdown driven by a [`Shutdown`] handle, bounded by a grace period.
 //!
 //! # Layers
 //!
 //! The per-call layers live in two functions, `app_stack` (services added with
 //! [`GrpcServer::add_service`]) and `builtin_stack` (health and reflection), so a new
-//! cross-cutting layer, such as trace-context propagation, is added in one place. Health
-//! and reflection are deliberately outside the timeout and the concurrency limit: an
-//! overloaded server must still answer its health checks.
+//! cross-cutting layer is added in one place. Health and reflection are deliberately
+//! outside the timeout, the concurrency limit and tracing: an overloaded server must
+//! still answer its health checks, and probes would drown the traces.
 //!
 //! # Shutdown, in order
 //!
@@ -78,6 +80,7 @@ use tower::{
 use crate::{
     Shutdown,
     settings::{ServerSettings, SettingsError},
+    trace::TraceCalls,
 };
 
 /// The name the health service is served under.
@@ -414,11 +417,12 @@ struct CallGuards {
     cut_off_message: Arc<str>,
 }
 
-/// The layers around each added service, outermost first: cut-off at the end of the
-/// grace period, mapping of layer errors to gRPC statuses, load shedding over the
-/// concurrency limit, the request timeout, the service.
+/// The layers around each added service, outermost first: the call's server span (with
+/// the caller's trace context as its parent), cut-off at the end of the grace period,
+/// mapping of layer errors to gRPC statuses, load shedding over the concurrency limit,
+/// the request timeout, the service.
 ///
-/// Cross-cutting layers (e.g. trace context) go here.
+/// Cross-cutting layers go here.
 fn app_stack<S>(service: S, guards: &CallGuards) -> Named<S>
 where
     S: Service<http::Request<Body>, Response = http::Response<Body>, Error = Infallible>
@@ -448,12 +452,14 @@ where
         limits,
         ready_error: None,
     };
-    Named::new(BoxCloneSyncService::new(CutOff {
+    // Outermost, so the call's span covers shedding, the timeout and the cut-off, and
+    // records the statuses they answer with.
+    Named::new(BoxCloneSyncService::new(TraceCalls::new(CutOff {
         inner: answered,
         token: guards.cut_off.clone(),
         message: guards.cut_off_message.clone(),
         answer_pending_calls: true,
-    }))
+    })))
 }
 
 /// The layers around health and reflection: only their response streams end when

@@ -1,30 +1,21 @@
-//! Binary-edge helpers: the flags every service binary shares, and logging setup.
+//! Binary-edge helpers: the flags every service binary shares, and telemetry setup.
 //!
 //! Each service flattens [`ServiceArgs`] into its own clap parser
 //! (`#[command(flatten)] common: ServiceArgs`), so `--listen`, `--config`,
-//! `--dump-config` and `--log-format` mean the same everywhere. [`ServiceArgs::load`] and
-//! [`init_logging`] read process state (environment, global subscriber) and belong in
-//! `main`, never in a service's library code.
+//! `--dump-config`, `--log-format` and `--otlp-endpoint` mean the same everywhere.
+//! [`ServiceArgs::load`], [`ServiceArgs::telemetry`] and [`init_logging`] read process
+//! state (environment, global subscriber) and belong in `main`, never in a service's
+//! library code.
 
 use std::{net::SocketAddr, path::PathBuf};
 
+pub use convene_telemetry::LogFormat;
 use serde::{Serialize, de::DeserializeOwned};
-use tracing_subscriber::EnvFilter;
 
 use crate::{
     config::{self, ConfigLoader, Format},
     settings::SERVER_SECTION,
 };
-
-/// How log lines are written (to standard error).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
-pub enum LogFormat {
-    /// One human-readable line per event.
-    #[default]
-    Text,
-    /// One JSON object per event, for log collectors.
-    Json,
-}
 
 /// The command-line flags every convene service binary accepts.
 #[derive(Clone, Debug, Default, PartialEq, Eq, clap::Args)]
@@ -65,6 +56,13 @@ pub struct ServiceArgs {
         env = "CONVENE_LOG_FORMAT"
     )]
     pub log_format: LogFormat,
+
+    /// Export trace spans over OTLP/gRPC to this collector, e.g. http://localhost:4317
+    /// (Jaeger's OTLP port). Overrides OTEL_EXPORTER_OTLP_TRACES_ENDPOINT and
+    /// OTEL_EXPORTER_OTLP_ENDPOINT; OTEL_SDK_DISABLED=true turns export off whatever is
+    /// set. [default: no export]
+    #[arg(long, value_name = "URL")]
+    pub otlp_endpoint: Option<String>,
 }
 
 impl ServiceArgs {
@@ -94,33 +92,28 @@ impl ServiceArgs {
     {
         self.config_loader().env(std::env::vars()).load()
     }
+
+    /// The telemetry settings of these flags and the process environment (the `OTEL_*`
+    /// variables), for `convene_telemetry::init`. For `main` only: it reads
+    /// `std::env::vars()`.
+    pub fn telemetry(&self) -> convene_telemetry::Settings {
+        convene_telemetry::Settings::from_env(
+            self.log_format,
+            self.otlp_endpoint.as_deref(),
+            std::env::vars(),
+        )
+    }
 }
 
-/// Installs the global `tracing` subscriber: `RUST_LOG`-style filtering (default
-/// `info`), text or JSON lines on standard error.
+/// Installs the global `tracing` subscriber for log lines only (no trace export):
+/// `RUST_LOG`-style filtering (default `info`), text or JSON lines on standard error.
+/// Binaries that serve use `convene_telemetry::init` with [`ServiceArgs::telemetry`]
+/// instead, which also exports traces when a collector is configured.
 ///
 /// Idempotent: if a subscriber is already installed (by an earlier call, another service
 /// in the same process, or a test harness) it is left alone and `false` is returned.
 pub fn init_logging(format: LogFormat) -> bool {
-    let (filter, filter_error) = match EnvFilter::try_from_default_env() {
-        Ok(filter) => (filter, None),
-        Err(error) => (
-            EnvFilter::new("info"),
-            // An unset RUST_LOG is the normal case; only a malformed one is worth a word.
-            std::env::var_os(EnvFilter::DEFAULT_ENV).map(|_| error),
-        ),
-    };
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    let installed = match format {
-        LogFormat::Text => builder.try_init().is_ok(),
-        LogFormat::Json => builder.json().try_init().is_ok(),
-    };
-    if installed && let Some(error) = filter_error {
-        tracing::warn!(%error, "RUST_LOG is invalid; logging at info level");
-    }
-    installed
+    convene_telemetry::init_logging(format)
 }
 
 #[cfg(test)]
@@ -161,6 +154,13 @@ mod tests {
         assert_eq!(cli.common.listen, Some("0.0.0.0:7001".parse().unwrap()));
         assert_eq!(cli.common.dump_config, Some(Format::Toml));
         assert_eq!(cli.common.log_format, LogFormat::Json);
+        assert_eq!(cli.common.otlp_endpoint, None);
+
+        let cli = Cli::try_parse_from(["svc", "--otlp-endpoint", "http://collector:4317"]).unwrap();
+        assert_eq!(
+            cli.common.otlp_endpoint.as_deref(),
+            Some("http://collector:4317")
+        );
 
         let cli = Cli::try_parse_from(["svc", "--dump-config=yaml"]).unwrap();
         assert_eq!(cli.common.dump_config, Some(Format::Yaml));
@@ -179,6 +179,9 @@ mod tests {
             "CONVENE_CONFIG",
             "CONVENE_LOG_FORMAT",
             "RUST_LOG",
+            "--otlp-endpoint",
+            "OTEL_EXPORTER_OTLP_ENDPOINT",
+            "OTEL_SDK_DISABLED",
         ] {
             assert!(help.contains(needle), "help lacks {needle}:\n{help}");
         }

@@ -36,7 +36,21 @@ pub const ENV_SEPARATOR: &str = "__";
 
 /// `CONVENE_*` variables that the command line reads itself and that are therefore not
 /// configuration keys: the env layer skips them instead of rejecting them as unknown.
-pub const RESERVED_ENV_VARS: &[&str] = &["CONVENE_CONFIG", "CONVENE_LOG_FORMAT"];
+pub const RESERVED_ENV_VARS: &[&str] = &[
+    "CONVENE_CONFIG",
+    "CONVENE_LOG_FORMAT",
+    // Read by the `convene` client commands, which a shell exporting them may also use
+    // to start services. (CONVENE_APPROVAL_ENDPOINT is not here: it names the same
+    // thing as the supervisor's `approval_endpoint` key.)
+    "CONVENE_ENDPOINT",
+    "CONVENE_CREDENTIAL",
+    "CONVENE_JAEGER_URL",
+    "CONVENE_LISTEN",
+];
+
+/// Variables with this prefix belong to the test suites (the database and broker servers
+/// tests use) and are inherited by the binaries those tests start; services ignore them.
+pub const TEST_ENV_PREFIX: &str = "CONVENE_TEST_";
 
 /// A configuration file format.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
@@ -156,7 +170,11 @@ impl ConfigLoader {
         self.env = vars
             .into_iter()
             .map(|(k, v)| (k.into(), v.into()))
-            .filter(|(k, _)| k.starts_with(ENV_PREFIX) && !RESERVED_ENV_VARS.contains(&k.as_str()))
+            .filter(|(k, _)| {
+                k.starts_with(ENV_PREFIX)
+                    && !k.starts_with(TEST_ENV_PREFIX)
+                    && !RESERVED_ENV_VARS.contains(&k.as_str())
+            })
             .collect();
         self
     }

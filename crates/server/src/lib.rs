@@ -8,14 +8,17 @@
 //!   unknown keys rejected, and [`ServerSettings`], the `server` section services embed.
 //! - [`ErrorCode`], [`ServiceError`], [`into_status`]: the one place service errors
 //!   become gRPC statuses.
-//! - [`cli`]: the flags every service binary shares, and logging setup.
+//! - [`cli`]: the flags every service binary shares, and telemetry setup (logging and
+//!   trace export, through `convene-telemetry`).
+//! - the per-call server span that continues the caller's W3C trace context (a layer of
+//!   every [`GrpcServer`]).
 //! - `test_util` (feature `test-util`): free ports, wait-until-ready, background servers.
 //!
 //! A service is a library exposing `run(config, shutdown)`; its `main.rs` parses
-//! [`cli::ServiceArgs`], loads config, calls [`cli::init_logging`] and
-//! [`Shutdown::from_signals`], then runs. Nothing outside [`cli`] and
-//! [`Shutdown::from_signals`] touches process-global state, so `convene up` can host
-//! several services in one process.
+//! [`cli::ServiceArgs`], loads config, calls `convene_telemetry::init` with
+//! [`cli::ServiceArgs::telemetry`] and [`Shutdown::from_signals`], runs, and flushes
+//! telemetry. Nothing outside [`cli`] and [`Shutdown::from_signals`] touches
+//! process-global state, so `convene up` can host several services in one process.
 #![forbid(unsafe_code)]
 
 pub mod builder;
@@ -26,6 +29,7 @@ mod settings;
 mod shutdown;
 #[cfg(feature = "test-util")]
 pub mod test_util;
+mod trace;
 
 pub use builder::{
     Error as ServeError, GrpcServer, HEALTH_SERVICE, MessageLimits, REFLECTION_SERVICES, bind,

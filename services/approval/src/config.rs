@@ -51,6 +51,10 @@ pub struct Config {
     pub default_ttl: Duration,
     /// What executes approved actions.
     pub executor: ExecutorKind,
+    /// Where approval requests are stored: `sqlite://<path>` or `postgres://...`; unset:
+    /// the SQLite file `<data_dir>/convene.db`; `memory`: in memory, lost at exit.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub database_url: Option<String>,
 }
 
 impl Default for Config {
@@ -62,6 +66,7 @@ impl Default for Config {
             dev_credentials: true,
             default_ttl: DEFAULT_TTL,
             executor: ExecutorKind::RecordOnly,
+            database_url: None,
         }
     }
 }
@@ -94,6 +99,9 @@ pub enum ConfigError {
     /// The policy file cannot be loaded.
     #[error(transparent)]
     Policy(#[from] policy_file::Error),
+    /// The database named by `database_url` cannot be opened.
+    #[error(transparent)]
+    Database(#[from] convene_store::Error),
 }
 
 impl Config {

@@ -22,8 +22,9 @@
 //!   beside the others on one listener.
 //! - [`run`]: the standalone service, as the `convene-approval` binary runs it.
 //!
-//! Storage is in memory behind [`ApprovalStore`] for now; the trait is a versioned
-//! compare-and-set store so a durable one can replace it without changing the service.
+//! Requests live behind [`ApprovalStore`], a versioned compare-and-set store: in the
+//! database `database_url` names ([`SqlApprovalStore`], by default the SQLite file in
+//! the data directory), or in memory ([`MemoryStore`]).
 #![forbid(unsafe_code)]
 
 pub mod canonical;
@@ -33,6 +34,7 @@ pub mod error;
 pub mod executor;
 pub mod model;
 pub mod service;
+pub mod sql;
 pub mod store;
 
 use std::sync::Arc;
@@ -47,6 +49,7 @@ pub use executor::{ExecutionOutcome, Executor, ExecutorError, RecordOnlyExecutor
 pub use service::{
     ApprovalService, DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE, ROLE_DECIDE, ROLE_EXECUTE, ROLE_REQUEST,
 };
+pub use sql::SqlApprovalStore;
 pub use store::{ApprovalStore, MemoryStore};
 
 /// Adds the approval service to `server`. The same `Arc` can be kept as the in-process
@@ -63,7 +66,7 @@ pub fn add_to_server(server: GrpcServer, service: Arc<ApprovalService>) -> GrpcS
 /// The configuration or policy is invalid, the listen address cannot be bound, or the
 /// server fails.
 pub async fn run(config: Config, shutdown: Shutdown) -> Result<(), Error> {
-    let service = Arc::new(ApprovalService::from_config(&config)?);
+    let service = Arc::new(ApprovalService::connect(&config).await?);
     let listener = convene_server::bind(config.server.listen).await?;
     tracing::info!(
         listen = %config.server.listen,

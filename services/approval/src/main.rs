@@ -73,7 +73,7 @@ async fn main_inner() -> anyhow::Result<()> {
         print!("{}", convene_server::dump(&config, format)?);
         return Ok(());
     }
-    convene_server::cli::init_logging(cli.common.log_format);
+    let telemetry = convene_telemetry::init("convene-approval", &cli.common.telemetry());
     if cli.common.config.is_none() {
         tracing::info!(
             "no --config given: using the development settings of the payment-incident \
@@ -87,6 +87,8 @@ async fn main_inner() -> anyhow::Result<()> {
         );
     }
     let shutdown = Shutdown::from_signals().context("cannot install the signal handlers")?;
-    convene_approval::run(config, shutdown).await?;
+    let served = convene_approval::run(config, shutdown).await;
+    telemetry.shutdown().await;
+    served?;
     Ok(())
 }

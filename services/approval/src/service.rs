@@ -885,14 +885,37 @@ impl Approval for ApprovalService {
         let msg = request.into_inner();
         let span = tracing::info_span!(
             "approval.request",
-            action = %msg.action,
-            run_id = %msg.run_id,
-            caller = %caller.principal_id()
+            convene.service = "approval",
+            caller = %caller.principal_id(),
+            convene.approval.action = %msg.action,
+            convene.run.id = %msg.run_id,
+            convene.approval.id = tracing::field::Empty,
+            convene.approval.risk = tracing::field::Empty,
+            convene.approval.required = tracing::field::Empty,
+            convene.approval.created = tracing::field::Empty,
         );
-        let (approval, created) = self
+        let filed = self
             .request_approval_inner(&caller, msg)
-            .instrument(span)
-            .await?;
+            .instrument(span.clone())
+            .await;
+        let (approval, created) = match filed {
+            Ok(filed) => filed,
+            Err(status) => {
+                convene_telemetry::set_error(&span, status.message().to_owned());
+                return Err(status);
+            }
+        };
+        span.record("convene.approval.id", approval.approval_id.as_str());
+        span.record(
+            "convene.approval.risk",
+            approval
+                .risk
+                .to_proto()
+                .as_str_name()
+                .trim_start_matches("RISK_LEVEL_"),
+        );
+        span.record("convene.approval.required", approval.approvals_required());
+        span.record("convene.approval.created", created);
         Ok(Response::new(v1::RequestApprovalResponse {
             approval: Some(approval.to_proto(self.clock.now())),
             created,

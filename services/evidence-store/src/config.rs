@@ -61,6 +61,11 @@ pub struct Config {
     pub max_artifact_bytes: usize,
     /// The policy service, whose signing keys verify task tokens offline.
     pub policy_endpoint: String,
+    /// Where artifact metadata and evidence records are stored: `sqlite://<path>` or
+    /// `postgres://...`; unset: the SQLite file `<data_dir>/convene.db`; `memory`: in
+    /// memory, lost at exit (the bytes stay in `artifacts_dir` either way).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub database_url: Option<String>,
 }
 
 impl Default for Config {
@@ -72,6 +77,7 @@ impl Default for Config {
             dev_credentials: true,
             max_artifact_bytes: DEFAULT_MAX_ARTIFACT_BYTES,
             policy_endpoint: DEFAULT_POLICY_ENDPOINT.to_owned(),
+            database_url: None,
         }
     }
 }

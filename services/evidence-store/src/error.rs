@@ -72,6 +72,9 @@ pub enum Error {
     /// The configuration cannot work.
     #[error("invalid configuration: {0}")]
     Config(String),
+    /// The database named by `database_url` cannot be opened.
+    #[error(transparent)]
+    Database(#[from] convene_store::Error),
     /// The gRPC server failed.
     #[error(transparent)]
     Serve(#[from] convene_server::ServeError),
@@ -106,6 +109,8 @@ impl ServiceError for Error {
             Error::PolicyUnavailable(_) | Error::Catalog(CatalogError::Unavailable(_)) => {
                 ErrorCode::Unavailable
             }
+            Error::Database(e) if e.is_transient() => ErrorCode::Unavailable,
+            Error::Database(_) => ErrorCode::Internal,
             Error::Storage(_)
             | Error::DataDir { .. }
             | Error::PolicyFile(_)

@@ -16,8 +16,8 @@
 //! resource `evidence`. Reads accept that token with scope `evidence:read`, or — so a
 //! person can audit a run's claims — the credential of a principal of the policy file
 //! holding role [`READER_ROLE`]. The tenant comes from the credential only. Metadata
-//! lives behind [`catalog::Catalog`] (in memory today,
-//! durable storage later); bytes behind [`artifacts::Blobs`] (the local file system
+//! lives behind [`catalog::Catalog`] (in the database `database_url` names,
+//! [`SqlCatalog`], or in memory); bytes behind [`artifacts::Blobs`] (the local file system
 //! today, an S3-compatible store in a cluster).
 //!
 //! The service is a library: [`EvidenceStoreService`] implements the tonic trait, so it
@@ -32,6 +32,7 @@ pub mod catalog;
 pub mod config;
 mod error;
 mod service;
+pub mod sql;
 mod validate;
 
 use std::sync::Arc;
@@ -45,6 +46,7 @@ pub use error::Error;
 pub use service::{
     DEFAULT_MEDIA_TYPE, EvidenceStoreService, MAX_CHAIN_CLAIMS, MAX_CHAIN_REFS, MAX_EVIDENCE_IDS,
 };
+pub use sql::SqlCatalog;
 
 /// Serves the evidence store as `config` says until `shutdown` triggers, then drains.
 /// Task tokens are verified with the keys of the policy service at
@@ -58,7 +60,7 @@ pub use service::{
 pub async fn run(config: Config, shutdown: Shutdown) -> Result<(), Error> {
     let policy = GrpcPolicy::connect(&config.policy_endpoint)
         .map_err(|e| Error::Config(format!("policy_endpoint: {e}")))?;
-    let store = EvidenceStoreService::open(&config, Arc::new(policy))?;
+    let store = EvidenceStoreService::connect(&config, Arc::new(policy)).await?;
     let listener = convene_server::bind(config.server.listen).await?;
     store
         .add_to(GrpcServer::new(config.server.clone()))

@@ -64,7 +64,7 @@ async fn main() -> anyhow::Result<()> {
         return Ok(());
     }
 
-    convene_server::cli::init_logging(cli.common.log_format);
+    let telemetry = convene_telemetry::init("convene-evidence-store", &cli.common.telemetry());
     if cli.common.config.is_none() {
         tracing::info!(
             "no --config given: using the development settings of the payment-incident \
@@ -76,6 +76,8 @@ async fn main() -> anyhow::Result<()> {
         );
     }
     let shutdown = Shutdown::from_signals().context("cannot install signal handlers")?;
-    convene_evidence_store::run(config, shutdown).await?;
+    let served = convene_evidence_store::run(config, shutdown).await;
+    telemetry.shutdown().await;
+    served?;
     Ok(())
 }

@@ -11,6 +11,7 @@ use convene_proto::v1::{self, LinkStatus, evidence_store_server::EvidenceStoreSe
 use convene_server::GrpcServer;
 use convene_tokens::Claims;
 use tonic::{Request, Response, Status};
+use tracing::Instrument as _;
 
 use crate::Error;
 use crate::access::{Access, Reader};
@@ -593,12 +594,45 @@ impl v1::evidence_store_server::EvidenceStore for EvidenceStoreService {
         &self,
         request: Request<v1::PutArtifactRequest>,
     ) -> Result<Response<v1::PutArtifactResponse>, Status> {
-        let claims = self.inner.access.writer(&request, "PutArtifact").await?;
-        Ok(Response::new(
+        let span = {
+            let req = request.get_ref();
+            tracing::info_span!(
+                "evidence.put",
+                convene.service = "evidence-store",
+                convene.artifact.hash = tracing::field::Empty,
+                convene.artifact.size = req.content.len(),
+                convene.artifact.media_type = %req.media_type,
+                convene.artifact.uri = tracing::field::Empty,
+                convene.artifact.created = tracing::field::Empty,
+                convene.evidence.id = req.evidence.as_ref().map_or("", |e| e.evidence_id.as_str()),
+                convene.tool.call_id = %req.tool_call_id,
+                error.type = tracing::field::Empty,
+            )
+        };
+        let stored = async {
+            let claims = self.inner.access.writer(&request, "PutArtifact").await?;
             self.inner
                 .put_artifact(&claims, request.into_inner())
-                .await?,
-        ))
+                .await
+                .map_err(Status::from)
+        }
+        .instrument(span.clone())
+        .await;
+        match &stored {
+            Ok(r) => {
+                if let Some(a) = &r.artifact {
+                    // The store hashed the bytes already; no second pass for the trace.
+                    span.record("convene.artifact.hash", a.content_hash.as_str());
+                    span.record("convene.artifact.uri", a.uri.as_str());
+                }
+                span.record("convene.artifact.created", r.created);
+            }
+            Err(status) => {
+                span.record("error.type", format!("{:?}", status.code()).as_str());
+                convene_telemetry::set_error(&span, status.message().to_owned());
+            }
+        }
+        Ok(Response::new(stored?))
     }
 
     async fn get_artifact(

@@ -37,6 +37,10 @@ pub enum DecisionLogTarget {
     File,
     /// In memory only, lost at exit. For tests and throwaway setups.
     Memory,
+    /// Rows of the `decision_log` table in the service's database (`database_url`),
+    /// each committed before the decision is answered; in memory when `database_url` is
+    /// `memory`.
+    Database,
 }
 
 /// Configuration of the policy service.
@@ -57,6 +61,11 @@ pub struct Config {
     pub dev_credentials: bool,
     /// Where decisions are logged.
     pub decision_log: DecisionLogTarget,
+    /// Where call counters, revocations and issued-token owners are kept (and decisions,
+    /// with `decision_log = "database"`): `sqlite://<path>` or `postgres://...`; unset:
+    /// the SQLite file `<data_dir>/convene.db`; `memory`: in memory, lost at exit.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub database_url: Option<String>,
 }
 
 impl Default for Config {
@@ -67,6 +76,7 @@ impl Default for Config {
             policy_file: None,
             dev_credentials: true,
             decision_log: DecisionLogTarget::File,
+            database_url: None,
         }
     }
 }

@@ -44,6 +44,9 @@ pub enum Error {
     /// The gRPC server failed.
     #[error(transparent)]
     Serve(#[from] convene_server::ServeError),
+    /// The database named by `database_url` cannot be opened.
+    #[error(transparent)]
+    Database(#[from] convene_store::Error),
 }
 
 impl Error {
@@ -71,6 +74,8 @@ impl ServiceError for Error {
             Error::NotFound(_) => ErrorCode::NotFound,
             Error::FailedPrecondition(_) => ErrorCode::FailedPrecondition,
             Error::State(StateError::Unavailable(_)) => ErrorCode::Unavailable,
+            Error::Database(e) if e.is_transient() => ErrorCode::Unavailable,
+            Error::Database(_) => ErrorCode::Internal,
             Error::PolicyFile(_) | Error::Keys(_) | Error::DecisionLog(_) | Error::Serve(_) => {
                 ErrorCode::Internal
             }

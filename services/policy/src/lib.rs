@@ -37,6 +37,7 @@ mod error;
 pub mod issue;
 mod keys;
 mod service;
+pub mod sql;
 pub mod state;
 
 use convene_server::{GrpcServer, Shutdown};
@@ -54,7 +55,7 @@ pub use service::{ISSUE_ROLE, PolicyService, PolicyServiceBuilder};
 /// An invalid policy file or data directory, a listen address that cannot be bound, or a
 /// server failure.
 pub async fn run(config: Config, shutdown: Shutdown) -> Result<(), Error> {
-    let service = PolicyService::open(&config)?;
+    let service = PolicyService::connect(&config).await?;
     let listener = convene_server::bind(config.server.listen).await?;
     service
         .add_to(GrpcServer::new(config.server.clone()))

@@ -51,7 +51,7 @@ async fn main() -> anyhow::Result<()> {
         return Ok(());
     }
 
-    convene_server::cli::init_logging(cli.common.log_format);
+    let telemetry = convene_telemetry::init("convene-policy", &cli.common.telemetry());
     if cli.common.config.is_none() {
         tracing::info!(
             "no --config given: using the development settings of the payment-incident \
@@ -67,6 +67,8 @@ async fn main() -> anyhow::Result<()> {
         tracing::info!(signing_key = %kid, "signing key rotated; the previous key still verifies");
     }
     let shutdown = Shutdown::from_signals().context("cannot install signal handlers")?;
-    convene_policy::run(config, shutdown).await?;
+    let served = convene_policy::run(config, shutdown).await;
+    telemetry.shutdown().await;
+    served?;
     Ok(())
 }

@@ -10,6 +10,7 @@ use convene_proto::v1::{self, policy_server::PolicyServer, revoke_request::Targe
 use convene_server::GrpcServer;
 use convene_tokens::{KeyRing, from_unix_seconds};
 use tonic::{Request, Response, Status};
+use tracing::Instrument as _;
 
 use crate::Error;
 use crate::clock::{Clock, system_clock};
@@ -131,6 +132,22 @@ impl PolicyService {
     ///
     /// As [`open`](Self::open).
     pub fn open_with_clock(config: &Config, clock: Clock) -> Result<Self, Error> {
+        Self::open_with_database(config, clock, None)
+    }
+
+    /// Like [`open_with_clock`](Self::open_with_clock), keeping call counters,
+    /// revocations and token owners in `database` (in memory when `None`), and the
+    /// decisions too when `decision_log = "database"`. [`PolicyService::connect`] opens
+    /// the database the configuration names.
+    ///
+    /// # Errors
+    ///
+    /// As [`open`](Self::open).
+    pub fn open_with_database(
+        config: &Config,
+        clock: Clock,
+        database: Option<convene_store::Database>,
+    ) -> Result<Self, Error> {
         let (policy, with_dev_credentials) = config.load_policy()?;
         if !with_dev_credentials.is_empty() {
             tracing::info!(
@@ -145,6 +162,14 @@ impl PolicyService {
                 Arc::new(JsonlDecisionLog::open(config.decision_log_path())?)
             }
             DecisionLogTarget::Memory => Arc::new(MemoryDecisionLog::new()),
+            DecisionLogTarget::Database => match &database {
+                Some(db) => Arc::new(crate::sql::SqlDecisionLog::new(db.clone())),
+                None => Arc::new(MemoryDecisionLog::new()),
+            },
+        };
+        let state: Arc<dyn PolicyState> = match database {
+            Some(db) => Arc::new(crate::sql::SqlPolicyState::new(db)),
+            None => Arc::new(MemoryState::new()),
         };
         tracing::info!(
             policy = %config.policy_source(),
@@ -156,6 +181,7 @@ impl PolicyService {
             "policy loaded"
         );
         Ok(Self::builder(policy, ring)
+            .state(state)
             .decision_log(log)
             .clock(clock)
             .build())
@@ -472,10 +498,42 @@ impl v1::policy_server::Policy for PolicyService {
         &self,
         request: Request<v1::AuthorizeRequest>,
     ) -> Result<Response<v1::AuthorizeResponse>, Status> {
+        let req = request.get_ref();
+        let span = tracing::info_span!(
+            "policy.authorize",
+            convene.service = "policy",
+            convene.tool = %req.tool,
+            convene.authz.action = %req.action,
+            convene.authz.resource = %req.resource,
+            convene.authz.audience = %req.audience,
+            convene.tool.call_id = %req.tool_call_id,
+            convene.authz.decision = tracing::field::Empty,
+            convene.authz.reason = tracing::field::Empty,
+            convene.authz.decision_id = tracing::field::Empty,
+            convene.authz.calls_used = tracing::field::Empty,
+        );
         // No bearer credential: the token in the message is what is being judged.
-        Ok(Response::new(
-            self.inner.authorize(request.get_ref()).await?,
-        ))
+        let answer = self.inner.authorize(req).instrument(span.clone()).await;
+        match &answer {
+            // A deny is a decision made, not a failure of the service: it is an
+            // attribute here, and the asking tool call's span is the one that fails.
+            Ok(decision) => {
+                span.record(
+                    "convene.authz.decision",
+                    if decision.allowed { "allow" } else { "deny" },
+                );
+                span.record(
+                    "convene.authz.reason",
+                    v1::AuthorizeReason::try_from(decision.reason).map_or("UNKNOWN", |r| {
+                        r.as_str_name().trim_start_matches("AUTHORIZE_REASON_")
+                    }),
+                );
+                span.record("convene.authz.decision_id", decision.decision_id.as_str());
+                span.record("convene.authz.calls_used", decision.calls_used);
+            }
+            Err(error) => convene_telemetry::set_error(&span, error.to_string()),
+        }
+        Ok(Response::new(answer?))
     }
 
     async fn revoke(

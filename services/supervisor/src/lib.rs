@@ -17,7 +17,9 @@ pub mod plan;
 pub mod registry;
 mod run;
 mod service;
+pub mod sql;
 pub mod store;
+mod trace;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -39,6 +41,7 @@ use tokio_util::sync::CancellationToken;
 
 pub use registry::{Connector, MeshConnector, Registry, RegistrySettings};
 pub use service::SupervisorService;
+pub use sql::SqlRunStore;
 pub use store::{MemoryStore, RunStore};
 
 /// The policy file of the payment-incident example, the development default.
@@ -75,6 +78,12 @@ pub enum Error {
         /// The I/O error.
         source: std::io::Error,
     },
+    /// The database named by `database_url` cannot be opened.
+    #[error(transparent)]
+    Database(#[from] convene_store::Error),
+    /// The run store cannot be read.
+    #[error(transparent)]
+    Store(store::StoreError),
 }
 
 /// Supervisor configuration. The defaults are the development settings of the
@@ -84,8 +93,14 @@ pub enum Error {
 pub struct Config {
     /// The gRPC server (Supervisor and WorkerRegistry).
     pub server: ServerSettings,
-    /// Data directory (development credentials live in `<data_dir>/credentials`).
+    /// Data directory (development credentials live in `<data_dir>/credentials`, the
+    /// default SQLite database in `<data_dir>/convene.db`).
     pub data_dir: PathBuf,
+    /// Where runs, their events and the outbox are stored: `sqlite://<path>` or
+    /// `postgres://...`; unset: the SQLite file `<data_dir>/convene.db`; `memory`: in
+    /// memory, lost at exit.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub database_url: Option<String>,
     /// Policy file (principals, profiles, catalog); None: the embedded example policy.
     pub policy_file: Option<PathBuf>,
     /// Create development credentials for principals without a listed hash.
@@ -126,6 +141,7 @@ impl Default for Config {
                 ..ServerSettings::on_port(DEFAULT_PORT)
             },
             data_dir: PathBuf::from(".convene"),
+            database_url: None,
             policy_file: None,
             dev_credentials: true,
             credential_file: None,
@@ -288,7 +304,7 @@ pub async fn run(config: Config, shutdown: Shutdown) -> Result<(), Error> {
         approval: Arc::new(GrpcApproval::connect(&config.approval_endpoint)?),
         policy_file: policy,
         credential,
-        store: Arc::new(MemoryStore::default()),
+        store: sql::open_store(config.database_url.as_deref(), &config.data_dir).await?,
         connector: Arc::new(MeshConnector::default()),
         config: config.clone(),
         shutdown: shutdown.clone(),

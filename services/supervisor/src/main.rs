@@ -1,7 +1,7 @@
 //! `convene-supervisor`: the supervisor as its own process.
 
 use clap::Parser;
-use convene_server::cli::{ServiceArgs, init_logging};
+use convene_server::cli::ServiceArgs;
 use convene_server::{Shutdown, dump};
 use convene_supervisor::{Config, run};
 
@@ -27,7 +27,7 @@ async fn main() -> anyhow::Result<()> {
         print!("{}", dump(&config, format)?);
         return Ok(());
     }
-    init_logging(cli.common.log_format);
+    let telemetry = convene_telemetry::init("convene-supervisor", &cli.common.telemetry());
     if cli.common.config.is_none() {
         tracing::info!(
             data_dir = %config.data_dir.display(),
@@ -35,6 +35,8 @@ async fn main() -> anyhow::Result<()> {
         );
     }
     let shutdown = Shutdown::from_signals()?;
-    run(config, shutdown).await?;
+    let served = run(config, shutdown).await;
+    telemetry.shutdown().await;
+    served?;
     Ok(())
 }

@@ -22,12 +22,13 @@ use convene_tokens::Claims;
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 use tonic::{Code, Request, Status};
+use tracing::{Instrument as _, Span};
 
-use crate::events;
 use crate::plan::{self, Placement};
 use crate::registry::Registry;
 use crate::store::{Events, StoreError};
 use crate::{Deps, Settings};
+use crate::{events, trace};
 
 /// A message to a run actor.
 pub(crate) enum Msg {
@@ -55,6 +56,9 @@ pub(crate) enum Msg {
         token: String,
         children: Vec<v1::PlannedDelegation>,
         reply: oneshot::Sender<Result<Vec<v1::DelegateOutcome>, Status>>,
+        /// The span of the Delegate call (the asking tool call's, through propagation):
+        /// the children's delegation spans are its children.
+        span: Span,
     },
     /// A result delivered out of band (e.g. a redelivery); it goes through the same
     /// checks as any other.
@@ -80,6 +84,9 @@ struct Slot {
     /// attempt created.
     children_attempt: u32,
     cancelled: bool,
+    /// The delegation's span, open from planning to its final outcome; every dispatch
+    /// attempt runs inside it. `Span::none()` once ended.
+    span: Span,
 }
 
 struct Batch {
@@ -97,6 +104,9 @@ struct PendingDelegate {
 pub(crate) struct RunActor {
     deps: Arc<Deps>,
     run: v1::Run,
+    /// The run's root span (see [`trace`]); the parent of its delegation, plan and join
+    /// spans.
+    span: Span,
     spec: RunSpec,
     slots: Vec<Slot>,
     batches: Vec<Batch>,
@@ -148,13 +158,21 @@ fn status_is_transient(code: Code) -> bool {
 
 impl RunActor {
     /// Spawns the actor for a freshly created run (version 1, delegations planned) and
-    /// returns its mailbox.
-    pub(crate) fn spawn(deps: Arc<Deps>, run: v1::Run, spec: RunSpec) -> Mailbox {
+    /// returns its mailbox. `span` is the run's root span; `None` continues the trace
+    /// stored on the run (`trace_parent`), for a run picked up again after a restart.
+    pub(crate) fn spawn(
+        deps: Arc<Deps>,
+        run: v1::Run,
+        spec: RunSpec,
+        span: Option<Span>,
+    ) -> Mailbox {
+        let span = span.unwrap_or_else(|| trace::resumed_run_span(&run));
         let (tx, rx) = mpsc::unbounded_channel();
         let ledger = BudgetLedger::new(&spec.limits);
         let max_parallel = spec.limits.max_parallel_workers as usize;
         let mut actor = RunActor {
             deps: deps.clone(),
+            span: span.clone(),
             next_seq: 1,
             run,
             spec,
@@ -181,7 +199,7 @@ impl RunActor {
             .lock()
             .expect("live map lock poisoned")
             .insert(actor.run.run_id.clone(), tx);
-        tokio::spawn(async move { actor.main().await });
+        tokio::spawn(async move { actor.main().await }.instrument(span));
         mailbox
     }
 
@@ -216,6 +234,10 @@ impl RunActor {
             .lock()
             .expect("live map lock poisoned")
             .remove(&run_id);
+        // Delegations still open when the actor stops end with the state they reached.
+        for index in 0..self.slots.len() {
+            self.end_delegation_span(index);
+        }
         // Tokens of a finished run are useless to anyone but an attacker.
         let revoke = v1::RevokeRequest {
             target: Some(v1::revoke_request::Target::RunId(run_id.clone())),
@@ -278,7 +300,9 @@ impl RunActor {
             .filter(|(_, d)| d.state == v1::DelegationState::Pending as i32)
             .map(|(i, _)| i)
             .collect();
-        for (i, _) in self.run.delegations.iter().enumerate() {
+        let no_task = v1::DelegationTask::default();
+        for (i, d) in self.run.delegations.iter().enumerate() {
+            let task = d.task.as_ref().unwrap_or(&no_task);
             self.slots.push(Slot {
                 token: String::new(),
                 top_level: true,
@@ -290,7 +314,14 @@ impl RunActor {
                 children: 0,
                 children_attempt: 0,
                 cancelled: false,
+                span: trace::delegation_span(&self.span, task),
             });
+        }
+        // Delegations that never start (dropped by TRUNCATE) are in the trace too.
+        for i in 0..self.slots.len() {
+            if !live.contains(&i) {
+                self.end_delegation_span(i);
+            }
         }
         let tasks: Vec<v1::DelegationTask> = live
             .iter()
@@ -312,7 +343,7 @@ impl RunActor {
         self.commit(Events::default()).await?;
         self.pump(0);
         if live.is_empty() {
-            self.join_step().await?;
+            self.join_step("plan").await?;
         }
         Ok(())
     }
@@ -379,19 +410,25 @@ impl RunActor {
         let tx = self.tx.clone();
         let registry = self.deps.registry.clone();
         let grace = self.deps.settings.dispatch_grace;
+        // Every attempt runs inside the delegation's span, so the worker's spans (through
+        // the trace context on the Execute call) are the delegation's children.
+        let span = slot.span.clone();
         self.tasks_in_flight += 1;
-        tokio::spawn(dispatch(Dispatch {
-            registry,
-            tx,
-            index,
-            task,
-            token,
-            attempt,
-            avoid,
-            cancel,
-            delay,
-            grace,
-        }));
+        tokio::spawn(
+            dispatch(Dispatch {
+                registry,
+                tx,
+                index,
+                task,
+                token,
+                attempt,
+                avoid,
+                cancel,
+                delay,
+                grace,
+            })
+            .instrument(span),
+        );
     }
 
     // ---- messages -------------------------------------------------------------------
@@ -425,7 +462,11 @@ impl RunActor {
                 token,
                 children,
                 reply,
-            } => self.on_delegate(&claims, &token, children, reply).await,
+                span,
+            } => {
+                self.on_delegate(&claims, &token, children, reply, &span)
+                    .await
+            }
             Msg::Deliver { result } => {
                 match self.run.delegations.iter().position(|d| {
                     d.task
@@ -438,7 +479,7 @@ impl RunActor {
                         // rejects it as UNKNOWN_DELEGATION, visibly.
                         if !self.terminal() {
                             self.results.push(result);
-                            self.join_step().await?;
+                            self.join_step("result").await?;
                         }
                         Ok(())
                     }
@@ -500,7 +541,9 @@ impl RunActor {
                 let retryable = result.status == v1::TaskStatus::Failed as i32
                     && result.error.as_ref().is_some_and(|e| e.retryable);
                 if retryable && may_retry {
-                    tracing::info!(run_id = %self.run.run_id, delegation_id = %task.delegation_id, attempt, "transient worker failure; retrying under the same delegation id");
+                    self.slots[index].span.in_scope(|| {
+                        tracing::info!(run_id = %self.run.run_id, delegation_id = %task.delegation_id, attempt, "transient worker failure; retrying under the same delegation id");
+                    });
                     self.launch(index, backoff(&settings, attempt));
                     return Ok(());
                 }
@@ -518,7 +561,9 @@ impl RunActor {
                 }
                 let transient = status_is_transient(status.code());
                 if transient && may_retry {
-                    tracing::info!(run_id = %self.run.run_id, delegation_id = %task.delegation_id, attempt, code = ?status.code(), "dispatch failed; dispatching again under the same delegation id");
+                    self.slots[index].span.in_scope(|| {
+                        tracing::info!(run_id = %self.run.run_id, delegation_id = %task.delegation_id, attempt, code = ?status.code(), "dispatch failed; dispatching again under the same delegation id");
+                    });
                     self.launch(index, backoff(&settings, attempt));
                     return Ok(());
                 }
@@ -575,8 +620,15 @@ impl RunActor {
             }
             d.completed_at = Some(to_timestamp(now()));
         }
+        self.end_delegation_span(index);
         self.children_step();
         self.commit(Events::default()).await
+    }
+
+    /// Records a delegation's final state on its span and ends it (once).
+    fn end_delegation_span(&mut self, index: usize) {
+        let span = std::mem::replace(&mut self.slots[index].span, Span::none());
+        trace::record_delegation_end(&span, &self.run.delegations[index]);
     }
 
     /// Adds a result's usage to the run and charges the budget; once the budget is
@@ -612,7 +664,8 @@ impl RunActor {
         accounted: bool,
     ) -> Result<(), StoreError> {
         let late = self.terminal();
-        self.verify_evidence(index, &result).await;
+        let span = self.slots[index].span.clone();
+        self.verify_evidence(index, &result).instrument(span).await;
         if !accounted {
             self.account(&result);
         }
@@ -630,6 +683,7 @@ impl RunActor {
         };
         d.result = Some(result.clone());
         let delegation = d.clone();
+        self.end_delegation_span(index);
         let status = result.status;
         let summary = result.summary.clone();
         let e = self.event(Kind::Completed(v1::DelegationCompleted {
@@ -669,7 +723,7 @@ impl RunActor {
                 return self.commit(ev).await;
             }
             self.commit(ev).await?;
-            self.join_step().await
+            self.join_step("result").await
         } else {
             self.commit(ev).await?;
             self.children_step();
@@ -762,10 +816,13 @@ impl RunActor {
             .collect()
     }
 
-    async fn join_step(&mut self) -> Result<(), StoreError> {
+    /// Evaluates the join (`trigger` says what prompted it, for the trace) and ends the
+    /// run when it decides.
+    async fn join_step(&mut self, trigger: &'static str) -> Result<(), StoreError> {
         if self.terminal() {
             return Ok(());
         }
+        let span = trace::join_span(&self.span, &self.spec.join, trigger);
         let expected = self.expected();
         let input = JoinInput {
             contract: &self.spec.join,
@@ -774,13 +831,21 @@ impl RunActor {
             evidence: &self.facts,
             now: now(),
         };
-        match join::decide(&input) {
+        match span.in_scope(|| join::decide(&input)) {
             JoinState::Decided(decision) => {
+                trace::record_decision(&span, &decision);
                 let state = self.state_for(decision.outcome, false);
                 let reason = decision.reasons.first().cloned().unwrap_or_default();
-                self.finish(Some(decision), state, reason).await
+                // Approval requests the decision files are its children.
+                self.finish(Some(decision), state, reason)
+                    .instrument(span)
+                    .await
             }
-            JoinState::Pending { deadline, .. } => {
+            JoinState::Pending {
+                deadline,
+                waiting_for,
+            } => {
+                trace::record_pending(&span, &waiting_for);
                 self.join_timer = deadline;
                 let idle = self.slots.iter().all(|s| !s.in_flight)
                     && self
@@ -790,9 +855,11 @@ impl RunActor {
                 if idle && self.budget_stopped {
                     // Nothing can change any more: publish what there is.
                     let decision = join::assess(&input);
+                    trace::record_decision(&span, &decision);
                     let reason = self.run.terminal_reason.clone();
                     return self
                         .finish(Some(decision), v1::RunState::BudgetExhausted, reason)
+                        .instrument(span)
                         .await;
                 }
                 Ok(())
@@ -805,6 +872,7 @@ impl RunActor {
         if t >= self.spec.limits.deadline {
             // The run's hard deadline: decide on what there is and stop everything.
             self.cancel.cancel();
+            let span = trace::join_span(&self.span, &self.spec.join, "deadline");
             let expected = self.expected();
             let input = JoinInput {
                 contract: &self.spec.join,
@@ -814,6 +882,7 @@ impl RunActor {
                 now: t,
             };
             let decision = join::assess(&input);
+            trace::record_decision(&span, &decision);
             let state = self.state_for(decision.outcome, true);
             return self
                 .finish(
@@ -821,10 +890,11 @@ impl RunActor {
                     state,
                     "the run's deadline passed".to_owned(),
                 )
+                .instrument(span)
                 .await;
         }
         self.join_timer = None;
-        self.join_step().await
+        self.join_step("timer").await
     }
 
     fn state_for(&self, outcome: i32, _hard_deadline: bool) -> v1::RunState {
@@ -877,15 +947,20 @@ impl RunActor {
         let keep_running = state != v1::RunState::Cancelled
             && self.spec.join.late_result == LateResultPolicy::AppendRevision
             && !self.cancel.is_cancelled();
+        let mut never_started = Vec::new();
         for (i, d) in self.run.delegations.iter_mut().enumerate() {
             let in_flight = self.slots.get(i).is_some_and(|s| s.in_flight);
             if d.state == v1::DelegationState::Pending as i32 && !in_flight {
                 d.state = v1::DelegationState::Cancelled as i32;
                 d.detail = "the run ended before it was dispatched".to_owned();
+                never_started.push(i);
             } else if in_flight && d.result.is_none() {
                 d.state = v1::DelegationState::TimedOut as i32;
                 d.detail = "the run decided before this delegation answered".to_owned();
             }
+        }
+        for i in never_started {
+            self.end_delegation_span(i);
         }
         for b in &mut self.batches {
             b.queue.clear();
@@ -910,6 +985,7 @@ impl RunActor {
             events::run_completed_data(&self.run),
         ));
         self.commit(ev).await?;
+        trace::record_run_end(&self.span, &self.run);
         tracing::info!(
             run_id = %self.run.run_id,
             state = events::run_state_name(self.run.state),
@@ -1012,7 +1088,9 @@ impl RunActor {
             evidence: &self.facts,
             now: now(),
         };
-        let decision = join::apply_late(&previous, &input, delegation_id);
+        let span = trace::join_span(&self.span, &self.spec.join, "late_result");
+        let decision = span.in_scope(|| join::apply_late(&previous, &input, delegation_id));
+        trace::record_decision(&span, &decision);
         if decision.revision != previous.revision {
             self.run.revisions.push(decision.clone());
             ev.cloud.push(events::cloud(
@@ -1036,13 +1114,21 @@ impl RunActor {
         token: &str,
         children: Vec<v1::PlannedDelegation>,
         reply: oneshot::Sender<Result<Vec<v1::DelegateOutcome>, Status>>,
+        caller: &Span,
     ) -> Result<(), StoreError> {
-        match self.plan_children(claims, token, &children).await {
+        let plan_span = trace::plan_span(caller, "delegate", children.len());
+        let planned = self
+            .plan_children(claims, token, &children, caller)
+            .instrument(plan_span.clone())
+            .await;
+        match planned {
             Err(status) => {
+                convene_telemetry::set_error(&plan_span, status.message().to_owned());
                 let _ = reply.send(Err(status));
                 Ok(())
             }
             Ok((indices, dropped_names, batch)) => {
+                plan_span.record("convene.plan.dropped", dropped_names.len());
                 let mut order = Vec::with_capacity(children.len());
                 let mut kept = indices.iter();
                 for c in &children {
@@ -1071,6 +1157,7 @@ impl RunActor {
         claims: &Claims,
         token: &str,
         children: &[v1::PlannedDelegation],
+        caller: &Span,
     ) -> Result<(Vec<usize>, Vec<String>, usize), Status> {
         if self.terminal() {
             return Err(Status::failed_precondition(format!(
@@ -1224,6 +1311,9 @@ impl RunActor {
         let mut created = Vec::with_capacity(tasks.len());
         for (task, token) in tasks.into_iter().zip(tokens) {
             let index = self.run.delegations.len();
+            // A child's span hangs under the call that asked for it, which is how its
+            // parent delegation reached the supervisor.
+            let span = trace::delegation_span(caller, &task);
             self.run.delegations.push(v1::Delegation {
                 task: Some(task),
                 state: v1::DelegationState::Pending as i32,
@@ -1240,6 +1330,7 @@ impl RunActor {
                 children: 0,
                 children_attempt: 0,
                 cancelled: false,
+                span,
             });
             self.batches[batch].queue.push_back(index);
             created.push(index);
@@ -1343,6 +1434,7 @@ impl RunActor {
                 d.state = v1::DelegationState::Cancelled as i32;
                 d.detail = detail.to_owned();
                 d.completed_at = Some(t);
+                self.end_delegation_span(i);
             }
         }
         self.children_step();

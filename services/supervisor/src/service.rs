@@ -18,7 +18,7 @@ use tonic::{Request, Response, Status};
 use crate::plan::{self, Placement};
 use crate::run::{Msg, RunActor};
 use crate::store::{Created, Events, IdempotencyKey, StoreError, is_terminal};
-use crate::{Deps, events};
+use crate::{Deps, events, trace};
 
 /// The Supervisor service (also its own in-process handle).
 #[derive(Clone)]
@@ -113,13 +113,17 @@ impl SupervisorService {
 
     fn build_run(
         &self,
+        identity: RunIdentity,
         spec: &v1::RunSpec,
         domain: &convene_core::model::RunSpec,
         principal: &Principal,
         now: SystemTime,
     ) -> (v1::Run, Events, bool) {
-        let run_id = uuid::Uuid::now_v7().to_string();
-        let trace_id = format!("{:032x}", uuid::Uuid::new_v4().as_u128());
+        let RunIdentity {
+            run_id,
+            trace_id,
+            trace_parent,
+        } = identity;
         let limits = &domain.limits;
         let plan = limits::plan_batch(
             domain.plan.len(),
@@ -170,6 +174,7 @@ impl SupervisorService {
             spec: Some(spec.clone()),
             state: v1::RunState::Pending as i32,
             trace_id,
+            trace_parent,
             created_at: Some(to_timestamp(now)),
             updated_at: Some(to_timestamp(now)),
             version: 1,
@@ -223,6 +228,13 @@ impl SupervisorService {
     }
 }
 
+/// A new run's id and its trace.
+struct RunIdentity {
+    run_id: String,
+    trace_id: String,
+    trace_parent: String,
+}
+
 /// Strips what ListRuns leaves out (delegation results) to keep pages small.
 fn summary(mut run: v1::Run) -> v1::Run {
     for d in &mut run.delegations {
@@ -274,7 +286,21 @@ impl Supervisor for SupervisorService {
             principal: principal.id.clone(),
             key,
         });
-        let (run, ev, start) = self.build_run(&spec, &domain, &principal, now);
+        // The run is its own trace, rooted here; its id is the trace's when tracing is
+        // on, so a trace viewer finds the run by the id `convene run` prints.
+        let run_id = uuid::Uuid::now_v7().to_string();
+        let run_span = trace::run_span(&run_id, &principal.tenant, &spec.goal);
+        let (trace_id, trace_parent) = trace::run_trace(&run_span);
+        let identity = RunIdentity {
+            run_id,
+            trace_id,
+            trace_parent,
+        };
+        let plan_span = trace::plan_span(&run_span, "spec", domain.plan.len());
+        let (run, ev, start) =
+            plan_span.in_scope(|| self.build_run(identity, &spec, &domain, &principal, now));
+        plan_span.record("convene.plan.dropped", run.truncated.len());
+        drop(plan_span);
         match self
             .deps
             .store
@@ -283,9 +309,11 @@ impl Supervisor for SupervisorService {
             .map_err(store_status)?
         {
             Created::New => {
-                tracing::info!(run_id = %run.run_id, tenant = %run.tenant, delegations = run.delegations.len(), "run accepted");
+                tracing::info!(run_id = %run.run_id, tenant = %run.tenant, trace_id = %run.trace_id, delegations = run.delegations.len(), "run accepted");
                 if start {
-                    RunActor::spawn(self.deps.clone(), run.clone(), domain);
+                    RunActor::spawn(self.deps.clone(), run.clone(), domain, Some(run_span));
+                } else {
+                    trace::record_run_end(&run_span, &run);
                 }
                 Ok(Response::new(v1::StartRunResponse {
                     run: Some(run),
@@ -293,6 +321,8 @@ impl Supervisor for SupervisorService {
                 }))
             }
             Created::Existing(existing) => {
+                // The span of the run that was not created says which run answered.
+                run_span.record("convene.run.duplicate_of", existing.run_id.as_str());
                 if existing.spec.as_ref() == Some(&spec) {
                     Ok(Response::new(v1::StartRunResponse {
                         run: Some(*existing),
@@ -476,6 +506,7 @@ impl Supervisor for SupervisorService {
                 token,
                 children: request.into_inner().delegations,
                 reply,
+                span: tracing::Span::current(),
             })
             .map_err(|_| Status::failed_precondition("the run is no longer running"))?;
         let outcomes = answer.await.map_err(|_| {

@@ -9,6 +9,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Mutex;
+use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
 use convene_proto::v1;
@@ -126,6 +127,32 @@ pub trait RunStore: Send + Sync + 'static {
 
     /// Non-terminal runs, for recovery after a restart.
     async fn unfinished(&self) -> Result<Vec<v1::Run>, StoreError>;
+
+    /// Claims up to `limit` unfinished runs for the supervisor replica `owner`, oldest
+    /// first: runs nobody holds and runs whose lease expired (a crashed replica's, or
+    /// `owner`'s own from before a restart). Each is leased to `owner` for `lease_ttl`
+    /// from now; runs `owner` holds already are not returned again, so a replica can claim
+    /// in a loop. Two replicas claiming at the same time never get the same run.
+    async fn claim_runs(
+        &self,
+        owner: &str,
+        lease_ttl: Duration,
+        limit: usize,
+    ) -> Result<Vec<v1::Run>, StoreError>;
+
+    /// Extends `owner`'s leases on `run_ids` to `lease_ttl` from now. Returns the ids
+    /// `owner` still holds: a run missing from the answer was claimed by another replica
+    /// after its lease expired, and its actor here must stop.
+    async fn renew_lease(
+        &self,
+        owner: &str,
+        run_ids: &[String],
+        lease_ttl: Duration,
+    ) -> Result<Vec<String>, StoreError>;
+
+    /// Gives up `owner`'s lease on a run (it finished, or the replica shuts down), so
+    /// another replica may claim it at once. Returns whether `owner` held it.
+    async fn release(&self, owner: &str, run_id: &str) -> Result<bool, StoreError>;
 }
 
 /// A notification that events of a run were committed.
@@ -156,12 +183,16 @@ struct Inner {
     run_events: HashMap<String, Vec<v1::RunEvent>>,
     outbox: Vec<v1::CloudEvent>,
     outbox_index: HashMap<String, usize>,
+    /// Run id → (owner, lease expiry).
+    leases: HashMap<String, (String, SystemTime)>,
 }
 
 /// Everything in memory: fast, and lost with the process.
 pub struct MemoryStore {
     inner: Mutex<Inner>,
     notify: broadcast::Sender<Committed>,
+    /// Runs this store creates are leased to this replica, for this long.
+    creator: Option<(String, Duration)>,
 }
 
 impl Default for MemoryStore {
@@ -169,6 +200,7 @@ impl Default for MemoryStore {
         Self {
             inner: Mutex::new(Inner::default()),
             notify: broadcast::channel(4096).0,
+            creator: None,
         }
     }
 }
@@ -180,6 +212,15 @@ impl std::fmt::Debug for MemoryStore {
 }
 
 impl MemoryStore {
+    /// Leases every run this store creates to the supervisor replica `owner` for
+    /// `lease_ttl`, so other replicas' [`RunStore::claim_runs`] leave it alone while
+    /// `owner` renews the lease.
+    #[must_use]
+    pub fn with_owner(mut self, owner: impl Into<String>, lease_ttl: Duration) -> Self {
+        self.creator = Some((owner.into(), lease_ttl));
+        self
+    }
+
     fn append(inner: &mut Inner, run_id: &str, events: &Events) -> Committed {
         let log = inner.run_events.entry(run_id.to_owned()).or_default();
         log.extend(events.run.iter().cloned());
@@ -223,6 +264,12 @@ impl RunStore for MemoryStore {
                 .entry(run.tenant.clone())
                 .or_default()
                 .insert(run.run_id.clone(), ());
+            if let Some((owner, ttl)) = &self.creator {
+                inner.leases.insert(
+                    run.run_id.clone(),
+                    (owner.clone(), SystemTime::now() + *ttl),
+                );
+            }
             Self::append(&mut inner, &run.run_id, events)
         };
         let _ = self.notify.send(committed);
@@ -347,5 +394,69 @@ impl RunStore for MemoryStore {
             .filter(|r| !is_terminal(r.state))
             .cloned()
             .collect())
+    }
+
+    async fn claim_runs(
+        &self,
+        owner: &str,
+        lease_ttl: Duration,
+        limit: usize,
+    ) -> Result<Vec<v1::Run>, StoreError> {
+        let now = SystemTime::now();
+        let mut inner = self.inner.lock().expect("store lock poisoned");
+        let mut claimable: Vec<v1::Run> = inner
+            .runs
+            .values()
+            .filter(|r| !is_terminal(r.state))
+            .filter(|r| {
+                inner
+                    .leases
+                    .get(&r.run_id)
+                    .is_none_or(|(_, until)| *until <= now)
+            })
+            .cloned()
+            .collect();
+        // UUIDv7 ids sort by creation time.
+        claimable.sort_by(|a, b| a.run_id.cmp(&b.run_id));
+        claimable.truncate(limit);
+        for run in &claimable {
+            inner
+                .leases
+                .insert(run.run_id.clone(), (owner.to_owned(), now + lease_ttl));
+        }
+        Ok(claimable)
+    }
+
+    async fn renew_lease(
+        &self,
+        owner: &str,
+        run_ids: &[String],
+        lease_ttl: Duration,
+    ) -> Result<Vec<String>, StoreError> {
+        let until = SystemTime::now() + lease_ttl;
+        let mut inner = self.inner.lock().expect("store lock poisoned");
+        Ok(run_ids
+            .iter()
+            .filter(|id| match inner.leases.get_mut(*id) {
+                Some((held_by, lease)) if held_by == owner => {
+                    *lease = until;
+                    true
+                }
+                _ => false,
+            })
+            .cloned()
+            .collect())
+    }
+
+    async fn release(&self, owner: &str, run_id: &str) -> Result<bool, StoreError> {
+        let mut inner = self.inner.lock().expect("store lock poisoned");
+        let held = inner
+            .leases
+            .get(run_id)
+            .is_some_and(|(held_by, _)| held_by == owner);
+        if held {
+            inner.leases.remove(run_id);
+        }
+        Ok(held)
     }
 }

@@ -42,6 +42,8 @@ use convene_proto::v1;
 use serde_json::Value;
 use tokio_util::sync::CancellationToken;
 use tonic::Code;
+use tracing::Instrument as _;
+use tracing::field::Empty;
 
 use crate::profiles::Profile;
 use crate::provider::{
@@ -396,24 +398,84 @@ impl Agent {
         LoopEnd::IterationLimit
     }
 
-    /// A model call, retried with backoff while the error is transient.
+    /// A model call, retried with backoff while the error is transient; one
+    /// `model.call` span with the OpenTelemetry GenAI attributes (`gen_ai.*`), retries
+    /// included.
     async fn complete(
         &self,
         request: &ModelRequest,
     ) -> Result<crate::provider::ModelResponse, ProviderError> {
+        let provider = self.provider.name();
+        // A provider without models (the playbook) is its own model.
+        let model = if request.model.is_empty() {
+            provider
+        } else {
+            request.model.as_str()
+        };
+        let span = tracing::info_span!(
+            "model.call",
+            convene.service = "worker",
+            gen_ai.operation.name = "chat",
+            gen_ai.system = %provider,
+            gen_ai.provider.name = %provider,
+            gen_ai.request.model = %model,
+            gen_ai.request.max_tokens = request.max_tokens,
+            gen_ai.request.temperature = request.temperature,
+            gen_ai.usage.input_tokens = Empty,
+            gen_ai.usage.output_tokens = Empty,
+            gen_ai.response.finish_reasons = Empty,
+            convene.model.tool_calls = Empty,
+            convene.model.retries = Empty,
+            error.type = Empty,
+        );
         let mut pause = PROVIDER_BACKOFF;
         let mut tries = 0;
-        loop {
-            match self.provider.complete(request).await {
-                Err(e) if e.retryable && tries < PROVIDER_RETRIES => {
-                    tries += 1;
-                    tracing::warn!(provider = %e.provider, error = %e.message, tries, "model call failed, retrying");
-                    tokio::time::sleep(pause).await;
-                    pause *= 2;
+        let outcome = async {
+            loop {
+                match self.provider.complete(request).await {
+                    Err(e) if e.retryable && tries < PROVIDER_RETRIES => {
+                        tries += 1;
+                        tracing::warn!(provider = %e.provider, error = %e.message, tries, "model call failed, retrying");
+                        tokio::time::sleep(pause).await;
+                        pause *= 2;
+                    }
+                    other => return other,
                 }
-                other => return other,
             }
         }
+        .instrument(span.clone())
+        .await;
+        span.record("convene.model.retries", tries);
+        match &outcome {
+            Ok(response) => {
+                span.record("gen_ai.usage.input_tokens", response.usage.input);
+                span.record("gen_ai.usage.output_tokens", response.usage.output);
+                span.record(
+                    "gen_ai.response.finish_reasons",
+                    match response.finish {
+                        FinishReason::ToolCalls => "tool_calls",
+                        FinishReason::Stop => "stop",
+                        FinishReason::Length => "length",
+                    },
+                );
+                span.record(
+                    "convene.model.tool_calls",
+                    response.message.tool_calls.len(),
+                );
+            }
+            Err(e) => {
+                span.record(
+                    "error.type",
+                    if e.retryable {
+                        "provider_unavailable"
+                    } else {
+                        "provider_error"
+                    },
+                );
+                convene_telemetry::set_error(&span, e.message.clone());
+            }
+        }
+        outcome
     }
 
     /// The `exit_process_after_tools` fault: the process dies, or (hosted in-process)
@@ -433,12 +495,46 @@ impl Agent {
         std::future::pending::<()>().await;
     }
 
-    /// One tool call, recorded in `progress`; `Err` only for mesh failures.
+    /// One tool call, recorded in `progress` and as a `tool.call` span (tool and
+    /// version, argument fingerprint, authorization decision, error code; failed unless
+    /// the call succeeded); `Err` only for mesh failures.
     async fn call_tool(
         &self,
         ctx: &TaskContext<'_>,
         call: &ToolCall,
         progress: &Mutex<Progress>,
+    ) -> Result<ToolOutcome, Infra> {
+        let (tool_name, tool_version) = call.name.split_once('@').unwrap_or((&call.name, ""));
+        let span = tracing::info_span!(
+            "tool.call",
+            convene.service = "worker",
+            gen_ai.operation.name = "execute_tool",
+            gen_ai.tool.name = %call.name,
+            gen_ai.tool.call.id = %call.id,
+            convene.delegation.id = %ctx.task.delegation_id,
+            convene.tool = %call.name,
+            convene.tool.name = %tool_name,
+            convene.tool.version = %tool_version,
+            convene.tool.args_fingerprint = %content_hash(
+                crate::tools::canonical_json(&call.arguments).as_bytes()
+            ),
+            convene.authz.decision = Empty,
+            convene.authz.reason = Empty,
+            convene.authz.decision_id = Empty,
+            convene.evidence.id = Empty,
+            error.type = Empty,
+        );
+        self.call_tool_inner(ctx, call, progress, &span)
+            .instrument(span.clone())
+            .await
+    }
+
+    async fn call_tool_inner(
+        &self,
+        ctx: &TaskContext<'_>,
+        call: &ToolCall,
+        progress: &Mutex<Progress>,
+        span: &tracing::Span,
     ) -> Result<ToolOutcome, Infra> {
         let index = {
             let mut p = lock(progress);
@@ -450,18 +546,29 @@ impl Agent {
         };
         let (state, outcome) = match self.try_call(ctx, call, progress).await {
             Ok((evidence, output)) => {
+                span.record("convene.evidence.id", evidence.evidence_id.as_str());
                 let outcome = ToolOutcome::success(evidence.evidence_id.clone(), output);
                 (CallState::Succeeded(Box::new(evidence)), outcome)
             }
-            Err(CallError::Denied(reason)) => (
-                CallState::Denied(reason.clone()),
-                ToolOutcome::failure(reason),
-            ),
-            Err(CallError::Failed(reason)) => (
-                CallState::Failed(reason.clone()),
-                ToolOutcome::failure(reason),
-            ),
+            Err(CallError::Denied(reason)) => {
+                span.record("error.type", "permission_denied");
+                convene_telemetry::set_error(span, reason.clone());
+                (
+                    CallState::Denied(reason.clone()),
+                    ToolOutcome::failure(reason),
+                )
+            }
+            Err(CallError::Failed(reason)) => {
+                span.record("error.type", "tool_failed");
+                convene_telemetry::set_error(span, reason.clone());
+                (
+                    CallState::Failed(reason.clone()),
+                    ToolOutcome::failure(reason),
+                )
+            }
             Err(CallError::Infra(infra)) => {
+                span.record("error.type", infra.code);
+                convene_telemetry::set_error(span, infra.message.clone());
                 lock(progress).calls[index].state = CallState::Failed(infra.message.clone());
                 return Err(infra);
             }
@@ -502,6 +609,9 @@ impl Agent {
             ))
         })?;
         if !ctx.callable.contains(&call.name) {
+            let span = tracing::Span::current();
+            span.record("convene.authz.decision", "deny");
+            span.record("convene.authz.reason", "TOOL_NOT_GRANTED_TO_TASK");
             return Err(CallError::Denied(format!(
                 "tool {} is not granted to this task (callable: {}); the task token, the \
                  task's allowed tools and the profile must all include it",
@@ -533,9 +643,21 @@ impl Agent {
             .await
             .map_err(|s| CallError::Infra(Infra::from_status("policy service", &s)))?
             .into_inner();
+        let reason =
+            v1::AuthorizeReason::try_from(decision.reason).map_or("UNKNOWN", |r| r.as_str_name());
+        {
+            let span = tracing::Span::current();
+            span.record(
+                "convene.authz.decision",
+                if decision.allowed { "allow" } else { "deny" },
+            );
+            span.record(
+                "convene.authz.reason",
+                reason.trim_start_matches("AUTHORIZE_REASON_"),
+            );
+            span.record("convene.authz.decision_id", decision.decision_id.as_str());
+        }
         if !decision.allowed {
-            let reason = v1::AuthorizeReason::try_from(decision.reason)
-                .map_or("UNKNOWN", |r| r.as_str_name());
             return Err(CallError::Denied(format!(
                 "denied by policy ({reason}): {}",
                 decision.detail
@@ -571,7 +693,8 @@ impl Agent {
                 v1::EvidenceQuality::Passed
             } as i32,
             tool_call_id: tool_call_id.clone(),
-            trace_id: String::new(),
+            // The run's trace, so a record leads back to the tool call that made it.
+            trace_id: convene_telemetry::current_trace_id().unwrap_or_default(),
             delegation_id: String::new(),
             tenant: String::new(),
         };

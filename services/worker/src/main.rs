@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Parser;
-use convene_server::cli::{ServiceArgs, init_logging};
+use convene_server::cli::ServiceArgs;
 use convene_server::{Shutdown, dump};
 use convene_worker::Config;
 use convene_worker::config::{DEFAULT_DATA_DIR, DEFAULT_TOOLS_DATA_DIR};
@@ -133,7 +133,7 @@ async fn main() -> ExitCode {
             }
         };
     }
-    init_logging(cli.common.log_format);
+    let telemetry = convene_telemetry::init("convene-worker", &cli.common.telemetry());
     if cli.common.config.is_none() {
         tracing::info!(
             "no --config given: using the development settings of the payment-incident \
@@ -161,7 +161,9 @@ async fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match convene_worker::run(config, shutdown).await {
+    let served = convene_worker::run(config, shutdown).await;
+    telemetry.shutdown().await;
+    match served {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             tracing::error!(error = %e, "worker stopped");

@@ -25,6 +25,7 @@ use convene_server::{ErrorCode, GrpcServer, ServiceError, into_status, invalid_f
 use futures::FutureExt as _;
 use futures::future::{BoxFuture, Shared};
 use tonic::{Request, Response, Status};
+use tracing::Instrument as _;
 
 use crate::agent::{Agent, Assignment, CancelSignal};
 use crate::profiles::Profile;
@@ -33,6 +34,27 @@ use crate::tools::ToolRegistry;
 
 /// Finished results kept for repeated Execute calls.
 pub const RESULT_CACHE: usize = 1024;
+
+/// Records a delegation's result on its `worker.execute` span; a result that is not
+/// COMPLETED or PARTIAL marks the span failed with the result's error code.
+fn record_result(span: &tracing::Span, result: &v1::TaskResult) {
+    if span.is_disabled() {
+        return;
+    }
+    let status = v1::TaskStatus::try_from(result.status).unwrap_or_default();
+    span.record(
+        "convene.task.status",
+        status.as_str_name().trim_start_matches("TASK_STATUS_"),
+    );
+    span.record("convene.task.claims", result.claims.len());
+    span.record("convene.task.evidence", result.evidence.len());
+    if !matches!(status, v1::TaskStatus::Completed | v1::TaskStatus::Partial) {
+        if let Some(e) = &result.error {
+            span.record("error.type", e.code.as_str());
+        }
+        convene_telemetry::set_error(span, result.summary.clone());
+    }
+}
 
 /// Why the service cannot be built.
 #[derive(Debug, thiserror::Error)]
@@ -315,24 +337,48 @@ impl WorkerService {
             });
         }
         let cancel = Arc::new(CancelSignal::default());
+        // A child of the caller's span (the Execute call's server span, or in one
+        // process the supervisor's delegation span), so the delegation's tool calls sit
+        // under it in the run's trace.
+        let span = tracing::info_span!(
+            "worker.execute",
+            convene.service = "worker",
+            convene.worker.id = %self.inner.worker_id,
+            convene.run.id = %assignment.task.run_id,
+            convene.delegation.id = %id,
+            convene.delegation.profile = %assignment.task.profile_id,
+            convene.delegation.depth = assignment.task.depth,
+            convene.attempt = attempt,
+            convene.task.status = tracing::field::Empty,
+            convene.task.claims = tracing::field::Empty,
+            convene.task.evidence = tracing::field::Empty,
+            error.type = tracing::field::Empty,
+        );
         let handle = {
             let agent = agent.clone();
             let cancel = cancel.clone();
             let service = self.clone();
             let id = id.clone();
-            tokio::spawn(async move {
-                tracing::info!(delegation_id = %id, profile = %agent.profile.profile.id, attempt, "delegation started");
-                let result = agent.run(&assignment, &cancel).await;
-                tracing::info!(
-                    delegation_id = %id,
-                    status = v1::TaskStatus::try_from(result.status).map_or("UNKNOWN", |s| s.as_str_name()),
-                    claims = result.claims.len(),
-                    evidence = result.evidence.len(),
-                    "delegation finished"
-                );
-                service.finish(&id, attempt, &result);
-                result
-            })
+            let traced = span.clone();
+            tokio::spawn(
+                async move {
+                    tracing::info!(delegation_id = %id, profile = %agent.profile.profile.id, attempt, "delegation started");
+                    let result = agent.run(&assignment, &cancel).await;
+                    let status = v1::TaskStatus::try_from(result.status)
+                        .map_or("UNKNOWN", |s| s.as_str_name());
+                    tracing::info!(
+                        delegation_id = %id,
+                        status,
+                        claims = result.claims.len(),
+                        evidence = result.evidence.len(),
+                        "delegation finished"
+                    );
+                    record_result(&traced, &result);
+                    service.finish(&id, attempt, &result);
+                    result
+                }
+                .instrument(span),
+            )
         };
         let task_id = id.clone();
         let this = self.clone();

@@ -1,0 +1,516 @@
+//! [`Database`]: a connection pool to SQLite or PostgreSQL, chosen by URL, migrated to
+//! convene's schema when it is opened.
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::str::FromStr as _;
+use std::sync::Arc;
+use std::time::Duration;
+
+use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
+use sqlx::sqlite::{
+    SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
+};
+use sqlx::{Postgres, Sqlite, Transaction};
+use tokio::sync::{Mutex, OwnedMutexGuard};
+
+use crate::Error;
+use crate::statement::{Row, Statement};
+
+/// The value of `database_url` that keeps a service's state in memory.
+pub const MEMORY: &str = "memory";
+
+/// File name of the SQLite database in a data directory.
+pub const SQLITE_FILE: &str = "convene.db";
+
+/// How long a SQLite connection waits for another process's write to finish before it
+/// gives up. Writers in one process queue on a lock of their own first, so this only
+/// covers processes sharing a file (the end-to-end harness, `convene serve` side by
+/// side), whose transactions are short.
+const SQLITE_BUSY_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Connections per pool. SQLite serializes writers anyway (readers run beside them in
+/// WAL mode); PostgreSQL gets enough for concurrent commits of many runs.
+const SQLITE_CONNECTIONS: u32 = 8;
+const POSTGRES_CONNECTIONS: u32 = 16;
+
+/// How long opening a pool may wait for its first connection.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Which database a [`Database`] talks to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Backend {
+    /// An embedded SQLite file (the default).
+    Sqlite,
+    /// A PostgreSQL server (clusters).
+    Postgres,
+}
+
+impl fmt::Display for Backend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Backend::Sqlite => "SQLite",
+            Backend::Postgres => "PostgreSQL",
+        })
+    }
+}
+
+#[derive(Clone)]
+enum Pool {
+    Sqlite(SqlitePool),
+    Postgres(PgPool),
+}
+
+/// A pool of connections to one database, shared by every store of a process.
+/// Cloning is cheap: clones share the pool.
+#[derive(Clone)]
+pub struct Database {
+    pool: Pool,
+    /// Writers of this process take turns here before `BEGIN IMMEDIATE`, so SQLite's
+    /// single write lock is handed over in order instead of through its busy-wait
+    /// back-off (which sleeps up to 100 ms per try under contention).
+    writer: Arc<Mutex<()>>,
+    /// Where, for logs and errors (password hidden).
+    shown: Arc<str>,
+}
+
+impl fmt::Debug for Database {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Database")
+            .field("backend", &self.backend())
+            .field("url", &self.shown)
+            .finish()
+    }
+}
+
+/// Where a service keeps its state, as `database_url` and `data_dir` say.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Location {
+    /// In memory, lost at exit (`database_url = "memory"`).
+    Memory,
+    /// In the database at this URL (or SQLite file path).
+    Url(String),
+}
+
+impl Location {
+    /// Resolves a configured `database_url`: unset means the SQLite file
+    /// `<data_dir>/convene.db`, [`MEMORY`] means in memory, anything else is a URL.
+    pub fn resolve(database_url: Option<&str>, data_dir: &Path) -> Self {
+        match database_url.map(str::trim) {
+            None | Some("") => Location::Url(sqlite_url(&data_dir.join(SQLITE_FILE))),
+            Some(url) if url.eq_ignore_ascii_case(MEMORY) => Location::Memory,
+            Some(url) => Location::Url(url.to_owned()),
+        }
+    }
+}
+
+/// The URL of the SQLite file at `path` (created when missing).
+pub fn sqlite_url(path: &Path) -> String {
+    format!("sqlite://{}?mode=rwc", path.display())
+}
+
+/// Opens the database a service's configuration names: `None` for [`MEMORY`], else the
+/// migrated [`Database`] (by default the SQLite file `<data_dir>/convene.db`).
+///
+/// # Errors
+///
+/// As [`Database::connect`].
+pub async fn open(database_url: Option<&str>, data_dir: &Path) -> Result<Option<Database>, Error> {
+    match Location::resolve(database_url, data_dir) {
+        Location::Memory => Ok(None),
+        Location::Url(url) => Database::connect(&url).await.map(Some),
+    }
+}
+
+/// The URL with its password replaced by `****`, for logs and errors.
+pub fn redact(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_owned();
+    };
+    let authority_end = rest.find('/').unwrap_or(rest.len());
+    let (authority, path) = rest.split_at(authority_end);
+    match authority.rsplit_once('@') {
+        Some((userinfo, host)) if userinfo.contains(':') => {
+            let user = userinfo.split(':').next().unwrap_or_default();
+            format!("{scheme}://{user}:****@{host}{path}")
+        }
+        _ => url.to_owned(),
+    }
+}
+
+impl Database {
+    /// Connects to the database at `url` and brings its schema up to date.
+    ///
+    /// - `postgres://` or `postgresql://` URLs name a PostgreSQL database;
+    /// - `sqlite://<path>` or `sqlite:<path>` (with `?mode=rwc` to create it; without a
+    ///   `mode` it is created too) or a plain file path name a SQLite file, opened in WAL
+    ///   mode with `synchronous = FULL`, a busy timeout and foreign keys on.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::BadUrl`] for a URL that names neither, [`Error::CreateDir`] when a SQLite
+    /// file's directory cannot be created, [`Error::Unreachable`] when no connection can
+    /// be made, [`Error::Migration`] when the schema cannot be migrated.
+    pub async fn connect(url: &str) -> Result<Self, Error> {
+        let url = url.trim();
+        let shown = redact(url);
+        let bad = |reason: String| Error::BadUrl {
+            url: shown.clone(),
+            reason,
+        };
+        let lower = url.to_ascii_lowercase();
+        let db = if lower.starts_with("postgres://") || lower.starts_with("postgresql://") {
+            let options = PgConnectOptions::from_str(url).map_err(|e| bad(e.to_string()))?;
+            let pool = PgPoolOptions::new()
+                .max_connections(POSTGRES_CONNECTIONS)
+                .acquire_timeout(CONNECT_TIMEOUT)
+                .connect_with(options)
+                .await
+                .map_err(|source| Error::Unreachable {
+                    backend: Backend::Postgres,
+                    url: shown.clone(),
+                    source,
+                })?;
+            Self::new(Pool::Postgres(pool), &shown)
+        } else {
+            let options = sqlite_options(url).map_err(bad)?;
+            let file = options.get_filename().to_owned();
+            if let Some(dir) = file.parent().filter(|d| !d.as_os_str().is_empty()) {
+                std::fs::create_dir_all(dir).map_err(|source| Error::CreateDir {
+                    path: dir.to_owned(),
+                    source,
+                })?;
+            }
+            let pool = SqlitePoolOptions::new()
+                .max_connections(SQLITE_CONNECTIONS)
+                .acquire_timeout(CONNECT_TIMEOUT)
+                .connect_with(options)
+                .await
+                .map_err(|source| Error::Unreachable {
+                    backend: Backend::Sqlite,
+                    url: shown.clone(),
+                    source,
+                })?;
+            Self::new(Pool::Sqlite(pool), &shown)
+        };
+        db.migrate().await?;
+        tracing::debug!(backend = %db.backend(), url = %db.shown, "database open and migrated");
+        Ok(db)
+    }
+
+    fn new(pool: Pool, shown: &str) -> Self {
+        Self {
+            pool,
+            writer: Arc::new(Mutex::new(())),
+            shown: shown.into(),
+        }
+    }
+
+    /// Applies the embedded migrations of this back end that are not applied yet.
+    async fn migrate(&self) -> Result<(), Error> {
+        // Processes sharing a SQLite file may migrate at the same moment: the loser of
+        // that race fails on a table that exists by then, and a second pass finds every
+        // migration applied. PostgreSQL migrations hold an advisory lock instead.
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            let outcome = match &self.pool {
+                Pool::Sqlite(pool) => {
+                    let _writer = self.writer.lock().await;
+                    sqlx::migrate!("./migrations/sqlite").run(pool).await
+                }
+                Pool::Postgres(pool) => sqlx::migrate!("./migrations/postgres").run(pool).await,
+            };
+            match outcome {
+                Ok(()) => return Ok(()),
+                Err(e) if attempt < 3 && self.backend() == Backend::Sqlite => {
+                    tracing::debug!(error = %e, attempt, "migration raced another process; retrying");
+                    tokio::time::sleep(Duration::from_millis(50 * attempt)).await;
+                }
+                Err(source) => {
+                    return Err(Error::Migration {
+                        backend: self.backend(),
+                        url: self.shown.to_string(),
+                        source,
+                    });
+                }
+            }
+        }
+    }
+
+    /// Which back end this is.
+    pub fn backend(&self) -> Backend {
+        match self.pool {
+            Pool::Sqlite(_) => Backend::Sqlite,
+            Pool::Postgres(_) => Backend::Postgres,
+        }
+    }
+
+    /// Where the database is, with any password hidden.
+    pub fn url(&self) -> &str {
+        &self.shown
+    }
+
+    /// Starts a write transaction. On SQLite it waits for this process's other writers,
+    /// then takes the database's write lock at once (`BEGIN IMMEDIATE`), so a transaction
+    /// that reads before it writes can never fail to upgrade its lock half-way. Dropping
+    /// the transaction without [`Tx::commit`] rolls it back.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Query`] when no connection is available or `BEGIN` fails.
+    pub async fn begin(&self) -> Result<Tx, Error> {
+        match &self.pool {
+            Pool::Sqlite(pool) => {
+                let guard = self.writer.clone().lock_owned().await;
+                let tx = pool.begin_with("BEGIN IMMEDIATE").await?;
+                Ok(Tx {
+                    inner: TxInner::Sqlite(tx),
+                    _writer: Some(guard),
+                })
+            }
+            Pool::Postgres(pool) => Ok(Tx {
+                inner: TxInner::Postgres(pool.begin().await?),
+                _writer: None,
+            }),
+        }
+    }
+
+    /// Runs one writing statement in a transaction of its own; returns the rows it
+    /// changed.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Query`] when the statement fails (nothing is changed then).
+    pub async fn execute(&self, statement: Statement) -> Result<u64, Error> {
+        let mut tx = self.begin().await?;
+        let n = tx.execute(statement).await?;
+        tx.commit().await?;
+        Ok(n)
+    }
+
+    /// Runs one writing statement with a `RETURNING` clause in a transaction of its
+    /// own; returns its row, if any.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Query`] when the statement fails (nothing is changed then).
+    pub async fn write_returning(&self, statement: Statement) -> Result<Option<Row>, Error> {
+        let mut tx = self.begin().await?;
+        let row = tx.fetch_optional(statement).await?;
+        tx.commit().await?;
+        Ok(row)
+    }
+
+    /// Runs a reading statement; returns its first row, if any. Writes go through
+    /// [`execute`](Self::execute) or [`begin`](Self::begin), which order writers.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Query`] when the statement fails.
+    pub async fn fetch_optional(&self, statement: Statement) -> Result<Option<Row>, Error> {
+        Ok(match &self.pool {
+            Pool::Sqlite(pool) => statement
+                .sqlite()
+                .fetch_optional(pool)
+                .await?
+                .map(Row::Sqlite),
+            Pool::Postgres(pool) => statement
+                .postgres()
+                .fetch_optional(pool)
+                .await?
+                .map(Row::Postgres),
+        })
+    }
+
+    /// Runs a reading statement; returns every row.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Query`] when the statement fails.
+    pub async fn fetch_all(&self, statement: Statement) -> Result<Vec<Row>, Error> {
+        Ok(match &self.pool {
+            Pool::Sqlite(pool) => statement
+                .sqlite()
+                .fetch_all(pool)
+                .await?
+                .into_iter()
+                .map(Row::Sqlite)
+                .collect(),
+            Pool::Postgres(pool) => statement
+                .postgres()
+                .fetch_all(pool)
+                .await?
+                .into_iter()
+                .map(Row::Postgres)
+                .collect(),
+        })
+    }
+
+    /// Closes every connection; later calls fail. Waits for connections in use to come
+    /// back first.
+    pub async fn close(&self) {
+        match &self.pool {
+            Pool::Sqlite(pool) => pool.close().await,
+            Pool::Postgres(pool) => pool.close().await,
+        }
+    }
+}
+
+/// The options of a SQLite URL or path, with convene's settings.
+fn sqlite_options(url: &str) -> Result<SqliteConnectOptions, String> {
+    let lower = url.to_ascii_lowercase();
+    let options = if lower.starts_with("sqlite:") {
+        let explicit_mode = url.contains("mode=");
+        let options = SqliteConnectOptions::from_str(url).map_err(|e| e.to_string())?;
+        // Creating the file is what every convene service wants unless the URL says
+        // otherwise (`mode=ro` / `mode=rw`).
+        if explicit_mode {
+            options
+        } else {
+            options.create_if_missing(true)
+        }
+    } else if url.contains("://") {
+        let scheme = url.split("://").next().unwrap_or_default();
+        return Err(format!(
+            "scheme {scheme}:// is not supported (only sqlite:// and postgres://)"
+        ));
+    } else if url.is_empty() {
+        return Err("it is empty".to_owned());
+    } else {
+        SqliteConnectOptions::new()
+            .filename(PathBuf::from(url))
+            .create_if_missing(true)
+    };
+    if options.get_filename().as_os_str().is_empty() {
+        return Err("it names no file".to_owned());
+    }
+    Ok(options
+        .journal_mode(SqliteJournalMode::Wal)
+        // FULL, not NORMAL: in WAL mode NORMAL survives a crash of the process but may
+        // lose the last commits on power loss or an operating-system crash. convene
+        // answers callers only after their state is committed (a counted call, a logged
+        // decision, an executed approval, an accepted run) and promises exactly-once
+        // effects on top of it, so a commit must be on disk when it returns. The price is
+        // one WAL fsync per write transaction, which batching writers share.
+        .synchronous(SqliteSynchronous::Full)
+        .busy_timeout(SQLITE_BUSY_TIMEOUT)
+        .foreign_keys(true))
+}
+
+enum TxInner {
+    Sqlite(Transaction<'static, Sqlite>),
+    Postgres(Transaction<'static, Postgres>),
+}
+
+/// A write transaction on either back end (see [`Database::begin`]).
+pub struct Tx {
+    inner: TxInner,
+    /// Held until the transaction ends (SQLite only).
+    _writer: Option<OwnedMutexGuard<()>>,
+}
+
+impl fmt::Debug for Tx {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Tx")
+            .field("backend", &self.backend())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Tx {
+    /// Which back end the transaction runs on.
+    pub fn backend(&self) -> Backend {
+        match self.inner {
+            TxInner::Sqlite(_) => Backend::Sqlite,
+            TxInner::Postgres(_) => Backend::Postgres,
+        }
+    }
+
+    /// Runs a statement; returns the rows it changed.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Query`] when it fails. PostgreSQL then refuses every further statement
+    /// of the transaction: roll back (drop it) and start over.
+    pub async fn execute(&mut self, statement: Statement) -> Result<u64, Error> {
+        Ok(match &mut self.inner {
+            TxInner::Sqlite(tx) => statement.sqlite().execute(&mut **tx).await?.rows_affected(),
+            TxInner::Postgres(tx) => statement
+                .postgres()
+                .execute(&mut **tx)
+                .await?
+                .rows_affected(),
+        })
+    }
+
+    /// Runs a statement; returns its first row, if any.
+    ///
+    /// # Errors
+    ///
+    /// As [`execute`](Self::execute).
+    pub async fn fetch_optional(&mut self, statement: Statement) -> Result<Option<Row>, Error> {
+        Ok(match &mut self.inner {
+            TxInner::Sqlite(tx) => statement
+                .sqlite()
+                .fetch_optional(&mut **tx)
+                .await?
+                .map(Row::Sqlite),
+            TxInner::Postgres(tx) => statement
+                .postgres()
+                .fetch_optional(&mut **tx)
+                .await?
+                .map(Row::Postgres),
+        })
+    }
+
+    /// Runs a statement; returns every row.
+    ///
+    /// # Errors
+    ///
+    /// As [`execute`](Self::execute).
+    pub async fn fetch_all(&mut self, statement: Statement) -> Result<Vec<Row>, Error> {
+        Ok(match &mut self.inner {
+            TxInner::Sqlite(tx) => statement
+                .sqlite()
+                .fetch_all(&mut **tx)
+                .await?
+                .into_iter()
+                .map(Row::Sqlite)
+                .collect(),
+            TxInner::Postgres(tx) => statement
+                .postgres()
+                .fetch_all(&mut **tx)
+                .await?
+                .into_iter()
+                .map(Row::Postgres)
+                .collect(),
+        })
+    }
+
+    /// Commits. The changes are durable when this returns.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Query`] when the commit fails; nothing was changed then.
+    pub async fn commit(self) -> Result<(), Error> {
+        match self.inner {
+            TxInner::Sqlite(tx) => tx.commit().await?,
+            TxInner::Postgres(tx) => tx.commit().await?,
+        }
+        Ok(())
+    }
+
+    /// Rolls back now (dropping the transaction does too, a moment later).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Query`] when the rollback fails.
+    pub async fn rollback(self) -> Result<(), Error> {
+        match self.inner {
+            TxInner::Sqlite(tx) => tx.rollback().await?,
+            TxInner::Postgres(tx) => tx.rollback().await?,
+        }
+        Ok(())
+    }
+}

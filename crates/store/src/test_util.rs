@@ -1,0 +1,210 @@
+//! Databases for tests: a fresh SQLite file always, and a fresh PostgreSQL database when
+//! [`POSTGRES_ENV`] names a server.
+//!
+//! ```no_run
+//! # async fn example() {
+//! for t in convene_store::test_util::test_databases().await {
+//!     // ... exercise a store over `t.db`; failures name `t.label` ...
+//! }
+//! # }
+//! ```
+
+use std::fmt;
+
+use sqlx::{Connection as _, Executor as _, PgConnection};
+use tempfile::TempDir;
+
+use crate::{Database, Error, redact};
+
+/// The variable naming a PostgreSQL server for tests, e.g.
+/// `postgres://postgres@127.0.0.1:5432/postgres`. Each test database is created on it as
+/// `convene_test_<uuid>` and dropped afterwards; the URL's own database is only used to
+/// run `CREATE DATABASE` and `DROP DATABASE`.
+pub const POSTGRES_ENV: &str = "CONVENE_TEST_POSTGRES_URL";
+
+/// A fresh, migrated database for one test, removed when dropped.
+pub struct TestDatabase {
+    /// The database.
+    pub db: Database,
+    /// `sqlite` or `postgres`, for assertion messages.
+    pub label: &'static str,
+    // Dropped after `db`, so the pool closes before its file or database goes.
+    _guard: Guard,
+}
+
+impl fmt::Debug for TestDatabase {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TestDatabase")
+            .field("label", &self.label)
+            .field("db", &self.db)
+            .finish()
+    }
+}
+
+enum Guard {
+    Dir(#[allow(dead_code)] TempDir),
+    Postgres(#[allow(dead_code)] TestPostgres),
+}
+
+/// A fresh SQLite database in a temporary directory.
+///
+/// # Panics
+///
+/// When the directory or database cannot be created.
+pub async fn sqlite() -> TestDatabase {
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let db = Database::connect(&crate::sqlite_url(&dir.path().join(crate::SQLITE_FILE)))
+        .await
+        .expect("a fresh SQLite database opens");
+    TestDatabase {
+        db,
+        label: "sqlite",
+        _guard: Guard::Dir(dir),
+    }
+}
+
+/// A fresh SQLite database, and a fresh PostgreSQL database when [`POSTGRES_ENV`] is
+/// set.
+///
+/// # Panics
+///
+/// When a database cannot be created, including a PostgreSQL server that the variable
+/// names but that does not answer: a test run that asked for PostgreSQL must not pass
+/// quietly without it.
+pub async fn test_databases() -> Vec<TestDatabase> {
+    let mut all = vec![sqlite().await];
+    if let Some(admin) = postgres_server() {
+        let server = TestPostgres::create(&admin).await.unwrap_or_else(|e| {
+            panic!(
+                "{POSTGRES_ENV}={} but no test database can be created there: {e}",
+                redact(&admin)
+            )
+        });
+        let db = Database::connect(server.url())
+            .await
+            .expect("the fresh PostgreSQL database opens");
+        all.push(TestDatabase {
+            db,
+            label: "postgres",
+            _guard: Guard::Postgres(server),
+        });
+    }
+    all
+}
+
+/// The PostgreSQL server tests should use, if [`POSTGRES_ENV`] names one.
+pub fn postgres_server() -> Option<String> {
+    std::env::var(POSTGRES_ENV)
+        .ok()
+        .filter(|v| !v.trim().is_empty())
+}
+
+/// A database created for a test on a PostgreSQL server, dropped (with its
+/// connections) when this value is dropped.
+pub struct TestPostgres {
+    admin_url: String,
+    name: String,
+    url: String,
+}
+
+impl fmt::Debug for TestPostgres {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TestPostgres")
+            .field("url", &redact(&self.url))
+            .finish()
+    }
+}
+
+impl TestPostgres {
+    /// Creates `convene_test_<uuid>` on the server `admin_url` connects to.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Unreachable`] or [`Error::Query`] when the server cannot be reached or
+    /// refuses to create the database.
+    pub async fn create(admin_url: &str) -> Result<Self, Error> {
+        let name = format!("convene_test_{}", uuid::Uuid::new_v4().simple());
+        let mut admin =
+            PgConnection::connect(admin_url)
+                .await
+                .map_err(|source| Error::Unreachable {
+                    backend: crate::Backend::Postgres,
+                    url: redact(admin_url),
+                    source,
+                })?;
+        // The name is generated above from hex digits only, so it is safe as an
+        // identifier; CREATE DATABASE takes no parameters.
+        admin
+            .execute(sqlx::AssertSqlSafe(format!("CREATE DATABASE \"{name}\"")))
+            .await?;
+        let _ = admin.close().await;
+        Ok(Self {
+            url: with_database(admin_url, &name),
+            admin_url: admin_url.to_owned(),
+            name,
+        })
+    }
+
+    /// The URL of the new database.
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+}
+
+impl Drop for TestPostgres {
+    fn drop(&mut self) {
+        let admin_url = self.admin_url.clone();
+        let statement = format!("DROP DATABASE IF EXISTS \"{}\" WITH (FORCE)", self.name);
+        // Drop may run inside a runtime, which cannot block on a future: a short-lived
+        // thread with a runtime of its own does the cleanup.
+        let cleanup = std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .ok()?;
+            runtime.block_on(async {
+                let mut admin = PgConnection::connect(&admin_url).await.ok()?;
+                admin.execute(sqlx::AssertSqlSafe(statement)).await.ok()?;
+                admin.close().await.ok()
+            })
+        });
+        if !matches!(cleanup.join(), Ok(Some(()))) {
+            eprintln!(
+                "note: test database {} could not be dropped; drop it by hand",
+                self.name
+            );
+        }
+    }
+}
+
+/// `url` with its database (the path) replaced by `name`, keeping any query string.
+pub fn with_database(url: &str, name: &str) -> String {
+    let (base, query) = match url.split_once('?') {
+        Some((b, q)) => (b, Some(q)),
+        None => (url, None),
+    };
+    let (scheme, rest) = base.split_once("://").unwrap_or(("postgres", base));
+    let authority = rest.split('/').next().unwrap_or_default();
+    match query {
+        Some(q) => format!("{scheme}://{authority}/{name}?{q}"),
+        None => format!("{scheme}://{authority}/{name}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn database_names_are_replaced_in_urls() {
+        assert_eq!(
+            with_database("postgres://postgres@127.0.0.1:5432/postgres", "t1"),
+            "postgres://postgres@127.0.0.1:5432/t1"
+        );
+        assert_eq!(
+            with_database("postgresql://u:p@h/db?sslmode=disable", "t2"),
+            "postgresql://u:p@h/t2?sslmode=disable"
+        );
+        assert_eq!(with_database("postgres://h", "t3"), "postgres://h/t3");
+    }
+}

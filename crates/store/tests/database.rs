@@ -1,0 +1,299 @@
+//! The database handle on every back end the environment offers: a SQLite file always,
+//! PostgreSQL when `CONVENE_TEST_POSTGRES_URL` names a server.
+
+use std::path::Path;
+
+use convene_store::test_util::test_databases;
+use convene_store::{Backend, Database, Error, Location, sql};
+
+#[tokio::test]
+async fn values_round_trip_and_nulls_stay_null() {
+    for t in test_databases().await {
+        let db = &t.db;
+        let n = db
+            .execute(
+                sql(
+                    "INSERT INTO runs (run_id, tenant, principal, state, terminal, version, \
+                     created_at, updated_at, owner, lease_until, trace_id, body) \
+                     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)",
+                )
+                .bind("run-1")
+                .bind("acme")
+                .bind("oncall@acme")
+                .bind(2_i32)
+                .bind(true)
+                .bind(7_u64)
+                .bind(-5_i64)
+                .bind(i64::MAX)
+                .bind(None::<String>)
+                .bind(None::<i64>)
+                .bind(String::from("trace"))
+                .bind(vec![0_u8, 255, 7]),
+            )
+            .await
+            .unwrap();
+        assert_eq!(n, 1, "{}", t.label);
+        let row = db
+            .fetch_optional(sql("SELECT * FROM runs WHERE run_id = $1").bind("run-1"))
+            .await
+            .unwrap()
+            .expect("the row is there");
+        assert_eq!(row.get::<String>("tenant").unwrap(), "acme", "{}", t.label);
+        assert_eq!(row.get::<i64>("state").unwrap(), 2, "{}", t.label);
+        assert!(row.get::<bool>("terminal").unwrap(), "{}", t.label);
+        assert_eq!(row.get_u64("version").unwrap(), 7, "{}", t.label);
+        assert_eq!(row.get::<i64>("created_at").unwrap(), -5, "{}", t.label);
+        assert_eq!(
+            row.get::<i64>("updated_at").unwrap(),
+            i64::MAX,
+            "{}",
+            t.label
+        );
+        assert_eq!(
+            row.get::<Option<String>>("owner").unwrap(),
+            None,
+            "{}",
+            t.label
+        );
+        assert_eq!(
+            row.get::<Option<i64>>("lease_until").unwrap(),
+            None,
+            "{}",
+            t.label
+        );
+        assert_eq!(
+            row.get::<Vec<u8>>("body").unwrap(),
+            [0, 255, 7],
+            "{}",
+            t.label
+        );
+        // A negative value is not an unsigned one.
+        let err = row.get_u64("created_at").unwrap_err();
+        assert!(err.to_string().contains("created_at"), "{}: {err}", t.label);
+        // A missing column is named.
+        assert!(row.get::<i64>("nope").is_err(), "{}", t.label);
+    }
+}
+
+#[tokio::test]
+async fn a_dropped_transaction_leaves_nothing_and_a_committed_one_everything() {
+    for t in test_databases().await {
+        let db = &t.db;
+        let insert = |id: &'static str| {
+            sql(
+                "INSERT INTO revocations (kind, target_id, reason, revoked_at) \
+                 VALUES ('token', $1, 'r', 0)",
+            )
+            .bind(id)
+        };
+        {
+            let mut tx = db.begin().await.unwrap();
+            tx.execute(insert("dropped")).await.unwrap();
+            // Dropped without commit.
+        }
+        let mut tx = db.begin().await.unwrap();
+        assert_eq!(tx.backend(), db.backend());
+        tx.execute(insert("kept")).await.unwrap();
+        tx.commit().await.unwrap();
+        let mut tx = db.begin().await.unwrap();
+        tx.execute(insert("rolled-back")).await.unwrap();
+        tx.rollback().await.unwrap();
+
+        let rows = db
+            .fetch_all(sql("SELECT target_id FROM revocations ORDER BY target_id"))
+            .await
+            .unwrap();
+        let ids: Vec<String> = rows.iter().map(|r| r.get("target_id").unwrap()).collect();
+        assert_eq!(ids, ["kept"], "{}", t.label);
+
+        let err = db.execute(insert("kept")).await.unwrap_err();
+        assert!(err.is_unique_violation(), "{}: {err}", t.label);
+        assert!(!err.is_transient(), "{}: {err}", t.label);
+    }
+}
+
+#[tokio::test]
+async fn sqlite_runs_in_wal_mode_with_full_sync_and_foreign_keys() {
+    let t = convene_store::test_util::sqlite().await;
+    let pragma = |name: &'static str| {
+        let db = t.db.clone();
+        async move {
+            let row = db.fetch_optional(sql(name)).await.unwrap().unwrap();
+            match &row {
+                convene_store::Row::Sqlite(_) => {}
+                other => panic!("not SQLite: {other:?}"),
+            }
+            row
+        }
+    };
+    let mode: String = pragma("PRAGMA journal_mode")
+        .await
+        .get("journal_mode")
+        .unwrap();
+    assert_eq!(mode, "wal");
+    let sync: i64 = pragma("PRAGMA synchronous")
+        .await
+        .get("synchronous")
+        .unwrap();
+    assert_eq!(sync, 2, "FULL");
+    let fk: i64 = pragma("PRAGMA foreign_keys")
+        .await
+        .get("foreign_keys")
+        .unwrap();
+    assert_eq!(fk, 1);
+    // Foreign keys hold: an event of a run that does not exist is refused.
+    let err =
+        t.db.execute(
+            sql("INSERT INTO run_events (run_id, sequence, body) VALUES ($1, 1, $2)")
+                .bind("no-such-run")
+                .bind(vec![1_u8]),
+        )
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("FOREIGN KEY"), "{err}");
+}
+
+#[tokio::test]
+async fn reopening_a_database_finds_its_data_and_migrates_nothing_twice() {
+    let dir = tempfile::tempdir().unwrap();
+    // A plain path works like a URL, and missing directories are created.
+    let path = dir.path().join("nested/dir/state.db");
+    let url = path.display().to_string();
+    let db = Database::connect(&url).await.unwrap();
+    assert_eq!(db.backend(), Backend::Sqlite);
+    db.execute(sql(
+        "INSERT INTO issued_tokens (token_id, run_id, tenant, expires_at) \
+             VALUES ('t', 'r', 'acme', 1)",
+    ))
+    .await
+    .unwrap();
+    db.close().await;
+    let again = Database::connect(&format!("sqlite://{}", path.display()))
+        .await
+        .unwrap();
+    let row = again
+        .fetch_optional(sql("SELECT tenant FROM issued_tokens WHERE token_id = 't'"))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(row.get::<String>("tenant").unwrap(), "acme");
+    let applied = again
+        .fetch_all(sql("SELECT version FROM _sqlx_migrations ORDER BY version"))
+        .await
+        .unwrap();
+    let versions: Vec<i64> = applied.iter().map(|r| r.get("version").unwrap()).collect();
+    assert_eq!(versions, [1, 2, 3, 4]);
+}
+
+#[tokio::test]
+async fn two_handles_on_one_file_write_concurrently_like_two_processes() {
+    // Two handles do not share their writer lock, as two processes would not: SQLite's
+    // own lock and the busy timeout have to order them.
+    let dir = tempfile::tempdir().unwrap();
+    let url = convene_store::sqlite_url(&dir.path().join("shared.db"));
+    let (a, b) = tokio::join!(Database::connect(&url), Database::connect(&url));
+    let (a, b) = (a.unwrap(), b.unwrap());
+    let writes = (0..40).map(|i| {
+        let db = if i % 2 == 0 { a.clone() } else { b.clone() };
+        tokio::spawn(async move {
+            db.execute(
+                sql(
+                    "INSERT INTO revocations (kind, target_id, reason, revoked_at) \
+                     VALUES ('run', $1, 'r', 0)",
+                )
+                .bind(format!("run-{i}")),
+            )
+            .await
+        })
+    });
+    for w in join_all(writes).await {
+        assert_eq!(w.unwrap(), 1);
+    }
+    let row = a
+        .fetch_optional(sql("SELECT COUNT(*) AS n FROM revocations"))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(row.get::<i64>("n").unwrap(), 40);
+}
+
+async fn join_all<T>(
+    tasks: impl Iterator<Item = tokio::task::JoinHandle<Result<T, Error>>>,
+) -> Vec<Result<T, Error>> {
+    let mut out = Vec::new();
+    for task in tasks.collect::<Vec<_>>() {
+        out.push(task.await.expect("the task finished"));
+    }
+    out
+}
+
+#[tokio::test]
+async fn urls_that_name_no_database_are_refused_with_what_to_use() {
+    for url in ["mysql://root@localhost/db", "", "sqlite://"] {
+        let err = Database::connect(url).await.unwrap_err();
+        assert!(matches!(err, Error::BadUrl { .. }), "{url:?}: {err}");
+        assert!(err.to_string().contains("postgres://"), "{url:?}: {err}");
+    }
+    let err = Database::connect("postgres://u:secret@127.0.0.1:1/none")
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::Unreachable { .. }), "{err}");
+    assert!(err.is_transient());
+    let text = err.to_string();
+    assert!(text.contains("u:****@127.0.0.1:1"), "{text}");
+    assert!(!text.contains("secret"), "{text}");
+    assert!(text.contains("check that it is running"), "{text}");
+}
+
+#[tokio::test]
+async fn a_sqlite_file_in_an_unwritable_place_names_the_directory() {
+    let dir = tempfile::tempdir().unwrap();
+    let blocker = dir.path().join("file");
+    std::fs::write(&blocker, b"not a directory").unwrap();
+    let err = Database::connect(&blocker.join("sub/convene.db").display().to_string())
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::CreateDir { .. }), "{err}");
+    assert!(err.to_string().contains("sub"), "{err}");
+}
+
+#[test]
+fn locations_resolve_from_the_setting() {
+    let data = Path::new("/var/lib/convene");
+    assert_eq!(
+        Location::resolve(None, data),
+        Location::Url("sqlite:///var/lib/convene/convene.db?mode=rwc".into())
+    );
+    assert_eq!(Location::resolve(Some("memory"), data), Location::Memory);
+    assert_eq!(Location::resolve(Some(" MEMORY "), data), Location::Memory);
+    assert_eq!(
+        Location::resolve(Some("postgres://db/convene"), data),
+        Location::Url("postgres://db/convene".into())
+    );
+    assert_eq!(
+        convene_store::redact("postgres://convene:hunter2@db:5432/c"),
+        "postgres://convene:****@db:5432/c"
+    );
+    assert_eq!(
+        convene_store::redact("postgres://convene@db/c"),
+        "postgres://convene@db/c"
+    );
+    assert_eq!(convene_store::placeholders(3, 3), "$3, $4, $5");
+}
+
+#[tokio::test]
+async fn memory_opens_no_database() {
+    let dir = tempfile::tempdir().unwrap();
+    assert!(
+        convene_store::open(Some("memory"), dir.path())
+            .await
+            .unwrap()
+            .is_none()
+    );
+    let db = convene_store::open(None, dir.path())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(db.backend(), Backend::Sqlite);
+    assert!(dir.path().join("convene.db").exists());
+}

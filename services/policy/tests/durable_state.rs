@@ -1,0 +1,380 @@
+//! The policy service's state in a database: the `PolicyState` contract on every store
+//! (memory, a SQLite file, PostgreSQL when `CONVENE_TEST_POSTGRES_URL` names a server),
+//! the decision log in the database, and counters and revocations that survive a
+//! restart of the real service.
+
+mod support;
+
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use convene_mesh::auth::request;
+use convene_policy::decision_log::{AuthorizeRecord, DecisionLog, LogEntry, RevokeRecord};
+use convene_policy::sql::{SqlDecisionLog, SqlPolicyState};
+use convene_policy::state::{CallError, IssuedToken, MemoryState, PolicyState, RevokeTarget};
+use convene_policy::{Config, DecisionLogTarget, PolicyService};
+use convene_proto::v1::{self, AuthorizeReason, revoke_request::Target};
+use convene_server::GrpcServer;
+use convene_server::test_util::TestServer;
+use convene_store::test_util::{TestDatabase, test_databases};
+use support::{Harness, SUPERVISOR, TestClock, policy_yaml, reason};
+
+struct Subject {
+    label: &'static str,
+    state: Arc<dyn PolicyState>,
+    _db: Option<TestDatabase>,
+}
+
+async fn subjects() -> Vec<Subject> {
+    let mut all = vec![Subject {
+        label: "memory",
+        state: Arc::new(MemoryState::new()),
+        _db: None,
+    }];
+    for t in test_databases().await {
+        all.push(Subject {
+            label: t.label,
+            state: Arc::new(SqlPolicyState::new(t.db.clone())),
+            _db: Some(t),
+        });
+    }
+    all
+}
+
+fn at(secs: u64) -> SystemTime {
+    SystemTime::UNIX_EPOCH + Duration::from_secs(1_700_000_000 + secs)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_calls_at_the_limit_are_counted_exactly() {
+    for s in subjects().await {
+        let tasks: Vec<_> = (0..64)
+            .map(|_| {
+                let state = s.state.clone();
+                tokio::spawn(async move { state.record_call("t1", 40, at(100), at(1)).await })
+            })
+            .collect();
+        let mut allowed = Vec::new();
+        let mut refused = 0;
+        for task in tasks {
+            match task.await.unwrap() {
+                Ok(n) => allowed.push(n),
+                Err(CallError::LimitExceeded { used, max }) => {
+                    assert_eq!((used, max), (40, 40), "{}", s.label);
+                    refused += 1;
+                }
+                Err(e) => panic!("{}: {e}", s.label),
+            }
+        }
+        allowed.sort_unstable();
+        assert_eq!(allowed, (1..=40).collect::<Vec<_>>(), "{}", s.label);
+        assert_eq!(refused, 24, "{}", s.label);
+        assert_eq!(s.state.calls_used("t1").await.unwrap(), 40, "{}", s.label);
+        assert_eq!(s.state.calls_used("other").await.unwrap(), 0, "{}", s.label);
+        // A token without calls gets none.
+        assert!(
+            matches!(
+                s.state.record_call("t0", 0, at(100), at(1)).await,
+                Err(CallError::LimitExceeded { used: 0, max: 0 })
+            ),
+            "{}",
+            s.label
+        );
+    }
+}
+
+#[tokio::test]
+async fn revocations_keep_the_first_reason_and_the_token_wins() {
+    for s in subjects().await {
+        let state = &*s.state;
+        assert_eq!(
+            state.is_revoked("t1", "r1").await.unwrap(),
+            None,
+            "{}",
+            s.label
+        );
+        state.revoke_run("r1", "incident closed").await.unwrap();
+        let r = state.is_revoked("t1", "r1").await.unwrap().unwrap();
+        assert_eq!(r.target, RevokeTarget::Run("r1".into()), "{}", s.label);
+        assert_eq!(r.reason, "incident closed", "{}", s.label);
+        state.revoke_token("t1", "leaked").await.unwrap();
+        state.revoke_token("t1", "again").await.unwrap();
+        let r = state.is_revoked("t1", "r1").await.unwrap().unwrap();
+        assert_eq!(r.target, RevokeTarget::Token("t1".into()), "{}", s.label);
+        assert_eq!(r.reason, "leaked", "{}", s.label);
+        assert_eq!(
+            state.is_revoked("t2", "r2").await.unwrap(),
+            None,
+            "{}",
+            s.label
+        );
+        // A token id equal to a revoked run id is not revoked by it.
+        assert_eq!(
+            state.is_revoked("r1", "r9").await.unwrap(),
+            None,
+            "{}",
+            s.label
+        );
+    }
+}
+
+#[tokio::test]
+async fn owners_are_known_for_issued_tokens_and_their_runs() {
+    for s in subjects().await {
+        let state = &*s.state;
+        for (token, run, tenant) in [
+            ("t1", "r1", "acme"),
+            ("t2", "r1", "acme"),
+            ("t3", "r2", "globex"),
+        ] {
+            state
+                .record_issued(&IssuedToken {
+                    token_id: token.into(),
+                    run_id: run.into(),
+                    tenant: tenant.into(),
+                    expires_at: at(100),
+                })
+                .await
+                .unwrap();
+        }
+        let tenant = |t| async move { state.owner_tenant(&t).await.unwrap() };
+        assert_eq!(
+            tenant(RevokeTarget::Token("t2".into())).await.as_deref(),
+            Some("acme"),
+            "{}",
+            s.label
+        );
+        assert_eq!(
+            tenant(RevokeTarget::Run("r2".into())).await.as_deref(),
+            Some("globex"),
+            "{}",
+            s.label
+        );
+        assert_eq!(
+            tenant(RevokeTarget::Run("r3".into())).await,
+            None,
+            "{}",
+            s.label
+        );
+    }
+}
+
+#[tokio::test]
+async fn expired_counters_and_owners_are_pruned() {
+    for t in test_databases().await {
+        let state = SqlPolicyState::new(t.db.clone());
+        state.record_call("old", 5, at(10), at(1)).await.unwrap();
+        state.record_call("new", 5, at(1000), at(1)).await.unwrap();
+        for (token, expires) in [("old", at(10)), ("new", at(1000))] {
+            state
+                .record_issued(&IssuedToken {
+                    token_id: token.into(),
+                    run_id: format!("run-{token}"),
+                    tenant: "acme".into(),
+                    expires_at: expires,
+                })
+                .await
+                .unwrap();
+        }
+        state.prune(at(500)).await.unwrap();
+        assert_eq!(state.calls_used("old").await.unwrap(), 0, "{}", t.label);
+        assert_eq!(state.calls_used("new").await.unwrap(), 1, "{}", t.label);
+        assert_eq!(
+            state
+                .owner_tenant(&RevokeTarget::Token("old".into()))
+                .await
+                .unwrap(),
+            None,
+            "{}",
+            t.label
+        );
+        assert_eq!(
+            state
+                .owner_tenant(&RevokeTarget::Run("run-new".into()))
+                .await
+                .unwrap()
+                .as_deref(),
+            Some("acme"),
+            "{}",
+            t.label
+        );
+    }
+}
+
+fn authorize_record(i: u32) -> LogEntry {
+    LogEntry::Authorize(AuthorizeRecord {
+        decision_id: format!("d{i}"),
+        time: "2026-01-01T00:00:00.000Z".into(),
+        token_id: format!("t{i}"),
+        run_id: "r".into(),
+        delegation_id: "del".into(),
+        tenant: "acme".into(),
+        principal: "p".into(),
+        profile_id: "prof".into(),
+        audience: "worker:prof".into(),
+        tool: "search_logs@1".into(),
+        action: "logs:read".into(),
+        resource: "service/a".into(),
+        tool_call_id: String::new(),
+        allowed: i.is_multiple_of(2),
+        reason: "AUTHORIZE_REASON_ALLOWED".into(),
+        detail: "ok".into(),
+        calls_used: i,
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_decisions_all_land_in_the_database_log() {
+    for t in test_databases().await {
+        let log = Arc::new(SqlDecisionLog::new(t.db.clone()));
+        let tasks: Vec<_> = (0..100)
+            .map(|i| {
+                let log = log.clone();
+                tokio::spawn(async move { log.append(authorize_record(i)).await })
+            })
+            .collect();
+        for task in tasks {
+            task.await.unwrap().unwrap();
+        }
+        let revoke = LogEntry::Revoke(RevokeRecord {
+            decision_id: "d-revoke".into(),
+            time: "2026-01-01T00:00:01.000Z".into(),
+            principal: "supervisor".into(),
+            target: "run".into(),
+            id: "run-1".into(),
+            reason: "done".into(),
+        });
+        log.append(revoke.clone()).await.unwrap();
+
+        let entries = log.entries().await.unwrap();
+        assert_eq!(entries.len(), 101, "{}", t.label);
+        assert_eq!(entries.last(), Some(&revoke), "{}", t.label);
+        let mut ids: Vec<u32> = entries
+            .iter()
+            .filter_map(|e| match e {
+                LogEntry::Authorize(r) => Some(r.calls_used),
+                LogEntry::Revoke(_) => None,
+            })
+            .collect();
+        ids.sort_unstable();
+        assert_eq!(ids, (0..100).collect::<Vec<_>>(), "{}", t.label);
+        assert!(entries.contains(&authorize_record(7)), "{}", t.label);
+    }
+}
+
+/// The real policy service over `db`, its keys in `dir`, serving on a loopback port.
+async fn serve(
+    dir: tempfile::TempDir,
+    clock: TestClock,
+    t0: SystemTime,
+    db: convene_store::Database,
+) -> Harness {
+    let file = dir.path().join("policy.yaml");
+    std::fs::write(&file, policy_yaml("")).unwrap();
+    let config = Config {
+        policy_file: Some(file),
+        dev_credentials: false,
+        decision_log: DecisionLogTarget::Database,
+        ..Config::in_dir(dir.path())
+    };
+    let service = PolicyService::open_with_database(&config, clock.clock(), Some(db))
+        .expect("the service opens");
+    let server = TestServer::start(service.add_to(GrpcServer::new(config.server.clone()))).await;
+    Harness {
+        dir,
+        config,
+        clock,
+        service,
+        server,
+        t0,
+    }
+}
+
+#[tokio::test]
+async fn counters_and_revocations_survive_a_restart() {
+    for t in test_databases().await {
+        let clock = TestClock::new();
+        let t0 = clock.now();
+        let h = serve(
+            tempfile::tempdir().unwrap(),
+            clock.clone(),
+            t0,
+            t.db.clone(),
+        )
+        .await;
+        let mut limited = h.logs_grant("del-1");
+        limited.max_calls = 2;
+        let limited = h.issue_one("run-a", limited).await;
+        let revoked = h.issue_one("run-a", h.logs_grant("del-2")).await;
+        let whole_run = h.issue_one("run-b", h.logs_grant("del-3")).await;
+        for expected in 1..=2 {
+            let answer = h.authorize(h.search_call(&limited.token)).await;
+            assert!(answer.allowed, "{}: {}", t.label, answer.detail);
+            assert_eq!(answer.calls_used, expected, "{}", t.label);
+        }
+        let mut client = h.client().await;
+        for target in [
+            Target::TokenId(revoked.token_id.clone()),
+            Target::RunId("run-b".into()),
+        ] {
+            client
+                .revoke(request(
+                    v1::RevokeRequest {
+                        target: Some(target),
+                        reason: "rotated after the incident".into(),
+                    },
+                    SUPERVISOR,
+                ))
+                .await
+                .unwrap();
+        }
+        drop(client);
+
+        // Restart: the server stops, the process's pool goes, a new service opens the
+        // same data directory over a new connection to the same database.
+        let Harness {
+            dir,
+            server,
+            service,
+            ..
+        } = h;
+        server.stop().await.unwrap();
+        drop(service);
+        let url = t.db.url().to_owned();
+        let reopened = convene_store::Database::connect(&url).await.unwrap();
+        let h = serve(dir, clock, t0, reopened.clone()).await;
+
+        let answer = h.authorize(h.search_call(&limited.token)).await;
+        assert_eq!(
+            reason(&answer),
+            AuthorizeReason::CallLimitExceeded,
+            "{}: a token at its limit stays there: {}",
+            t.label,
+            answer.detail
+        );
+        assert_eq!(answer.calls_used, 2, "{}", t.label);
+        for (token, why) in [(&revoked.token, "token"), (&whole_run.token, "run")] {
+            let answer = h.authorize(h.search_call(token)).await;
+            assert_eq!(
+                reason(&answer),
+                AuthorizeReason::Revoked,
+                "{}: the revoked {why} stays revoked: {}",
+                t.label,
+                answer.detail
+            );
+            assert!(
+                answer.detail.contains("rotated after the incident"),
+                "{}: {}",
+                t.label,
+                answer.detail
+            );
+        }
+        // The decisions of both lives are in the database log.
+        let entries = SqlDecisionLog::new(reopened).entries().await.unwrap();
+        let (authorizations, revocations) = entries.iter().fold((0, 0), |(a, r), e| match e {
+            LogEntry::Authorize(_) => (a + 1, r),
+            LogEntry::Revoke(_) => (a, r + 1),
+        });
+        assert_eq!((authorizations, revocations), (5, 2), "{}", t.label);
+    }
+}

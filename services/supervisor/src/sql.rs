@@ -1,0 +1,793 @@
+//! [`SqlRunStore`]: runs, their events and the CloudEvents outbox in SQLite or
+//! PostgreSQL (see `convene_store`).
+//!
+//! Every change is one transaction: a commit checks the version it read, rewrites the
+//! run, and appends the run events, the outbox events, a ledger row for every delegation
+//! whose state changed and a row for every new join decision revision, all or nothing.
+//! A commit against a stale version leaves nothing behind.
+//!
+//! On PostgreSQL every writing transaction first takes one transaction-scoped advisory
+//! lock, so event ids and outbox positions are assigned in commit order: a reader that
+//! resumes after position `p` can never miss an event committed later with a smaller
+//! position. SQLite has a single writer anyway.
+//!
+//! Subscribers hear of commits made through this store at once; a background poll of
+//! the event tables every [`POLL_INTERVAL`] tells them about commits of other processes
+//! sharing the database (other supervisor replicas).
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use async_trait::async_trait;
+use convene_proto::v1;
+use convene_store::time::{from_micros, micros};
+use convene_store::{Backend, Database, Row, Statement, Tx, placeholders, sql};
+use prost::Message as _;
+use tokio::sync::broadcast;
+
+use crate::store::{
+    Committed, Created, Events, IdempotencyKey, Page, RunStore, StoreError, is_terminal,
+};
+
+/// How often other processes' commits are looked for.
+pub const POLL_INTERVAL: Duration = Duration::from_millis(150);
+
+/// Rows one poll reads at most; the rest wait for the next one.
+const POLL_BATCH: i64 = 1000;
+
+/// The advisory lock that orders writers on PostgreSQL ("convene" in ASCII).
+const APPEND_LOCK: i64 = 0x0063_6f6e_7665_6e65;
+
+impl From<convene_store::Error> for StoreError {
+    fn from(e: convene_store::Error) -> Self {
+        StoreError::Backend(e.to_string())
+    }
+}
+
+/// Runs in a SQL database. See the [module docs](self).
+pub struct SqlRunStore {
+    db: Database,
+    notify: broadcast::Sender<Committed>,
+    /// Runs this store creates are leased to this replica, for this long.
+    creator: Option<(String, Duration)>,
+    poller: tokio::task::JoinHandle<()>,
+}
+
+impl std::fmt::Debug for SqlRunStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SqlRunStore")
+            .field("db", &self.db)
+            .field("creator", &self.creator)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Drop for SqlRunStore {
+    fn drop(&mut self) {
+        self.poller.abort();
+    }
+}
+
+/// One row of the delegation ledger: a delegation's state as of a run version.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LedgerEntry {
+    /// The delegation.
+    pub delegation_id: String,
+    /// The run version whose commit made this transition.
+    pub run_version: u64,
+    /// The new state (`v1::DelegationState`).
+    pub state: i32,
+    /// The delegating parent, for nested delegations (empty at the top level).
+    pub parent_delegation_id: String,
+    /// The profile it runs under.
+    pub profile_id: String,
+    /// The worker it was last dispatched to.
+    pub worker_id: String,
+    /// Dispatch attempts so far.
+    pub attempts: u32,
+    /// When the transition was recorded (the run's update time).
+    pub recorded_at: SystemTime,
+}
+
+impl SqlRunStore {
+    /// A store over `db` (migrated already, as [`Database::connect`] leaves it). Must be
+    /// called inside a Tokio runtime: it starts the poll that reports other processes'
+    /// commits to subscribers, from the current end of the event tables.
+    ///
+    /// # Errors
+    ///
+    /// [`StoreError::Backend`] when the database cannot be read.
+    pub async fn open(db: Database) -> Result<Self, StoreError> {
+        let (events_after, outbox_after) = ends(&db).await?;
+        let notify = broadcast::channel(4096).0;
+        let poller = tokio::spawn(poll(db.clone(), notify.clone(), events_after, outbox_after));
+        Ok(Self {
+            db,
+            notify,
+            creator: None,
+            poller,
+        })
+    }
+
+    /// Leases every run this store creates to the supervisor replica `owner` for
+    /// `lease_ttl`, so other replicas' [`RunStore::claim_runs`] leave it alone while
+    /// `owner` renews the lease.
+    #[must_use]
+    pub fn with_owner(mut self, owner: impl Into<String>, lease_ttl: Duration) -> Self {
+        self.creator = Some((owner.into(), lease_ttl));
+        self
+    }
+
+    /// The database underneath.
+    pub fn database(&self) -> &Database {
+        &self.db
+    }
+
+    /// The delegation ledger of a run: every state transition, in run-version order.
+    ///
+    /// # Errors
+    ///
+    /// [`StoreError::Backend`] when the database cannot be read.
+    pub async fn ledger(&self, run_id: &str) -> Result<Vec<LedgerEntry>, StoreError> {
+        let rows = self
+            .db
+            .fetch_all(
+                sql("SELECT * FROM delegation_ledger WHERE run_id = $1 \
+                     ORDER BY run_version, delegation_id")
+                .bind(run_id),
+            )
+            .await?;
+        rows.iter()
+            .map(|r| {
+                Ok(LedgerEntry {
+                    delegation_id: r.get("delegation_id")?,
+                    run_version: r.get_u64("run_version")?,
+                    state: narrow(r.get("state")?, "delegation_ledger.state")?,
+                    parent_delegation_id: r.get("parent_delegation_id")?,
+                    profile_id: r.get("profile_id")?,
+                    worker_id: r.get("worker_id")?,
+                    attempts: narrow(r.get("attempts")?, "delegation_ledger.attempts")?,
+                    recorded_at: from_micros(r.get("recorded_at")?),
+                })
+            })
+            .collect()
+    }
+
+    /// Every join decision revision of a run, oldest first.
+    ///
+    /// # Errors
+    ///
+    /// [`StoreError::Backend`] when the database cannot be read or holds a record that
+    /// does not decode.
+    pub async fn decisions(&self, run_id: &str) -> Result<Vec<v1::JoinDecision>, StoreError> {
+        let rows = self
+            .db
+            .fetch_all(
+                sql("SELECT body FROM join_decisions WHERE run_id = $1 ORDER BY revision")
+                    .bind(run_id),
+            )
+            .await?;
+        rows.iter().map(|r| decode(r, "join_decisions")).collect()
+    }
+
+    /// The last outbox event `relay` acknowledged, where it resumes after a restart.
+    ///
+    /// # Errors
+    ///
+    /// [`StoreError::Backend`] when the database cannot be read.
+    pub async fn relay_cursor(&self, relay: &str) -> Result<Option<String>, StoreError> {
+        let row = self
+            .db
+            .fetch_optional(sql("SELECT event_id FROM outbox_relays WHERE relay = $1").bind(relay))
+            .await?;
+        Ok(row.map(|r| r.get("event_id")).transpose()?)
+    }
+
+    /// Records that `relay` delivered every outbox event up to `event_id`. A relay
+    /// delivers at least once: after a crash it resumes from its last acknowledgement.
+    ///
+    /// # Errors
+    ///
+    /// [`StoreError::NotFound`] for an event id not in the outbox,
+    /// [`StoreError::Backend`] when the database fails.
+    pub async fn acknowledge(&self, relay: &str, event_id: &str) -> Result<(), StoreError> {
+        let n = self
+            .db
+            .execute(
+                sql(
+                    "INSERT INTO outbox_relays (relay, position, event_id, updated_at) \
+                     SELECT $1, position, event_id, $3 FROM outbox WHERE event_id = $2 \
+                     ON CONFLICT (relay) DO UPDATE SET position = excluded.position, \
+                     event_id = excluded.event_id, updated_at = excluded.updated_at",
+                )
+                .bind(relay)
+                .bind(event_id)
+                .bind(micros(SystemTime::now())),
+            )
+            .await?;
+        if n == 0 {
+            return Err(StoreError::NotFound(format!("outbox event {event_id}")));
+        }
+        Ok(())
+    }
+
+    /// On PostgreSQL, waits for every other writer's transaction to end; see the
+    /// [module docs](self).
+    async fn serialize_appends(tx: &mut Tx) -> Result<(), StoreError> {
+        if tx.backend() == Backend::Postgres {
+            tx.execute(sql("SELECT pg_advisory_xact_lock($1)").bind(APPEND_LOCK))
+                .await?;
+        }
+        Ok(())
+    }
+
+    fn announce(&self, run_id: &str, events: &Events) {
+        let committed = Committed {
+            run_id: run_id.to_owned(),
+            last_sequence: events.run.last().map_or(0, |e| e.sequence),
+            cloud: !events.cloud.is_empty(),
+        };
+        // Nobody listening is fine.
+        let _ = self.notify.send(committed);
+    }
+}
+
+/// The ends of the event tables: the last run-event id and outbox position.
+async fn ends(db: &Database) -> Result<(i64, i64), StoreError> {
+    let row = db
+        .fetch_optional(sql(
+            "SELECT (SELECT COALESCE(MAX(id), 0) FROM run_events) AS events, \
+                    (SELECT COALESCE(MAX(position), 0) FROM outbox) AS outbox",
+        ))
+        .await?
+        .ok_or_else(|| StoreError::Backend("no answer to a SELECT without FROM".into()))?;
+    Ok((row.get("events")?, row.get("outbox")?))
+}
+
+/// Reports commits that appear in the event tables, whoever made them.
+async fn poll(
+    db: Database,
+    notify: broadcast::Sender<Committed>,
+    mut events_after: i64,
+    mut outbox_after: i64,
+) {
+    let mut tick = tokio::time::interval(POLL_INTERVAL);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut failing = false;
+    loop {
+        tick.tick().await;
+        let outcome = if notify.receiver_count() == 0 {
+            // Nobody to tell: keep up with the end without reading rows.
+            ends(&db).await.map(|(e, o)| {
+                events_after = e;
+                outbox_after = o;
+            })
+        } else {
+            poll_once(&db, &notify, &mut events_after, &mut outbox_after).await
+        };
+        match outcome {
+            Ok(()) if failing => {
+                failing = false;
+                tracing::info!("run store poll recovered");
+            }
+            Ok(()) => {}
+            Err(error) if !failing => {
+                failing = true;
+                tracing::warn!(%error, "run store poll failed; subscribers hear only of this process's commits until it recovers");
+            }
+            Err(_) => {}
+        }
+    }
+}
+
+async fn poll_once(
+    db: &Database,
+    notify: &broadcast::Sender<Committed>,
+    events_after: &mut i64,
+    outbox_after: &mut i64,
+) -> Result<(), StoreError> {
+    let events = db
+        .fetch_all(
+            sql("SELECT id, run_id, sequence FROM run_events WHERE id > $1 ORDER BY id LIMIT $2")
+                .bind(*events_after)
+                .bind(POLL_BATCH),
+        )
+        .await?;
+    let outbox = db
+        .fetch_all(
+            sql("SELECT position, run_id FROM outbox WHERE position > $1 \
+                 ORDER BY position LIMIT $2")
+            .bind(*outbox_after)
+            .bind(POLL_BATCH),
+        )
+        .await?;
+    // Per run: (highest sequence, whether outbox events came too).
+    let mut runs: BTreeMap<String, (u64, bool)> = BTreeMap::new();
+    for row in &events {
+        *events_after = row.get("id")?;
+        let entry = runs.entry(row.get("run_id")?).or_default();
+        entry.0 = entry.0.max(row.get_u64("sequence")?);
+    }
+    for row in &outbox {
+        *outbox_after = row.get("position")?;
+        runs.entry(row.get("run_id")?).or_default().1 = true;
+    }
+    for (run_id, (last_sequence, cloud)) in runs {
+        let _ = notify.send(Committed {
+            run_id,
+            last_sequence,
+            cloud,
+        });
+    }
+    Ok(())
+}
+
+fn decode<M: prost::Message + Default>(row: &Row, table: &str) -> Result<M, StoreError> {
+    let bytes: Vec<u8> = row.get("body")?;
+    M::decode(bytes.as_slice())
+        .map_err(|e| StoreError::Backend(format!("a stored {table} record does not decode: {e}")))
+}
+
+fn narrow<T: TryFrom<i64>>(v: i64, column: &str) -> Result<T, StoreError> {
+    T::try_from(v).map_err(|_| StoreError::Backend(format!("{column} holds {v}, out of range")))
+}
+
+fn ts_micros(ts: Option<&prost_types::Timestamp>) -> i64 {
+    ts.map_or(0, |t| {
+        t.seconds
+            .saturating_mul(1_000_000)
+            .saturating_add(i64::from(t.nanos) / 1_000)
+    })
+}
+
+/// Appends what a change produced: ledger rows for delegations whose state differs from
+/// `before` (all of them for a new run), rows for decision revisions newer than
+/// `before`'s, the run events and the outbox events.
+async fn append(
+    tx: &mut Tx,
+    run: &v1::Run,
+    before: Option<&v1::Run>,
+    events: &Events,
+) -> Result<(), StoreError> {
+    let previous: HashMap<&str, i32> = before
+        .map(|b| {
+            b.delegations
+                .iter()
+                .filter_map(|d| Some((d.task.as_ref()?.delegation_id.as_str(), d.state)))
+                .collect()
+        })
+        .unwrap_or_default();
+    let updated_at = ts_micros(run.updated_at.as_ref());
+    for d in &run.delegations {
+        let Some(task) = d.task.as_ref() else {
+            continue;
+        };
+        if previous.get(task.delegation_id.as_str()) == Some(&d.state) {
+            continue;
+        }
+        tx.execute(
+            sql(
+                "INSERT INTO delegation_ledger (run_id, delegation_id, run_version, state, \
+                 parent_delegation_id, profile_id, worker_id, attempts, recorded_at) \
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
+            )
+            .bind(&run.run_id)
+            .bind(&task.delegation_id)
+            .bind(run.version)
+            .bind(d.state)
+            .bind(&task.parent_delegation_id)
+            .bind(&task.profile_id)
+            .bind(&d.worker_id)
+            .bind(d.attempts)
+            .bind(updated_at),
+        )
+        .await?;
+    }
+
+    let decided_before = before.map_or(0, latest_revision);
+    let mut revisions: BTreeMap<u32, &v1::JoinDecision> = run
+        .revisions
+        .iter()
+        .chain(run.decision.as_ref())
+        .map(|d| (d.revision, d))
+        .collect();
+    revisions.retain(|revision, _| *revision > decided_before || before.is_none());
+    for decision in revisions.values() {
+        tx.execute(
+            sql(
+                "INSERT INTO join_decisions (run_id, revision, run_version, outcome, \
+                 decided_at, body) VALUES ($1, $2, $3, $4, $5, $6) \
+                 ON CONFLICT (run_id, revision) DO NOTHING",
+            )
+            .bind(&run.run_id)
+            .bind(decision.revision)
+            .bind(run.version)
+            .bind(decision.outcome)
+            .bind(ts_micros(decision.decided_at.as_ref()))
+            .bind(decision.encode_to_vec()),
+        )
+        .await?;
+    }
+
+    for e in &events.run {
+        tx.execute(
+            sql("INSERT INTO run_events (run_id, sequence, body) VALUES ($1, $2, $3)")
+                .bind(&run.run_id)
+                .bind(e.sequence)
+                .bind(e.encode_to_vec()),
+        )
+        .await?;
+    }
+    for e in &events.cloud {
+        tx.execute(
+            sql(
+                "INSERT INTO outbox (event_id, run_id, tenant, type, created_at, body) \
+                 VALUES ($1, $2, $3, $4, $5, $6)",
+            )
+            .bind(&e.id)
+            .bind(&e.correlation_id)
+            .bind(&e.tenant_id)
+            .bind(&e.r#type)
+            .bind(ts_micros(e.time.as_ref()))
+            .bind(e.encode_to_vec()),
+        )
+        .await?;
+    }
+    Ok(())
+}
+
+fn latest_revision(run: &v1::Run) -> u32 {
+    run.revisions
+        .iter()
+        .chain(run.decision.as_ref())
+        .map(|d| d.revision)
+        .max()
+        .unwrap_or(0)
+}
+
+#[async_trait]
+impl RunStore for SqlRunStore {
+    async fn create(
+        &self,
+        run: &v1::Run,
+        key: Option<&IdempotencyKey>,
+        events: &Events,
+    ) -> Result<Created, StoreError> {
+        let mut tx = self.db.begin().await?;
+        Self::serialize_appends(&mut tx).await?;
+        if let Some(key) = key {
+            // The primary key decides a race between two StartRuns with one key: the
+            // loser inserts nothing (PostgreSQL waits for the winner's commit first).
+            let inserted = tx
+                .execute(
+                    sql("INSERT INTO idempotency_keys (principal, key, run_id) \
+                         VALUES ($1, $2, $3) ON CONFLICT (principal, key) DO NOTHING")
+                    .bind(&key.principal)
+                    .bind(&key.key)
+                    .bind(&run.run_id),
+                )
+                .await?;
+            if inserted == 0 {
+                tx.rollback().await?;
+                let row = self
+                    .db
+                    .fetch_optional(
+                        sql("SELECT r.body FROM idempotency_keys k \
+                             JOIN runs r ON r.run_id = k.run_id \
+                             WHERE k.principal = $1 AND k.key = $2")
+                        .bind(&key.principal)
+                        .bind(&key.key),
+                    )
+                    .await?
+                    .ok_or_else(|| {
+                        StoreError::Backend(format!(
+                            "idempotency key {:?} of {} points at no run",
+                            key.key, key.principal
+                        ))
+                    })?;
+                return Ok(Created::Existing(Box::new(decode(&row, "runs")?)));
+            }
+        }
+        let (owner, lease_until) = match &self.creator {
+            Some((owner, ttl)) => (Some(owner.clone()), Some(micros(SystemTime::now() + *ttl))),
+            None => (None, None),
+        };
+        tx.execute(
+            sql(
+                "INSERT INTO runs (run_id, tenant, principal, state, terminal, version, \
+                 created_at, updated_at, owner, lease_until, trace_id, body) \
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)",
+            )
+            .bind(&run.run_id)
+            .bind(&run.tenant)
+            .bind(&run.principal)
+            .bind(run.state)
+            .bind(is_terminal(run.state))
+            .bind(run.version)
+            .bind(ts_micros(run.created_at.as_ref()))
+            .bind(ts_micros(run.updated_at.as_ref()))
+            .bind(owner)
+            .bind(lease_until)
+            .bind(&run.trace_id)
+            .bind(run.encode_to_vec()),
+        )
+        .await?;
+        append(&mut tx, run, None, events).await?;
+        tx.commit().await?;
+        self.announce(&run.run_id, events);
+        Ok(Created::New)
+    }
+
+    async fn commit(&self, run: &v1::Run, events: &Events) -> Result<(), StoreError> {
+        let expected = run.version.saturating_sub(1);
+        let mut tx = self.db.begin().await?;
+        Self::serialize_appends(&mut tx).await?;
+        let read = match tx.backend() {
+            Backend::Sqlite => sql("SELECT version, body FROM runs WHERE run_id = $1"),
+            Backend::Postgres => sql("SELECT version, body FROM runs WHERE run_id = $1 FOR UPDATE"),
+        };
+        let row = tx
+            .fetch_optional(read.bind(&run.run_id))
+            .await?
+            .ok_or_else(|| StoreError::NotFound(run.run_id.clone()))?;
+        let found = row.get_u64("version")?;
+        if found != expected {
+            return Err(StoreError::Conflict {
+                run_id: run.run_id.clone(),
+                expected,
+                found,
+            });
+        }
+        let before: v1::Run = decode(&row, "runs")?;
+        let updated = tx
+            .execute(
+                sql(
+                    "UPDATE runs SET state = $3, terminal = $4, version = $5, updated_at = $6, \
+                     trace_id = $7, body = $8 WHERE run_id = $1 AND version = $2",
+                )
+                .bind(&run.run_id)
+                .bind(expected)
+                .bind(run.state)
+                .bind(is_terminal(run.state))
+                .bind(run.version)
+                .bind(ts_micros(run.updated_at.as_ref()))
+                .bind(&run.trace_id)
+                .bind(run.encode_to_vec()),
+            )
+            .await?;
+        if updated != 1 {
+            // The row is locked (or the database has one writer), so this is a bug
+            // elsewhere; refuse rather than commit half a change.
+            return Err(StoreError::Conflict {
+                run_id: run.run_id.clone(),
+                expected,
+                found,
+            });
+        }
+        append(&mut tx, run, Some(&before), events).await?;
+        tx.commit().await?;
+        self.announce(&run.run_id, events);
+        Ok(())
+    }
+
+    async fn get(&self, run_id: &str) -> Result<Option<v1::Run>, StoreError> {
+        self.db
+            .fetch_optional(sql("SELECT body FROM runs WHERE run_id = $1").bind(run_id))
+            .await?
+            .map(|row| decode(&row, "runs"))
+            .transpose()
+    }
+
+    async fn list(
+        &self,
+        tenant: &str,
+        states: &[i32],
+        page_size: usize,
+        after: Option<&str>,
+    ) -> Result<Page, StoreError> {
+        let mut text = String::from("SELECT body FROM runs WHERE tenant = $1");
+        let mut args: Vec<String> = vec![tenant.to_owned()];
+        if let Some(cursor) = after {
+            args.push(cursor.to_owned());
+            text.push_str(&format!(" AND run_id < ${}", args.len()));
+        }
+        if !states.is_empty() {
+            let first = args.len() + 1;
+            text.push_str(&format!(
+                " AND state IN ({})",
+                placeholders(first, states.len())
+            ));
+        }
+        // One more than asked tells whether another page exists.
+        let limit = i64::try_from(page_size.saturating_add(1)).unwrap_or(i64::MAX);
+        text.push_str(&format!(
+            " ORDER BY run_id DESC LIMIT ${}",
+            args.len() + states.len() + 1
+        ));
+        let mut statement = Statement::built(text);
+        for a in args {
+            statement = statement.bind(a);
+        }
+        for s in states {
+            statement = statement.bind(*s);
+        }
+        let rows = self.db.fetch_all(statement.bind(limit)).await?;
+        let mut runs = rows
+            .iter()
+            .map(|r| decode::<v1::Run>(r, "runs"))
+            .collect::<Result<Vec<_>, _>>()?;
+        let next = if runs.len() > page_size {
+            runs.truncate(page_size);
+            runs.last().map(|r| r.run_id.clone())
+        } else {
+            None
+        };
+        Ok(Page { runs, next })
+    }
+
+    async fn run_events(&self, run_id: &str, after: u64) -> Result<Vec<v1::RunEvent>, StoreError> {
+        let rows = self
+            .db
+            .fetch_all(
+                sql(
+                    "SELECT body FROM run_events WHERE run_id = $1 AND sequence > $2 \
+                     ORDER BY sequence",
+                )
+                .bind(run_id)
+                .bind(after),
+            )
+            .await?;
+        rows.iter().map(|r| decode(r, "run_events")).collect()
+    }
+
+    async fn cloud_events(
+        &self,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<v1::CloudEvent>, StoreError> {
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let statement = match after {
+            None => sql("SELECT body FROM outbox ORDER BY position LIMIT $1").bind(limit),
+            // An id not (or no longer) in the outbox: UUIDv7 ids sort by time, so resume
+            // after the last event whose id sorts before it.
+            Some(id) => sql("SELECT body FROM outbox WHERE position > COALESCE(\
+                     (SELECT position FROM outbox WHERE event_id = $1), \
+                     (SELECT MAX(position) FROM outbox WHERE event_id <= $1), 0) \
+                 ORDER BY position LIMIT $2")
+            .bind(id)
+            .bind(limit),
+        };
+        let rows = self.db.fetch_all(statement).await?;
+        rows.iter().map(|r| decode(r, "outbox")).collect()
+    }
+
+    fn subscribe(&self) -> broadcast::Receiver<Committed> {
+        self.notify.subscribe()
+    }
+
+    async fn unfinished(&self) -> Result<Vec<v1::Run>, StoreError> {
+        let rows = self
+            .db
+            .fetch_all(sql(
+                "SELECT body FROM runs WHERE NOT terminal ORDER BY run_id",
+            ))
+            .await?;
+        rows.iter().map(|r| decode(r, "runs")).collect()
+    }
+
+    async fn claim_runs(
+        &self,
+        owner: &str,
+        lease_ttl: Duration,
+        limit: usize,
+    ) -> Result<Vec<v1::Run>, StoreError> {
+        let now = SystemTime::now();
+        // One statement: the subquery picks the runs, the UPDATE leases them. On
+        // PostgreSQL, SKIP LOCKED lets concurrent claimers pass over each other's rows
+        // instead of waiting for them and then claiming them a second time; SQLite has
+        // one writer at a time, so its plain UPDATE cannot race.
+        let claim = match self.db.backend() {
+            Backend::Sqlite => sql(
+                "UPDATE runs SET owner = $1, lease_until = $2 WHERE run_id IN (\
+                 SELECT run_id FROM runs WHERE NOT terminal \
+                 AND (owner IS NULL OR lease_until IS NULL OR lease_until <= $3) \
+                 ORDER BY run_id LIMIT $4) RETURNING body",
+            ),
+            Backend::Postgres => sql(
+                "UPDATE runs SET owner = $1, lease_until = $2 WHERE run_id IN (\
+                 SELECT run_id FROM runs WHERE NOT terminal \
+                 AND (owner IS NULL OR lease_until IS NULL OR lease_until <= $3) \
+                 ORDER BY run_id LIMIT $4 FOR UPDATE SKIP LOCKED) RETURNING body",
+            ),
+        };
+        let mut tx = self.db.begin().await?;
+        let rows = tx
+            .fetch_all(
+                claim
+                    .bind(owner)
+                    .bind(micros(now + lease_ttl))
+                    .bind(micros(now))
+                    .bind(i64::try_from(limit).unwrap_or(i64::MAX)),
+            )
+            .await?;
+        tx.commit().await?;
+        let mut runs = rows
+            .iter()
+            .map(|r| decode::<v1::Run>(r, "runs"))
+            .collect::<Result<Vec<_>, _>>()?;
+        runs.sort_by(|a, b| a.run_id.cmp(&b.run_id));
+        Ok(runs)
+    }
+
+    async fn renew_lease(
+        &self,
+        owner: &str,
+        run_ids: &[String],
+        lease_ttl: Duration,
+    ) -> Result<Vec<String>, StoreError> {
+        if run_ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut statement = Statement::built(format!(
+            "UPDATE runs SET lease_until = $2 WHERE owner = $1 AND run_id IN ({}) \
+             RETURNING run_id",
+            placeholders(3, run_ids.len())
+        ))
+        .bind(owner)
+        .bind(micros(SystemTime::now() + lease_ttl));
+        for id in run_ids {
+            statement = statement.bind(id);
+        }
+        let mut tx = self.db.begin().await?;
+        let rows = tx.fetch_all(statement).await?;
+        tx.commit().await?;
+        let held: Vec<String> = rows
+            .iter()
+            .map(|r| r.get("run_id"))
+            .collect::<Result<_, _>>()?;
+        // In the order asked.
+        Ok(run_ids
+            .iter()
+            .filter(|id| held.contains(id))
+            .cloned()
+            .collect())
+    }
+
+    async fn release(&self, owner: &str, run_id: &str) -> Result<bool, StoreError> {
+        let n = self
+            .db
+            .execute(
+                sql("UPDATE runs SET owner = NULL, lease_until = NULL \
+                     WHERE run_id = $1 AND owner = $2")
+                .bind(run_id)
+                .bind(owner),
+            )
+            .await?;
+        Ok(n == 1)
+    }
+}
+
+/// The run store a configuration asks for: the SQL store over the database
+/// `database_url` names (by default the SQLite file in `data_dir`), or memory.
+///
+/// # Errors
+///
+/// [`convene_store::Error`] when the database cannot be opened.
+pub async fn open_store(
+    database_url: Option<&str>,
+    data_dir: &std::path::Path,
+) -> Result<Arc<dyn RunStore>, crate::Error> {
+    Ok(match convene_store::open(database_url, data_dir).await? {
+        Some(db) => {
+            tracing::info!(backend = %db.backend(), url = db.url(), "runs are stored in the database");
+            Arc::new(SqlRunStore::open(db).await.map_err(crate::Error::Store)?)
+        }
+        None => {
+            tracing::info!(
+                "runs are kept in memory (database_url = \"memory\"): they are lost at exit"
+            );
+            Arc::new(crate::store::MemoryStore::default())
+        }
+    })
+}

@@ -1,0 +1,724 @@
+//! The `RunStore` contract, on every store: in memory, a SQLite file, and PostgreSQL
+//! when `CONVENE_TEST_POSTGRES_URL` names a server. Plus what only the SQL store does:
+//! the delegation ledger, join decision rows, relay cursors and other processes'
+//! commits reaching subscribers.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use convene_core::time::to_timestamp;
+use convene_proto::v1;
+use convene_store::test_util::{TestDatabase, test_databases};
+use convene_supervisor::store::{Created, Events, IdempotencyKey, RunStore, StoreError};
+use convene_supervisor::{MemoryStore, SqlRunStore};
+
+/// A store under test, with what keeps its database alive.
+struct Subject {
+    label: &'static str,
+    store: Arc<dyn RunStore>,
+    _db: Option<TestDatabase>,
+}
+
+async fn subjects() -> Vec<Subject> {
+    let mut all = vec![Subject {
+        label: "memory",
+        store: Arc::new(MemoryStore::default()),
+        _db: None,
+    }];
+    for t in test_databases().await {
+        all.push(Subject {
+            label: t.label,
+            store: Arc::new(SqlRunStore::open(t.db.clone()).await.unwrap()),
+            _db: Some(t),
+        });
+    }
+    all
+}
+
+fn delegation(id: &str, state: v1::DelegationState) -> v1::Delegation {
+    v1::Delegation {
+        task: Some(v1::DelegationTask {
+            delegation_id: id.into(),
+            profile_id: "logs-investigator".into(),
+            ..Default::default()
+        }),
+        state: state as i32,
+        ..Default::default()
+    }
+}
+
+fn new_run(tenant: &str) -> v1::Run {
+    let now = to_timestamp(SystemTime::now());
+    v1::Run {
+        run_id: uuid::Uuid::now_v7().to_string(),
+        tenant: tenant.into(),
+        principal: format!("oncall@{tenant}"),
+        state: v1::RunState::Running as i32,
+        version: 1,
+        trace_id: "0af7651916cd43dd8448eb211c80319c".into(),
+        delegations: vec![
+            delegation("d1", v1::DelegationState::Pending),
+            delegation("d2", v1::DelegationState::Pending),
+        ],
+        created_at: Some(now),
+        updated_at: Some(now),
+        ..Default::default()
+    }
+}
+
+fn cloud(run: &v1::Run, kind: &str) -> v1::CloudEvent {
+    v1::CloudEvent {
+        id: uuid::Uuid::now_v7().to_string(),
+        r#type: kind.into(),
+        correlation_id: run.run_id.clone(),
+        tenant_id: run.tenant.clone(),
+        time: Some(to_timestamp(SystemTime::now())),
+        ..Default::default()
+    }
+}
+
+fn run_event(run: &v1::Run, sequence: u64) -> v1::RunEvent {
+    v1::RunEvent {
+        sequence,
+        run_id: run.run_id.clone(),
+        time: Some(to_timestamp(SystemTime::now())),
+        kind: None,
+    }
+}
+
+/// The events of a change: one run event at `sequence`, one CloudEvent.
+fn events(run: &v1::Run, sequence: u64, kind: &str) -> Events {
+    Events {
+        run: vec![run_event(run, sequence)],
+        cloud: vec![cloud(run, kind)],
+    }
+}
+
+/// `run` one version on, in `state`.
+fn next(run: &v1::Run, state: v1::RunState) -> v1::Run {
+    v1::Run {
+        version: run.version + 1,
+        state: state as i32,
+        updated_at: Some(to_timestamp(SystemTime::now())),
+        ..run.clone()
+    }
+}
+
+async fn create(store: &dyn RunStore, run: &v1::Run) {
+    let created = store
+        .create(run, None, &events(run, 1, "started"))
+        .await
+        .unwrap();
+    assert!(matches!(created, Created::New));
+}
+
+#[tokio::test]
+async fn runs_are_listed_per_tenant_newest_first_in_pages() {
+    for s in subjects().await {
+        let store = &*s.store;
+        let mut acme = Vec::new();
+        for i in 0..5 {
+            let mut run = new_run("acme");
+            if i == 1 {
+                run.state = v1::RunState::Succeeded as i32;
+            }
+            create(store, &run).await;
+            acme.push(run);
+        }
+        create(store, &new_run("globex")).await;
+        let newest_first: Vec<String> = acme.iter().rev().map(|r| r.run_id.clone()).collect();
+
+        let first = store.list("acme", &[], 2, None).await.unwrap();
+        let ids = |p: &[v1::Run]| p.iter().map(|r| r.run_id.clone()).collect::<Vec<_>>();
+        assert_eq!(ids(&first.runs), newest_first[..2], "{}", s.label);
+        let second = store
+            .list("acme", &[], 2, first.next.as_deref())
+            .await
+            .unwrap();
+        assert_eq!(ids(&second.runs), newest_first[2..4], "{}", s.label);
+        let third = store
+            .list("acme", &[], 2, second.next.as_deref())
+            .await
+            .unwrap();
+        assert_eq!(ids(&third.runs), newest_first[4..], "{}", s.label);
+        assert_eq!(third.next, None, "{}", s.label);
+
+        let done = store
+            .list("acme", &[v1::RunState::Succeeded as i32], 10, None)
+            .await
+            .unwrap();
+        assert_eq!(ids(&done.runs), [acme[1].run_id.clone()], "{}", s.label);
+        let open = store
+            .list(
+                "acme",
+                &[v1::RunState::Running as i32, v1::RunState::Pending as i32],
+                10,
+                None,
+            )
+            .await
+            .unwrap();
+        assert_eq!(open.runs.len(), 4, "{}", s.label);
+
+        assert_eq!(
+            store.get(&acme[3].run_id).await.unwrap().as_ref(),
+            Some(&acme[3]),
+            "{}",
+            s.label
+        );
+        assert_eq!(store.get("no-such-run").await.unwrap(), None, "{}", s.label);
+        assert!(
+            store
+                .list("initech", &[], 10, None)
+                .await
+                .unwrap()
+                .runs
+                .is_empty(),
+            "{}",
+            s.label
+        );
+        let unfinished: BTreeSet<String> = store
+            .unfinished()
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|r| r.run_id)
+            .collect();
+        assert_eq!(unfinished.len(), 5, "{}: 4 acme + 1 globex", s.label);
+        assert!(!unfinished.contains(&acme[1].run_id), "{}", s.label);
+    }
+}
+
+#[tokio::test]
+async fn a_stale_commit_is_refused_and_leaves_no_event_behind() {
+    for s in subjects().await {
+        let store = &*s.store;
+        let v1_run = new_run("acme");
+        create(store, &v1_run).await;
+        let v2 = next(&v1_run, v1::RunState::Running);
+        store
+            .commit(&v2, &events(&v2, 2, "dispatched"))
+            .await
+            .unwrap();
+
+        // A second writer that also read version 1.
+        let stale = next(&v1_run, v1::RunState::Cancelled);
+        let err = store
+            .commit(&stale, &events(&stale, 2, "cancelled"))
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                StoreError::Conflict {
+                    expected: 1,
+                    found: 2,
+                    ..
+                }
+            ),
+            "{}: {err}",
+            s.label
+        );
+        let stored = store.get(&v1_run.run_id).await.unwrap().unwrap();
+        assert_eq!(stored, v2, "{}", s.label);
+        let seqs: Vec<u64> = store
+            .run_events(&v1_run.run_id, 0)
+            .await
+            .unwrap()
+            .iter()
+            .map(|e| e.sequence)
+            .collect();
+        assert_eq!(seqs, [1, 2], "{}", s.label);
+        let kinds: Vec<String> = store
+            .cloud_events(None, 100)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|e| e.r#type)
+            .collect();
+        assert_eq!(kinds, ["started", "dispatched"], "{}", s.label);
+        assert_eq!(
+            store
+                .run_events(&v1_run.run_id, 1)
+                .await
+                .unwrap()
+                .iter()
+                .map(|e| e.sequence)
+                .collect::<Vec<_>>(),
+            [2],
+            "{}",
+            s.label
+        );
+
+        // Skipping a version is as stale as repeating one.
+        let mut ahead = next(&v2, v1::RunState::Running);
+        ahead.version += 1;
+        assert!(
+            matches!(
+                store.commit(&ahead, &Events::default()).await,
+                Err(StoreError::Conflict { found: 2, .. })
+            ),
+            "{}",
+            s.label
+        );
+        let ghost = next(&new_run("acme"), v1::RunState::Running);
+        assert!(
+            matches!(
+                store.commit(&ghost, &Events::default()).await,
+                Err(StoreError::NotFound(_))
+            ),
+            "{}",
+            s.label
+        );
+    }
+}
+
+#[tokio::test]
+async fn the_outbox_is_in_commit_order_and_resumes_after_an_event() {
+    for s in subjects().await {
+        let store = &*s.store;
+        let a = new_run("acme");
+        let b = new_run("globex");
+        create(store, &a).await;
+        create(store, &b).await;
+        let (mut a_now, mut b_now) = (a.clone(), b.clone());
+        let mut expected = Vec::new();
+        for round in 0..3 {
+            // Interleaved commits of two runs: the outbox follows commit order, not run.
+            let next_b = next(&b_now, v1::RunState::Running);
+            let eb = events(&next_b, 2 + round, "b");
+            store.commit(&next_b, &eb).await.unwrap();
+            let next_a = next(&a_now, v1::RunState::Running);
+            let ea = events(&next_a, 2 + round, "a");
+            store.commit(&next_a, &ea).await.unwrap();
+            expected.push(eb.cloud[0].id.clone());
+            expected.push(ea.cloud[0].id.clone());
+            (a_now, b_now) = (next_a, next_b);
+        }
+        let all: Vec<String> = store
+            .cloud_events(None, 100)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|e| e.id)
+            .collect();
+        assert_eq!(all.len(), 8, "{}", s.label);
+        assert_eq!(all[2..], expected[..], "{}", s.label);
+
+        let after_third: Vec<String> = store
+            .cloud_events(Some(&all[2]), 3)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|e| e.id)
+            .collect();
+        assert_eq!(after_third, all[3..6], "{}", s.label);
+        // An id no longer in the outbox resumes where it would sort (UUIDv7 by time).
+        let between = format!("{}0", &all[4][..all[4].len() - 1]);
+        let resumed = store.cloud_events(Some(&between), 100).await.unwrap();
+        assert!(
+            resumed.iter().all(|e| e.id > between),
+            "{}: {resumed:?}",
+            s.label
+        );
+        assert!(
+            store
+                .cloud_events(Some(&all[7]), 10)
+                .await
+                .unwrap()
+                .is_empty(),
+            "{}",
+            s.label
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fifty_concurrent_starts_with_one_key_store_one_run() {
+    for s in subjects().await {
+        let key = IdempotencyKey {
+            principal: "oncall@acme".into(),
+            key: "incident-2026-02".into(),
+        };
+        let tasks: Vec<_> = (0..50)
+            .map(|_| {
+                let store = s.store.clone();
+                let key = key.clone();
+                tokio::spawn(async move {
+                    let run = new_run("acme");
+                    let created = store
+                        .create(&run, Some(&key), &events(&run, 1, "started"))
+                        .await
+                        .unwrap();
+                    (run.run_id, created)
+                })
+            })
+            .collect();
+        let mut new = Vec::new();
+        let mut existing = BTreeSet::new();
+        for t in tasks {
+            match t.await.unwrap() {
+                (id, Created::New) => new.push(id),
+                (_, Created::Existing(run)) => {
+                    existing.insert(run.run_id);
+                }
+            }
+        }
+        assert_eq!(new.len(), 1, "{}: exactly one run is stored", s.label);
+        assert!(
+            existing.iter().all(|id| *id == new[0]),
+            "{}: every other start returns it: {existing:?}",
+            s.label
+        );
+        let listed = s.store.list("acme", &[], 100, None).await.unwrap();
+        assert_eq!(listed.runs.len(), 1, "{}", s.label);
+        assert_eq!(
+            s.store.cloud_events(None, 100).await.unwrap().len(),
+            1,
+            "{}: the losers' events were not stored",
+            s.label
+        );
+        // The same key of another principal is another run.
+        let other = IdempotencyKey {
+            principal: "analyst@acme".into(),
+            ..key
+        };
+        let run = new_run("acme");
+        assert!(
+            matches!(
+                s.store
+                    .create(&run, Some(&other), &Events::default())
+                    .await
+                    .unwrap(),
+                Created::New
+            ),
+            "{}",
+            s.label
+        );
+    }
+}
+
+#[tokio::test]
+async fn subscribers_hear_of_commits() {
+    for s in subjects().await {
+        let mut notes = s.store.subscribe();
+        let run = new_run("acme");
+        create(&*s.store, &run).await;
+        let note = tokio::time::timeout(Duration::from_secs(5), notes.recv())
+            .await
+            .expect("a notification")
+            .unwrap();
+        assert_eq!(
+            (note.run_id.as_str(), note.last_sequence, note.cloud),
+            (run.run_id.as_str(), 1, true),
+            "{}",
+            s.label
+        );
+    }
+}
+
+#[tokio::test]
+async fn leases_go_to_one_owner_until_released_or_expired() {
+    for s in subjects().await {
+        let store = &*s.store;
+        let runs: Vec<v1::Run> = (0..3).map(|_| new_run("acme")).collect();
+        for r in &runs {
+            create(store, r).await;
+        }
+        let mut done = new_run("acme");
+        done.state = v1::RunState::Succeeded as i32;
+        create(store, &done).await;
+        let ids = |v: &[v1::Run]| v.iter().map(|r| r.run_id.clone()).collect::<Vec<_>>();
+        let all = ids(&runs);
+        let hour = Duration::from_secs(3600);
+
+        let a = store.claim_runs("replica-a", hour, 10).await.unwrap();
+        assert_eq!(ids(&a), all, "{}: unfinished runs, oldest first", s.label);
+        assert!(
+            store
+                .claim_runs("replica-b", hour, 10)
+                .await
+                .unwrap()
+                .is_empty(),
+            "{}: held by a",
+            s.label
+        );
+        // Claiming again returns nothing new, so a replica may claim in a loop.
+        assert!(
+            store
+                .claim_runs("replica-a", hour, 2)
+                .await
+                .unwrap()
+                .is_empty(),
+            "{}",
+            s.label
+        );
+
+        assert!(
+            store.release("replica-a", &all[1]).await.unwrap(),
+            "{}",
+            s.label
+        );
+        assert!(
+            !store.release("replica-b", &all[0]).await.unwrap(),
+            "{}: b holds nothing",
+            s.label
+        );
+        assert_eq!(
+            ids(&store.claim_runs("replica-b", hour, 10).await.unwrap()),
+            [all[1].clone()],
+            "{}",
+            s.label
+        );
+        assert_eq!(
+            store.renew_lease("replica-a", &all, hour).await.unwrap(),
+            [all[0].clone(), all[2].clone()],
+            "{}: a lost the released run",
+            s.label
+        );
+
+        // Leases that run out are claimable by another owner.
+        let short = store
+            .renew_lease("replica-b", &all, Duration::from_millis(1))
+            .await
+            .unwrap();
+        assert_eq!(short, [all[1].clone()], "{}", s.label);
+        store
+            .renew_lease("replica-a", &all, Duration::from_millis(1))
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert_eq!(
+            ids(&store.claim_runs("replica-c", hour, 10).await.unwrap()),
+            all,
+            "{}",
+            s.label
+        );
+        assert!(
+            store
+                .renew_lease("replica-a", &all, hour)
+                .await
+                .unwrap()
+                .is_empty(),
+            "{}: a's leases are gone",
+            s.label
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_claimers_never_get_the_same_run() {
+    for s in subjects().await {
+        let mut all = BTreeSet::new();
+        for _ in 0..30 {
+            let run = new_run("acme");
+            create(&*s.store, &run).await;
+            all.insert(run.run_id);
+        }
+        let claimer = |owner: &'static str| {
+            let store = s.store.clone();
+            tokio::spawn(async move {
+                let mut mine = Vec::new();
+                loop {
+                    let got = store
+                        .claim_runs(owner, Duration::from_secs(3600), 2)
+                        .await
+                        .unwrap();
+                    if got.is_empty() {
+                        return mine;
+                    }
+                    mine.extend(got.into_iter().map(|r| r.run_id));
+                    tokio::task::yield_now().await;
+                }
+            })
+        };
+        let (a, b) = tokio::join!(claimer("replica-a"), claimer("replica-b"));
+        let (a, b) = (a.unwrap(), b.unwrap());
+        let a_set: BTreeSet<String> = a.iter().cloned().collect();
+        let b_set: BTreeSet<String> = b.iter().cloned().collect();
+        assert!(
+            a_set.is_disjoint(&b_set),
+            "{}: both claimed {:?}",
+            s.label,
+            a_set.intersection(&b_set).collect::<Vec<_>>()
+        );
+        let union: BTreeSet<String> = a_set.union(&b_set).cloned().collect();
+        assert_eq!(union, all, "{}: every run was claimed", s.label);
+    }
+}
+
+#[tokio::test]
+async fn runs_created_by_an_owner_are_leased_to_it() {
+    for t in test_databases().await {
+        let store = SqlRunStore::open(t.db.clone())
+            .await
+            .unwrap()
+            .with_owner("replica-a", Duration::from_secs(3600));
+        let run = new_run("acme");
+        create(&store, &run).await;
+        assert!(
+            store
+                .claim_runs("replica-b", Duration::from_secs(60), 10)
+                .await
+                .unwrap()
+                .is_empty(),
+            "{}",
+            t.label
+        );
+        let held = vec![run.run_id.clone()];
+        assert_eq!(
+            store
+                .renew_lease("replica-a", &held, Duration::from_secs(60))
+                .await
+                .unwrap(),
+            held,
+            "{}",
+            t.label
+        );
+    }
+    let memory = MemoryStore::default().with_owner("replica-a", Duration::from_secs(3600));
+    let run = new_run("acme");
+    create(&memory, &run).await;
+    assert!(
+        memory
+            .claim_runs("replica-b", Duration::from_secs(60), 10)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+}
+
+#[tokio::test]
+async fn the_ledger_records_every_delegation_transition_and_every_decision() {
+    for t in test_databases().await {
+        let store = SqlRunStore::open(t.db.clone()).await.unwrap();
+        let v1_run = new_run("acme");
+        create(&store, &v1_run).await;
+
+        let mut v2 = next(&v1_run, v1::RunState::Running);
+        v2.delegations[0].state = v1::DelegationState::Dispatched as i32;
+        v2.delegations[0].worker_id = "worker-1".into();
+        v2.delegations[0].attempts = 1;
+        store.commit(&v2, &Events::default()).await.unwrap();
+
+        // No delegation changes: no ledger row.
+        let v3 = next(&v2, v1::RunState::Running);
+        store.commit(&v3, &Events::default()).await.unwrap();
+
+        let decision = |revision| v1::JoinDecision {
+            revision,
+            outcome: v1::JoinOutcome::PartialEvidence as i32,
+            decided_at: Some(to_timestamp(SystemTime::now())),
+            ..Default::default()
+        };
+        let mut v4 = next(&v3, v1::RunState::Partial);
+        v4.delegations[0].state = v1::DelegationState::Completed as i32;
+        v4.delegations[1].state = v1::DelegationState::Failed as i32;
+        // A nested child appears.
+        let mut child = delegation("d1.1", v1::DelegationState::Pending);
+        child.task.as_mut().unwrap().parent_delegation_id = "d1".into();
+        v4.delegations.push(child);
+        v4.decision = Some(decision(1));
+        v4.revisions = vec![decision(1)];
+        store.commit(&v4, &Events::default()).await.unwrap();
+
+        let mut v5 = next(&v4, v1::RunState::Partial);
+        v5.decision = Some(decision(2));
+        v5.revisions = vec![decision(1), decision(2)];
+        store.commit(&v5, &Events::default()).await.unwrap();
+
+        let ledger = store.ledger(&v1_run.run_id).await.unwrap();
+        let rows: Vec<(String, u64, i32)> = ledger
+            .iter()
+            .map(|e| (e.delegation_id.clone(), e.run_version, e.state))
+            .collect();
+        use v1::DelegationState as S;
+        assert_eq!(
+            rows,
+            [
+                ("d1".into(), 1, S::Pending as i32),
+                ("d2".into(), 1, S::Pending as i32),
+                ("d1".into(), 2, S::Dispatched as i32),
+                ("d1".into(), 4, S::Completed as i32),
+                ("d1.1".into(), 4, S::Pending as i32),
+                ("d2".into(), 4, S::Failed as i32),
+            ],
+            "{}",
+            t.label
+        );
+        assert_eq!(ledger[2].worker_id, "worker-1", "{}", t.label);
+        assert_eq!(ledger[2].attempts, 1, "{}", t.label);
+        assert_eq!(ledger[4].parent_delegation_id, "d1", "{}", t.label);
+
+        let revisions: Vec<u32> = store
+            .decisions(&v1_run.run_id)
+            .await
+            .unwrap()
+            .iter()
+            .map(|d| d.revision)
+            .collect();
+        assert_eq!(revisions, [1, 2], "{}", t.label);
+
+        // A refused commit records no transition.
+        let mut stale = next(&v3, v1::RunState::Cancelled);
+        stale.delegations[1].state = v1::DelegationState::Cancelled as i32;
+        assert!(store.commit(&stale, &Events::default()).await.is_err());
+        assert_eq!(
+            store.ledger(&v1_run.run_id).await.unwrap().len(),
+            6,
+            "{}",
+            t.label
+        );
+    }
+}
+
+#[tokio::test]
+async fn another_process_commits_reach_subscribers_and_relays_resume() {
+    for t in test_databases().await {
+        // Two handles on one database, as two supervisor replicas would have.
+        let other_db = convene_store::Database::connect(t.db.url()).await.unwrap();
+        let here = SqlRunStore::open(t.db.clone()).await.unwrap();
+        let there = SqlRunStore::open(other_db).await.unwrap();
+        let mut notes = here.subscribe();
+
+        let run = new_run("acme");
+        create(&there, &run).await;
+        let note = tokio::time::timeout(Duration::from_secs(5), notes.recv())
+            .await
+            .expect("the poll reports the other process's commit")
+            .unwrap();
+        assert_eq!(note.run_id, run.run_id, "{}", t.label);
+        assert_eq!(note.last_sequence, 1, "{}", t.label);
+        assert!(note.cloud, "{}", t.label);
+        assert_eq!(
+            here.get(&run.run_id).await.unwrap(),
+            Some(run),
+            "{}",
+            t.label
+        );
+
+        // Relay cursors.
+        assert_eq!(
+            here.relay_cursor("nats").await.unwrap(),
+            None,
+            "{}",
+            t.label
+        );
+        let first = here.cloud_events(None, 1).await.unwrap().remove(0);
+        here.acknowledge("nats", &first.id).await.unwrap();
+        assert_eq!(
+            there.relay_cursor("nats").await.unwrap(),
+            Some(first.id.clone()),
+            "{}",
+            t.label
+        );
+        assert!(
+            matches!(
+                here.acknowledge("nats", "no-such-event").await,
+                Err(StoreError::NotFound(_))
+            ),
+            "{}",
+            t.label
+        );
+    }
+}
