@@ -90,6 +90,11 @@ pub struct Verifier {
     /// Few keys (one or two, three during a rotation overlap), so a linear scan beats a
     /// hash map. Each is parsed and checked once here rather than per token.
     keys: Vec<TrustedKey>,
+    /// Tokens whose structure and signature were already checked with these keys, with
+    /// their claims. A task token is presented many times (every tool call, every
+    /// evidence write); its bytes cannot change without failing the lookup, so only the
+    /// time checks are repeated. Shared by clones; rebuilt with the keys.
+    verified: std::sync::Arc<VerifiedTokens>,
     /// What `jsonwebtoken` checks: EdDSA only, and none of its own time, audience or
     /// required-claim rules (see [`Verifier::verify`] for why).
     validation: Validation,
@@ -135,6 +140,7 @@ impl Verifier {
         validation.leeway = 0;
         Self {
             keys,
+            verified: std::sync::Arc::default(),
             validation,
             leeway: Duration::ZERO,
         }
@@ -237,6 +243,37 @@ impl Verifier {
     /// are off because they read the system clock, round `now` to whole seconds and
     /// treat the `exp` second itself as still valid.
     pub fn verify(&self, token: &str, now: SystemTime) -> Result<Claims, TokenError> {
+        let claims = match self.verified.get(token) {
+            Some(claims) => claims,
+            None => {
+                let claims = self.verify_signature(token)?;
+                self.verified.insert(token, &claims);
+                claims
+            }
+        };
+        let now = now.duration_since(UNIX_EPOCH).unwrap_or(Duration::ZERO);
+        if now.saturating_add(self.leeway) < Duration::from_secs(claims.not_before) {
+            return Err(TokenError::NotYetValid {
+                not_before: claims.not_before,
+            });
+        }
+        if now >= Duration::from_secs(claims.expires_at).saturating_add(self.leeway) {
+            return Err(TokenError::Expired {
+                expired_at: claims.expires_at,
+            });
+        }
+        Ok(claims)
+    }
+
+    /// Records a token this process signed itself with one of these keys (the issuer),
+    /// so presenting it later costs no signature check. Never call it with a token
+    /// received from elsewhere.
+    pub fn remember_signed(&self, token: &str, claims: &Claims) {
+        self.verified.insert(token, claims);
+    }
+
+    /// Everything but the time checks: structure, algorithm, key, signature, claims.
+    fn verify_signature(&self, token: &str) -> Result<Claims, TokenError> {
         if token.len() > MAX_TOKEN_LEN {
             return Err(TokenError::malformed(format!(
                 "it is {} bytes long, more than the {MAX_TOKEN_LEN} bytes a task token can have",
@@ -322,22 +359,40 @@ impl Verifier {
             .iter()
             .find(|k| *k.kid == *kid)
             .ok_or_else(|| TokenError::UnknownKey { kid: kid.clone() })?;
-        let claims = jsonwebtoken::decode::<Claims>(token, &key.decoding, &self.validation)
-            .map_err(|e| refused_token(e, kid))?
-            .claims;
+        jsonwebtoken::decode::<Claims>(token, &key.decoding, &self.validation)
+            .map(|data| data.claims)
+            .map_err(|e| refused_token(e, kid))
+    }
+}
 
-        let now = now.duration_since(UNIX_EPOCH).unwrap_or(Duration::ZERO);
-        if now.saturating_add(self.leeway) < Duration::from_secs(claims.not_before) {
-            return Err(TokenError::NotYetValid {
-                not_before: claims.not_before,
-            });
+/// A bounded set of verified tokens (by their exact bytes) and their claims.
+#[derive(Debug, Default)]
+struct VerifiedTokens {
+    map: std::sync::Mutex<std::collections::HashMap<Box<str>, Claims>>,
+}
+
+impl VerifiedTokens {
+    /// Entries kept before the set starts over; tokens live minutes, so a full set is
+    /// mostly expired anyway.
+    const CAPACITY: usize = 16_384;
+
+    fn get(&self, token: &str) -> Option<Claims> {
+        self.map
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .get(token)
+            .cloned()
+    }
+
+    fn insert(&self, token: &str, claims: &Claims) {
+        let mut map = self
+            .map
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if map.len() >= Self::CAPACITY {
+            map.clear();
         }
-        if now >= Duration::from_secs(claims.expires_at).saturating_add(self.leeway) {
-            return Err(TokenError::Expired {
-                expired_at: claims.expires_at,
-            });
-        }
-        Ok(claims)
+        map.insert(token.into(), claims.clone());
     }
 }
 
@@ -418,6 +473,53 @@ fn check_base64url(part: &str) -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod cache_tests {
+    use super::*;
+    use crate::SigningKey;
+
+    fn claims(now: u64) -> Claims {
+        serde_json::from_value(serde_json::json!({
+            "iss": "convene-policy", "sub": "p", "aud": ["a"], "iat": now, "nbf": now,
+            "exp": now + 60, "jti": "t", "tenant": "x", "run": "r", "del": "d",
+            "prof": "p", "depth": 1, "scp": [], "tools": [], "max_calls": 1, "redeleg": false
+        }))
+        .expect("claims")
+    }
+
+    #[test]
+    fn a_remembered_token_still_expires_and_other_bytes_are_still_checked() {
+        let key = SigningKey::generate().expect("key");
+        let verifier = Verifier::from_signing_keys([&key]);
+        let signer = Signer::new(key);
+        let now = 2_000_000_000;
+        let token = signer.sign(&claims(now)).expect("signed");
+        let at = |s: u64| UNIX_EPOCH + Duration::from_secs(s);
+        assert!(verifier.verify(&token, at(now + 1)).is_ok());
+        // Second time from the cache: time checks still apply.
+        assert!(matches!(
+            verifier.verify(&token, at(now + 60)),
+            Err(TokenError::Expired { .. })
+        ));
+        assert!(matches!(
+            verifier.verify(&token, at(now - 1)),
+            Err(TokenError::NotYetValid { .. })
+        ));
+        // A tampered copy is not the cached token: it goes through the full check.
+        let mut bytes = token.clone().into_bytes();
+        let last = bytes.len() - 2;
+        bytes[last] = if bytes[last] == b'A' { b'B' } else { b'A' };
+        let tampered = String::from_utf8(bytes).expect("ascii");
+        assert!(verifier.verify(&tampered, at(now + 1)).is_err());
+        // A verifier with other keys shares nothing with this one.
+        let other = Verifier::from_signing_keys([&SigningKey::generate().expect("key")]);
+        assert!(matches!(
+            other.verify(&token, at(now + 1)),
+            Err(TokenError::UnknownKey { .. })
+        ));
+    }
 }
 
 #[cfg(test)]

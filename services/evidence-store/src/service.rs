@@ -190,18 +190,31 @@ impl Inner {
             .map(|e| validate::evidence(e, "evidence", claims, Some(&artifact)))
             .transpose()?;
 
-        let created = self.blobs.put(&artifact, request.content).await?;
-        let (meta, _) = self
+        // Content-addressed: bytes the catalog already lists were written (and synced)
+        // before their entry was, so the same bytes again need no second write. GetArtifact
+        // still re-hashes whatever is on disk.
+        let (meta, created) = match self
             .catalog
-            .put_artifact(ArtifactMeta {
-                artifact: artifact.clone(),
-                media_type,
-                size: size as u64,
-                created_by_delegation: claims.delegation_id.clone(),
-                created_by_tool_call: request.tool_call_id,
-                created_at: SystemTime::now(),
-            })
-            .await?;
+            .artifact(&claims.tenant, &artifact.sha256)
+            .await?
+        {
+            Some(known) => (known, false),
+            None => {
+                let created = self.blobs.put(&artifact, request.content).await?;
+                let (meta, _) = self
+                    .catalog
+                    .put_artifact(ArtifactMeta {
+                        artifact: artifact.clone(),
+                        media_type,
+                        size: size as u64,
+                        created_by_delegation: claims.delegation_id.clone(),
+                        created_by_tool_call: request.tool_call_id,
+                        created_at: SystemTime::now(),
+                    })
+                    .await?;
+                (meta, created)
+            }
+        };
         let evidence = match evidence {
             Some(e) => Some(self.store_evidence(&claims.tenant, e).await?),
             None => None,

@@ -315,6 +315,9 @@ impl Inner {
         let mut tokens = Vec::with_capacity(planned.len());
         for Planned { claims, narrowed } in planned {
             let token = keys.signer.sign(&claims)?;
+            // Authorize will see this token on every tool call; it was signed here, so
+            // its signature needs no checking when it comes back.
+            keys.verifier.remember_signed(&token, &claims);
             let expires_at = from_unix_seconds(claims.expires_at).unwrap_or(now);
             self.state
                 .record_issued(&IssuedToken {
