@@ -73,6 +73,10 @@ pub struct BenchArgs {
     /// Workers of the started mesh.
     #[arg(long, default_value_t = 2)]
     pub workers: usize,
+    /// Database of the started mesh: a SQLite path/URL or postgres://... URL
+    /// [default: SQLite in the data directory]; `memory` keeps state in memory.
+    #[arg(long = "store", value_name = "URL")]
+    pub database_url: Option<String>,
     /// Print one JSON object instead of the human summary.
     #[arg(long)]
     pub json: bool,

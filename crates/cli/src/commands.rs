@@ -217,6 +217,109 @@ async fn follow(client: &Client, run: &v1::Run, show: bool) -> anyhow::Result<()
     Ok(())
 }
 
+/// Options of `convene events`.
+#[derive(Debug, Clone, Default)]
+pub struct EventsOptions {
+    /// Start after this event id (exclusive); None: from the oldest event.
+    pub after: Option<String>,
+    /// Keep following new events (reconnecting from the last one printed when the
+    /// stream breaks) instead of stopping at the end of the backlog.
+    pub follow: bool,
+    /// Only this run's events.
+    pub run_id: Option<String>,
+    /// Only these types (full, `dev.convene.run.completed.v1`, or short, `run.completed`).
+    pub types: Vec<String>,
+    /// Print each event as one line of JSON (the CloudEvents JSON format).
+    pub json: bool,
+}
+
+/// The full CloudEvents type for a `--type` value: `run.completed` stands for
+/// `dev.convene.run.completed.v1`; a full type is kept.
+pub fn event_type(given: &str) -> String {
+    let given = given.trim();
+    if given.starts_with("dev.convene.") {
+        given.to_owned()
+    } else {
+        format!("dev.convene.{given}.v1")
+    }
+}
+
+/// `convene events`: prints the tenant's events from the supervisor's outbox in commit
+/// order, one per line: as CloudEvents JSON (`--json`), or as `time type subject id`.
+/// With `follow` it keeps printing new events and, when the stream breaks (the
+/// supervisor restarts), resumes after the last event printed, so none is missed or
+/// printed twice. Returns how many events it printed.
+pub async fn events(client: &Client, opts: &EventsOptions) -> anyhow::Result<usize> {
+    let supervisor = client.supervisor()?;
+    let types: Vec<String> = opts.types.iter().map(|t| event_type(t)).collect();
+    let mut after = opts.after.clone();
+    let mut printed = 0;
+    let mut retry = Duration::from_millis(200);
+    loop {
+        let opened = supervisor
+            .watch_events(client.request(v1::WatchEventsRequest {
+                after_event_id: after.clone().unwrap_or_default(),
+                types: types.clone(),
+                run_id: opts.run_id.clone().unwrap_or_default(),
+                follow: opts.follow,
+            }))
+            .await;
+        let mut stream = match opened {
+            Ok(s) => s.into_inner(),
+            Err(s) if opts.follow && printed > 0 && s.code() == tonic::Code::Unavailable => {
+                tokio::time::sleep(retry).await;
+                retry = (retry * 2).min(Duration::from_secs(5));
+                continue;
+            }
+            Err(s) => return Err(client.explain(&s)),
+        };
+        let broke = loop {
+            match stream.next().await {
+                None => break None,
+                Some(Err(s)) => break Some(s),
+                Some(Ok(item)) => {
+                    let Some(event) = item.event else { continue };
+                    if opts.json {
+                        println!(
+                            "{}",
+                            serde_json::to_string(&convene_supervisor::events::to_json(&event))?
+                        );
+                    } else {
+                        println!("{}", event_line(&event));
+                    }
+                    printed += 1;
+                    retry = Duration::from_millis(200);
+                    after = Some(event.id);
+                }
+            }
+        };
+        match broke {
+            None => return Ok(printed),
+            Some(s) if opts.follow && s.code() == tonic::Code::Unavailable => {
+                eprintln!(
+                    "convene events: the stream broke ({}); resuming after {}",
+                    s.message(),
+                    after.as_deref().unwrap_or("the start")
+                );
+                tokio::time::sleep(retry).await;
+            }
+            Some(s) => return Err(client.explain(&s)),
+        }
+    }
+}
+
+/// One event as a line of text: time (RFC 3339), short type, subject, id.
+fn event_line(event: &v1::CloudEvent) -> String {
+    let json = convene_supervisor::events::to_json(event);
+    let time = json["time"].as_str().unwrap_or_default();
+    let short = event
+        .r#type
+        .strip_prefix("dev.convene.")
+        .and_then(|t| t.strip_suffix(".v1"))
+        .unwrap_or(&event.r#type);
+    format!("{time}  {short:<20} {}  {}", event.subject, event.id)
+}
+
 /// `convene runs get`.
 pub async fn runs_get(
     client: &Client,

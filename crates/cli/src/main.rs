@@ -5,8 +5,8 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand, ValueEnum};
 use convene_cli::client::{Client, DEFAULT_DATA_DIR, DEFAULT_ENDPOINT};
-use convene_cli::commands::{self, RunOptions};
-use convene_cli::{report, spec, up};
+use convene_cli::commands::{self, EventsOptions, RunOptions};
+use convene_cli::{bench, report, spec, up};
 use convene_proto::v1;
 use convene_server::cli::{LogFormat, ServiceArgs};
 use convene_server::{Shutdown, dump};
@@ -83,10 +83,40 @@ enum Command {
         #[command(flatten)]
         client: ClientArgs,
     },
+    /// Measure the mesh: a closed-loop load generator over the noop or payment-incident
+    /// workload, reporting runs/s, latency percentiles (HDR histogram), CPU per run and
+    /// peak RSS. Starts a mesh in this process unless --endpoint is given.
+    Bench(bench::BenchArgs),
     /// Validate a run spec offline and explain what it asks for.
     Check {
         /// Run spec file (YAML or JSON).
         file: PathBuf,
+    },
+    /// Print your tenant's run events (CloudEvents 1.0, from the supervisor's outbox) in
+    /// commit order, one per line. Resume where you left off with --after LAST_ID;
+    /// consumers dedupe by event id.
+    Events {
+        /// Start after this event id (exclusive). Default: from the oldest event.
+        #[arg(long, value_name = "EVENT_ID")]
+        after: Option<String>,
+        /// Keep printing new events as they are committed (Ctrl-C stops); when the
+        /// supervisor restarts, resume after the last event printed.
+        #[arg(long)]
+        follow: bool,
+        /// Only this run's events.
+        #[arg(long = "run", value_name = "RUN_ID")]
+        run_id: Option<String>,
+        /// Only events of this type (repeatable): dev.convene.run.completed.v1, or short
+        /// run.started, delegation.completed, join.decided, run.completed,
+        /// approval.requested.
+        #[arg(long = "type", value_name = "TYPE")]
+        types: Vec<String>,
+        /// Print each event as one line of JSON in the CloudEvents JSON format
+        /// (specversion, id, source, type, subject, time, data, correlationid, tenantid).
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        client: ClientArgs,
     },
     /// Inspect runs.
     Runs {
@@ -277,6 +307,54 @@ fn init_telemetry_quiet() -> convene_telemetry::Telemetry {
     convene_telemetry::init(convene_telemetry::ONE_PROCESS_SERVICE_NAME, &settings)
 }
 
+/// `convene bench`: against --endpoint, or a mesh started in this process with the
+/// workload's policy, profiles and data in a fresh directory (or --data-dir).
+async fn run_bench(
+    args: &bench::BenchArgs,
+    data_dir: Option<&std::path::Path>,
+) -> anyhow::Result<bench::Report> {
+    let telemetry = init_telemetry_quiet();
+    let repo = std::env::current_dir()?;
+    let scratch = tempfile::tempdir()?;
+    let dir = data_dir.map_or_else(|| scratch.path().to_owned(), std::path::Path::to_owned);
+    let prepared = bench::prepare(args.workload, &dir.join("bench"), &repo)?;
+    let report = if let Some(endpoint) = &args.endpoint {
+        let c = Client::resolve(endpoint.clone(), None, &dir, None, args.credential.clone())?;
+        let driver = bench::Driver::grpc(endpoint, c.credential)?;
+        bench::measure(&driver, &prepared.spec, prepared.expected, args, &[]).await?
+    } else {
+        let mut up_args = up::UpArgs::defaults("127.0.0.1:0".parse()?);
+        up_args.policy_file = Some(prepared.policy.clone());
+        up_args.profiles_file = Some(prepared.profiles.clone());
+        up_args.tools_data_dir = prepared.data.clone();
+        up_args.workers = args.workers;
+        up_args.capacity = 4096;
+        up_args.database_url = args.database_url.clone();
+        let mesh = up::start(&up_args, &dir, Shutdown::new()).await?;
+        let credential = convene_mesh::policy_file::dev_credential(
+            &dir.join("credentials"),
+            &mesh.default_principal,
+        )?;
+        let driver = bench::Driver {
+            supervisor: std::sync::Arc::new(mesh.supervisor.clone()),
+            credential,
+        };
+        let report = bench::measure(
+            &driver,
+            &prepared.spec,
+            prepared.expected,
+            args,
+            &[std::process::id()],
+        )
+        .await;
+        mesh.shutdown.trigger();
+        mesh.stopped().await?;
+        report?
+    };
+    telemetry.shutdown().await;
+    Ok(report)
+}
+
 fn jaeger() -> Option<String> {
     std::env::var("CONVENE_JAEGER_URL")
         .ok()
@@ -330,6 +408,19 @@ async fn main_inner(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Up(args) => {
             up::run(args, &data_dir).await?;
             Ok(ExitCode::SUCCESS)
+        }
+        Command::Bench(args) => {
+            let report = run_bench(&args, explicit_data_dir.as_deref()).await?;
+            if args.json {
+                println!("{}", serde_json::to_string(&report)?);
+            } else {
+                println!("{}", bench::summary(&report));
+            }
+            Ok(if report.errors == 0 {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::from(2)
+            })
         }
         Command::Serve { service } => {
             let dir = explicit_data_dir.as_ref();
@@ -394,6 +485,24 @@ async fn main_inner(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Check { file } => {
             let spec = spec::load(&file)?;
             print!("{}", spec::explain(&spec, std::time::SystemTime::now())?);
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Events {
+            after,
+            follow,
+            run_id,
+            types,
+            json,
+            client: c,
+        } => {
+            let opts = EventsOptions {
+                after,
+                follow,
+                run_id,
+                types,
+                json,
+            };
+            commands::events(&client(&data_dir, c)?, &opts).await?;
             Ok(ExitCode::SUCCESS)
         }
         Command::Runs { command } => match command {

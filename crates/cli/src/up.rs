@@ -4,6 +4,10 @@
 //! through in-process handles (a direct async call, no socket, no encoding), and the
 //! gRPC server exposes all of them on one listener for clients. Workers run in-process
 //! too and register with the supervisor's registry like remote ones do.
+//!
+//! State outlives the process: a `convene up` started again on the same data directory
+//! resumes the runs the previous one left unfinished (its supervisor keeps one replica
+//! id in the data directory, so it takes them back at once).
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -64,6 +68,12 @@ pub struct UpArgs {
     /// convene.db in the data directory]
     #[arg(long, env = "CONVENE_DATABASE_URL", value_name = "URL")]
     pub database_url: Option<String>,
+    /// Also publish every run event (the CloudEvents outbox) to this NATS server's
+    /// JetStream, e.g. nats://127.0.0.1:4222: stream CONVENE_EVENTS, subjects
+    /// convene.events.<type>, deduplicated by event id (Nats-Msg-Id). [default: events
+    /// reach `convene events` and WatchEvents subscribers only]
+    #[arg(long, env = "CONVENE_NATS_URL", value_name = "URL")]
+    pub nats_url: Option<String>,
     /// Log line format.
     #[arg(long, value_enum, default_value_t = LogFormat::Text, env = "CONVENE_LOG_FORMAT")]
     pub log_format: LogFormat,
@@ -87,6 +97,7 @@ impl UpArgs {
             capacity: 64,
             default_principal: None,
             database_url: None,
+            nats_url: None,
             log_format: LogFormat::Text,
             otlp_endpoint: None,
         }
@@ -323,19 +334,30 @@ pub async fn start(args: &UpArgs, data_dir: &Path, shutdown: Shutdown) -> anyhow
         Arc::new(convene_approval::ApprovalService::new(policy.clone()).with_store(approvals));
     let approval_handle: ApprovalHandle = approval_service.clone();
 
+    // One supervisor per data directory: its replica id is kept there, so a restarted
+    // `convene up` takes back the runs it left unfinished at once.
+    let supervisor_config = convene_supervisor::Config {
+        data_dir: data_dir.to_owned(),
+        replica_id: Some(
+            convene_supervisor::persistent_replica_id(data_dir)
+                .context("reading the supervisor's replica id in the data directory")?,
+        ),
+        nats_url: args.nats_url.clone(),
+        ..convene_supervisor::Config::default()
+    };
+    supervisor_config.check()?;
+    let replica = supervisor_config.replica();
+    let lease_ttl = supervisor_config.run_lease_ttl;
     let run_store: Arc<dyn convene_supervisor::RunStore> = match database {
         Some(db) => Arc::new(
             SqlRunStore::open(db)
                 .await
-                .context("opening the run store")?,
+                .context("opening the run store")?
+                .with_owner(replica, lease_ttl),
         ),
-        None => Arc::new(MemoryStore::default()),
+        None => Arc::new(MemoryStore::default().with_owner(replica, lease_ttl)),
     };
     let connector = Arc::new(MeshConnector::default());
-    let supervisor_config = convene_supervisor::Config {
-        data_dir: data_dir.to_owned(),
-        ..convene_supervisor::Config::default()
-    };
     let (supervisor, registry) = convene_supervisor::build(convene_supervisor::Parts {
         policy: policy_handle.clone(),
         evidence: evidence_handle.clone(),

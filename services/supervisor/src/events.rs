@@ -1,4 +1,5 @@
-//! Building run events (WatchRun) and CloudEvents 1.0 envelopes (the outbox).
+//! Building run events (WatchRun) and CloudEvents 1.0 envelopes (the outbox), and the
+//! CloudEvents JSON event format the relay publishes and `convene events --json` prints.
 
 use std::time::SystemTime;
 
@@ -32,6 +33,73 @@ pub fn to_struct(value: serde_json::Value) -> Struct {
                 .collect(),
         },
     }
+}
+
+/// Converts a protobuf `Struct` back into JSON (numbers are JSON numbers; integral
+/// values print without a fraction).
+pub fn from_struct(s: &Struct) -> serde_json::Value {
+    serde_json::Value::Object(
+        s.fields
+            .iter()
+            .map(|(k, v)| (k.clone(), from_value(v)))
+            .collect(),
+    )
+}
+
+fn from_value(value: &Value) -> serde_json::Value {
+    match &value.kind {
+        None | Some(Kind::NullValue(_)) => serde_json::Value::Null,
+        Some(Kind::BoolValue(b)) => serde_json::Value::Bool(*b),
+        Some(Kind::NumberValue(n)) => {
+            // Counts and revisions went in as integers; give them back as integers.
+            #[allow(clippy::cast_possible_truncation, clippy::float_cmp)]
+            let integral = n.fract() == 0.0 && n.abs() < 9.0e15;
+            if integral {
+                json!(*n as i64)
+            } else {
+                serde_json::Number::from_f64(*n).map_or(serde_json::Value::Null, Into::into)
+            }
+        }
+        Some(Kind::StringValue(s)) => serde_json::Value::String(s.clone()),
+        Some(Kind::ListValue(l)) => {
+            serde_json::Value::Array(l.values.iter().map(from_value).collect())
+        }
+        Some(Kind::StructValue(s)) => from_struct(s),
+    }
+}
+
+/// An event in the CloudEvents 1.0 JSON event format (structured content mode):
+/// `specversion`, `id`, `source`, `type`, `subject`, `time` (RFC 3339), `datacontenttype`,
+/// `dataschema`, the extension attributes `correlationid` (the run id) and `tenantid`,
+/// and `data` as JSON. This is what the NATS relay publishes and what
+/// `convene events --json` prints, one event per line.
+pub fn to_json(event: &v1::CloudEvent) -> serde_json::Value {
+    let time = event
+        .time
+        .as_ref()
+        .and_then(|t| convene_core::time::from_timestamp(t, "time").ok())
+        .map(|t| humantime::format_rfc3339_micros(t).to_string());
+    let mut out = serde_json::Map::new();
+    out.insert("specversion".into(), json!(event.spec_version));
+    out.insert("id".into(), json!(event.id));
+    out.insert("source".into(), json!(event.source));
+    out.insert("type".into(), json!(event.r#type));
+    out.insert("subject".into(), json!(event.subject));
+    if let Some(time) = time {
+        out.insert("time".into(), json!(time));
+    }
+    out.insert("datacontenttype".into(), json!(event.data_content_type));
+    out.insert("dataschema".into(), json!(event.data_schema));
+    out.insert("correlationid".into(), json!(event.correlation_id));
+    out.insert("tenantid".into(), json!(event.tenant_id));
+    out.insert(
+        "data".into(),
+        event
+            .data
+            .as_ref()
+            .map_or(serde_json::Value::Null, from_struct),
+    );
+    serde_json::Value::Object(out)
 }
 
 fn to_value(value: serde_json::Value) -> Value {
@@ -158,5 +226,40 @@ mod tests {
         );
         let wrapped = to_struct(json!("plain"));
         assert!(wrapped.fields.contains_key("value"));
+    }
+
+    #[test]
+    fn struct_round_trips_to_the_same_json() {
+        let original = json!({"runId": "r1", "revision": 2, "ratio": 0.25, "ok": true,
+            "accepted": ["a", "b"], "nested": {"none": null}});
+        assert_eq!(from_struct(&to_struct(original.clone())), original);
+    }
+
+    #[test]
+    fn cloud_events_print_in_the_cloudevents_json_format() {
+        let run = v1::Run {
+            run_id: "0190e6a0-0000-7000-8000-000000000001".into(),
+            tenant: "acme".into(),
+            ..Default::default()
+        };
+        let at = SystemTime::UNIX_EPOCH + std::time::Duration::from_micros(1_785_000_000_123_456);
+        let event = cloud(
+            RUN_COMPLETED,
+            &run,
+            None,
+            at,
+            json!({"runId": run.run_id, "revision": 1}),
+        );
+        let j = to_json(&event);
+        assert_eq!(j["specversion"], "1.0");
+        assert_eq!(j["id"], event.id.as_str());
+        assert_eq!(j["type"], RUN_COMPLETED);
+        assert_eq!(j["source"], SOURCE);
+        assert_eq!(j["subject"], format!("runs/{}", run.run_id));
+        assert_eq!(j["correlationid"], run.run_id.as_str());
+        assert_eq!(j["tenantid"], "acme");
+        assert_eq!(j["datacontenttype"], "application/json");
+        assert_eq!(j["time"], "2026-07-25T17:20:00.123456Z");
+        assert_eq!(j["data"], json!({"runId": run.run_id, "revision": 1}));
     }
 }

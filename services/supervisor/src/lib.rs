@@ -9,12 +9,19 @@
 //! proposed actions above R1 become approval requests, never actions.
 //!
 //! Runs and their events live behind [`store::RunStore`]; the supervisor is their only
-//! writer and every commit carries the version it read.
+//! writer and every commit carries the version it read, and the lease of the replica
+//! that runs it. A restarted supervisor, or another replica once the lease expired,
+//! resumes every unfinished run where its stored state left it ([`recovery`]). The
+//! outbox of CloudEvents reaches `WatchEvents` subscribers, and NATS JetStream when
+//! configured ([`relay`]).
 #![forbid(unsafe_code)]
 
+pub mod crash;
 pub mod events;
 pub mod plan;
+mod recovery;
 pub mod registry;
+mod relay;
 mod run;
 mod service;
 pub mod sql;
@@ -39,6 +46,7 @@ use convene_server::{GrpcServer, ServerSettings, Shutdown};
 use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
 
+pub use crash::{CrashPoint, CrashSettings};
 pub use registry::{Connector, MeshConnector, Registry, RegistrySettings};
 pub use service::SupervisorService;
 pub use sql::SqlRunStore;
@@ -49,6 +57,15 @@ pub const EXAMPLE_POLICY: &str = include_str!("../../../examples/payment-inciden
 
 /// The supervisor's well-known port.
 pub const DEFAULT_PORT: u16 = 7400;
+
+/// The JetStream stream the relay publishes to by default.
+pub const DEFAULT_NATS_STREAM: &str = "CONVENE_EVENTS";
+
+/// The subject prefix of relayed events by default.
+pub const DEFAULT_NATS_SUBJECT_PREFIX: &str = "convene.events";
+
+/// The file in a data directory holding the replica id of `convene up`'s supervisor.
+pub const REPLICA_ID_FILE: &str = "supervisor-replica-id";
 
 /// Errors starting the supervisor.
 #[derive(Debug, thiserror::Error)]
@@ -84,6 +101,9 @@ pub enum Error {
     /// The run store cannot be read.
     #[error(transparent)]
     Store(store::StoreError),
+    /// The configuration is inconsistent.
+    #[error("invalid configuration: {0}")]
+    Config(String),
 }
 
 /// Supervisor configuration. The defaults are the development settings of the
@@ -129,6 +149,33 @@ pub struct Config {
     /// Time a worker gets beyond a delegation's deadline to answer.
     #[serde(with = "convene_server::config::duration")]
     pub dispatch_grace: Duration,
+    /// This replica's id: the owner of the runs it leases. Unset: a fresh UUIDv7 at
+    /// every start, and a restarted supervisor takes its runs back once their leases
+    /// expire. A stable id (one process per id!) lets a supervisor that restarts in place
+    /// take its unfinished runs back at once.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replica_id: Option<String>,
+    /// How long a run's lease lasts unless renewed; the replica renews the leases of the
+    /// runs it runs every third of it. When a replica dies, another resumes its runs
+    /// this long after its last renewal.
+    #[serde(with = "convene_server::config::duration")]
+    pub run_lease_ttl: Duration,
+    /// How often unfinished runs whose lease is free or expired are claimed and resumed
+    /// (also once at start).
+    #[serde(with = "convene_server::config::duration")]
+    pub claim_interval: Duration,
+    /// NATS server to relay the outbox to (`nats://host:4222`), JetStream enabled.
+    /// Unset: events reach `WatchEvents` subscribers only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nats_url: Option<String>,
+    /// JetStream stream the relay publishes to; created when missing.
+    pub nats_stream: String,
+    /// Subject prefix of relayed events: an event of type T goes to `<prefix>.<T>`, and
+    /// the stream captures `<prefix>.>`.
+    pub nats_subject_prefix: String,
+    /// TEST-ONLY fault injection: abort the process at a point of a run's life (see
+    /// [`crash`]). Never set outside crash tests.
+    pub crash: CrashSettings,
 }
 
 impl Default for Config {
@@ -153,6 +200,13 @@ impl Default for Config {
             retry_backoff: Duration::from_millis(100),
             max_retry_backoff: Duration::from_secs(2),
             dispatch_grace: Duration::from_secs(2),
+            replica_id: None,
+            run_lease_ttl: Duration::from_secs(15),
+            claim_interval: Duration::from_secs(5),
+            nats_url: None,
+            nats_stream: DEFAULT_NATS_STREAM.to_owned(),
+            nats_subject_prefix: DEFAULT_NATS_SUBJECT_PREFIX.to_owned(),
+            crash: CrashSettings::default(),
         }
     }
 }
@@ -164,6 +218,83 @@ impl Config {
             policy_file::dev_credential_path(&self.data_dir.join("credentials"), "supervisor")
         })
     }
+
+    /// This replica's id: `replica_id` when configured, else a fresh UUIDv7.
+    pub fn replica(&self) -> String {
+        self.replica_id
+            .as_deref()
+            .map(str::trim)
+            .filter(|id| !id.is_empty())
+            .map_or_else(|| uuid::Uuid::now_v7().to_string(), str::to_owned)
+    }
+
+    /// Checks what serde cannot: lease timing and relay names.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Config`] naming the key and what to change.
+    pub fn check(&self) -> Result<(), Error> {
+        if self.run_lease_ttl < Duration::from_millis(300) {
+            return Err(Error::Config(format!(
+                "run_lease_ttl = {:?} is too short: give at least 300ms (leases are renewed every third of it)",
+                self.run_lease_ttl
+            )));
+        }
+        if self.claim_interval.is_zero() {
+            return Err(Error::Config(
+                "claim_interval must be more than zero".to_owned(),
+            ));
+        }
+        if self.nats_url.is_some() {
+            let valid_token = |s: &str| {
+                !s.is_empty()
+                    && s.chars()
+                        .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+            };
+            if !valid_token(&self.nats_stream) {
+                return Err(Error::Config(format!(
+                    "nats_stream = {:?}: use letters, digits, '_' and '-' only",
+                    self.nats_stream
+                )));
+            }
+            if self.nats_subject_prefix.is_empty()
+                || !self.nats_subject_prefix.split('.').all(valid_token)
+            {
+                return Err(Error::Config(format!(
+                    "nats_subject_prefix = {:?}: give dot-separated tokens of letters, digits, '_' and '-' (no wildcards)",
+                    self.nats_subject_prefix
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The replica id of the supervisor that keeps its state in `data_dir` on its own
+/// (`convene up`): read from [`REPLICA_ID_FILE`], created on first use. Being stable
+/// across restarts, it lets a restarted `convene up` take its unfinished runs back at
+/// once.
+///
+/// # Errors
+///
+/// When the file cannot be read or written.
+pub fn persistent_replica_id(data_dir: &std::path::Path) -> std::io::Result<String> {
+    let path = data_dir.join(REPLICA_ID_FILE);
+    match std::fs::read_to_string(&path) {
+        Ok(id) if !id.trim().is_empty() => Ok(id.trim().to_owned()),
+        Ok(_) => write_replica_id(&path),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => write_replica_id(&path),
+        Err(e) => Err(e),
+    }
+}
+
+fn write_replica_id(path: &std::path::Path) -> std::io::Result<String> {
+    let id = uuid::Uuid::now_v7().to_string();
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    std::fs::write(path, format!("{id}\n"))?;
+    Ok(id)
 }
 
 /// Loads the policy file named by `path`, or the embedded example when `None`, and adds
@@ -194,6 +325,10 @@ pub(crate) struct Settings {
 
 /// What a run actor needs from the rest of the supervisor.
 pub(crate) struct Deps {
+    /// This replica's id and lease length, when the store leases runs (see
+    /// [`RunStore::owner`]); None: no leases, no recovery.
+    pub(crate) lease: Option<recovery::Lease>,
+    pub(crate) crash: crash::Crash,
     pub(crate) policy: PolicyHandle,
     pub(crate) evidence: EvidenceHandle,
     pub(crate) approval: ApprovalHandle,
@@ -222,13 +357,17 @@ pub struct Parts {
     pub store: Arc<dyn RunStore>,
     /// How worker endpoints are reached.
     pub connector: Arc<dyn Connector>,
-    /// Configuration (timings).
+    /// Configuration (timings, leases, the relay, crash points).
     pub config: Config,
     /// Shutdown: streams end and in-flight dispatches are abandoned when it fires.
     pub shutdown: Shutdown,
 }
 
-/// Builds the supervisor service and its worker registry from parts.
+/// Builds the supervisor service and its worker registry from parts, and starts what
+/// runs beside them until `parts.shutdown`: when the store leases runs to this replica
+/// ([`RunStore::owner`], set by `with_owner`), lease renewal and the claiming and
+/// resuming of unfinished runs (at once, then every `claim_interval`); when `nats_url`
+/// is set, the event relay. Must be called inside a Tokio runtime.
 pub fn build(parts: Parts) -> (SupervisorService, Arc<Registry>) {
     let keys = Arc::new(TokenKeys::new(parts.policy.clone()));
     let auth = Authenticator::new(parts.policy_file.clone(), keys);
@@ -249,7 +388,26 @@ pub fn build(parts: Parts) -> (SupervisorService, Arc<Registry>) {
             token.cancel();
         });
     }
+    let lease = parts.store.owner().map(|(owner, ttl)| recovery::Lease {
+        owner: owner.to_owned(),
+        ttl,
+        claim_interval: parts.config.claim_interval,
+        stable: parts.config.replica_id.is_some(),
+    });
+    if let Some(url) = &parts.config.nats_url {
+        relay::spawn(
+            parts.store.clone(),
+            relay::RelaySettings {
+                url: url.clone(),
+                stream: parts.config.nats_stream.clone(),
+                subject_prefix: parts.config.nats_subject_prefix.clone(),
+            },
+            shutdown_token.clone(),
+        );
+    }
     let deps = Arc::new(Deps {
+        lease,
+        crash: crash::Crash::new(&parts.config.crash),
         policy: parts.policy,
         evidence: parts.evidence,
         approval: parts.approval,
@@ -265,6 +423,7 @@ pub fn build(parts: Parts) -> (SupervisorService, Arc<Registry>) {
         live: Mutex::new(HashMap::new()),
         shutdown_token,
     });
+    recovery::spawn(deps.clone());
     (SupervisorService::new(deps, auth, parts.shutdown), registry)
 }
 
@@ -281,8 +440,13 @@ pub fn add_to(
         )))
 }
 
-/// Runs the supervisor as its own process: other services are reached over gRPC.
+/// Runs the supervisor as its own process: other services are reached over gRPC. Its
+/// runs are leased to this replica ([`Config::replica`]); unfinished runs of the
+/// database are resumed as their leases allow.
 pub async fn run(config: Config, shutdown: Shutdown) -> Result<(), Error> {
+    config.check()?;
+    let replica = config.replica();
+    tracing::info!(replica = %replica, lease_ttl = ?config.run_lease_ttl, "supervisor replica starting");
     let policy = Arc::new(load_policy(
         config.policy_file.as_deref(),
         &config.data_dir,
@@ -304,7 +468,13 @@ pub async fn run(config: Config, shutdown: Shutdown) -> Result<(), Error> {
         approval: Arc::new(GrpcApproval::connect(&config.approval_endpoint)?),
         policy_file: policy,
         credential,
-        store: sql::open_store(config.database_url.as_deref(), &config.data_dir).await?,
+        store: sql::open_store(
+            config.database_url.as_deref(),
+            &config.data_dir,
+            &replica,
+            config.run_lease_ttl,
+        )
+        .await?,
         connector: Arc::new(MeshConnector::default()),
         config: config.clone(),
         shutdown: shutdown.clone(),

@@ -5,6 +5,15 @@
 //! of the run and commits the new version with the events it produced. Dispatches run
 //! as their own tasks and report back by message, so one slow worker never holds up the
 //! rest, and a worker's failure only ever touches its own delegation.
+//!
+//! An actor starts for a new run ([`RunActor::spawn`]) or for a stored, unfinished one
+//! that this replica claimed after a restart or from a replica that died
+//! ([`RunActor::resume`]). A resumed actor rebuilds its state from what was committed:
+//! delegations with a result stay done, the others are dispatched again under their
+//! existing ids, the results the join received are verified again, and the join is
+//! applied at once. The actor stops without another write when the supervisor shuts
+//! down (its lease is released, so the run resumes at once elsewhere) or when another
+//! replica took the run over (its commit is refused).
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
@@ -24,6 +33,7 @@ use tokio_util::sync::CancellationToken;
 use tonic::{Code, Request, Status};
 use tracing::{Instrument as _, Span};
 
+use crate::crash::CrashPoint;
 use crate::plan::{self, Placement};
 use crate::registry::Registry;
 use crate::store::{Events, StoreError};
@@ -63,6 +73,8 @@ pub(crate) enum Msg {
     /// A result delivered out of band (e.g. a redelivery); it goes through the same
     /// checks as any other.
     Deliver { result: v1::TaskResult },
+    /// Lease renewal found the run held by another replica: stop touching it.
+    LeaseLost,
 }
 
 /// The sending side of a run actor's mailbox.
@@ -74,7 +86,13 @@ struct Slot {
     batch: usize,
     in_flight: bool,
     finished: bool,
+    /// A nested child without a result, found unfinished when the run was resumed: it
+    /// waits until its parent's repeated Delegate call addresses it again.
+    dormant: bool,
     attempts: u32,
+    /// Dispatches made before this actor took the run over (0 for a new run): retry
+    /// limits count this actor's attempts only.
+    attempt_base: u32,
     workers: Vec<String>,
     /// Children this delegation asked for in its current attempt, dropped ones included:
     /// the next Delegate call's first call index.
@@ -103,14 +121,17 @@ struct PendingDelegate {
 
 pub(crate) struct RunActor {
     deps: Arc<Deps>,
+    /// The run as last committed, plus the change being made. `run.received` is the
+    /// join's input: every result received.
     run: v1::Run,
+    /// Whether the run was stored before this actor started (a restart, a takeover).
+    resumed: bool,
     /// The run's root span (see [`trace`]); the parent of its delegation, plan and join
     /// spans.
     span: Span,
     spec: RunSpec,
     slots: Vec<Slot>,
     batches: Vec<Batch>,
-    results: Vec<v1::TaskResult>,
     facts: BTreeMap<String, EvidenceFact>,
     ledger: BudgetLedger,
     budget_stopped: bool,
@@ -118,10 +139,40 @@ pub(crate) struct RunActor {
     pending: Vec<PendingDelegate>,
     tx: Mailbox,
     rx: mpsc::UnboundedReceiver<Msg>,
+    /// Cancels the run's dispatches, telling their workers to stop (deadline, cancel,
+    /// decision).
     cancel: CancellationToken,
+    /// Abandons the run's dispatches without telling their workers anything: when this
+    /// actor stops touching the run (shutdown, takeover), whoever resumes it dispatches
+    /// the same delegation ids again and joins what the workers still run.
+    abandon: CancellationToken,
     tasks_in_flight: usize,
     join_timer: Option<SystemTime>,
 }
+
+/// Why an actor stopped.
+enum Exit {
+    /// The run is terminal and nothing of it is in flight.
+    Done,
+    /// The supervisor shuts down; the run resumes at the next start (or elsewhere).
+    Shutdown,
+    /// Another replica holds the run now.
+    Lost(String),
+    /// A commit failed; the run resumes once its lease lapses.
+    Failed(StoreError),
+}
+
+impl From<StoreError> for Exit {
+    fn from(e: StoreError) -> Self {
+        match e {
+            StoreError::Conflict { .. } | StoreError::LeaseLost { .. } => Exit::Lost(e.to_string()),
+            e => Exit::Failed(e),
+        }
+    }
+}
+
+/// Tries of an IssueTaskToken call that fails transiently.
+const TOKEN_ATTEMPTS: u32 = 8;
 
 fn now() -> SystemTime {
     SystemTime::now()
@@ -159,22 +210,87 @@ fn status_is_transient(code: Code) -> bool {
 impl RunActor {
     /// Spawns the actor for a freshly created run (version 1, delegations planned) and
     /// returns its mailbox. `span` is the run's root span; `None` continues the trace
-    /// stored on the run (`trace_parent`), for a run picked up again after a restart.
+    /// stored on the run (`trace_parent`), as for a run picked up again after a restart.
     pub(crate) fn spawn(
         deps: Arc<Deps>,
         run: v1::Run,
         spec: RunSpec,
         span: Option<Span>,
     ) -> Mailbox {
+        let (mailbox, actor) = Self::new(deps, run, spec, span, false);
+        match actor {
+            Some(actor) => actor.start(),
+            None => tracing::warn!("a new run's actor exists already"),
+        }
+        mailbox
+    }
+
+    /// Resumes a stored, unfinished run this replica claimed, continuing its trace.
+    /// Returns false when the run has an actor in this process already (nothing to
+    /// resume) or cannot be resumed (then it is failed, with the reason).
+    pub(crate) fn resume(deps: Arc<Deps>, run: v1::Run) -> bool {
+        let Some(wire) = run.spec.clone() else {
+            tokio::spawn(fail_stored(
+                deps,
+                run,
+                "the stored run has no spec".to_owned(),
+            ));
+            return false;
+        };
+        // The spec's relative deadlines count from the run's acceptance, exactly as they
+        // did when it was accepted.
+        let accepted = run
+            .created_at
+            .as_ref()
+            .and_then(|t| from_timestamp(t, "created_at").ok())
+            .unwrap_or_else(now);
+        let spec = match validate::run_spec(&wire, accepted) {
+            Ok(spec) => spec,
+            Err(e) => {
+                let reason = format!(
+                    "the stored spec no longer validates: {}: {}",
+                    e.field, e.message
+                );
+                tokio::spawn(fail_stored(deps, run, reason));
+                return false;
+            }
+        };
+        let (_, actor) = Self::new(deps, run, spec, None, true);
+        match actor {
+            Some(actor) => {
+                actor.start();
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Builds an actor and enters it in the live map; `None` (and the live actor's
+    /// mailbox) when the run has one already.
+    fn new(
+        deps: Arc<Deps>,
+        run: v1::Run,
+        spec: RunSpec,
+        span: Option<Span>,
+        resumed: bool,
+    ) -> (Mailbox, Option<Self>) {
+        let mut live = deps.live.lock().expect("live map lock poisoned");
+        if let Some(existing) = live.get(&run.run_id) {
+            return (existing.clone(), None);
+        }
         let span = span.unwrap_or_else(|| trace::resumed_run_span(&run));
         let (tx, rx) = mpsc::unbounded_channel();
         let ledger = BudgetLedger::new(&spec.limits);
         let max_parallel = spec.limits.max_parallel_workers as usize;
-        let mut actor = RunActor {
-            deps: deps.clone(),
-            span: span.clone(),
-            next_seq: 1,
+        live.insert(run.run_id.clone(), tx.clone());
+        drop(live);
+        let actor = RunActor {
+            deps,
+            span,
+            // run.started was event 1; a resumed run reads its events.
+            next_seq: run.version + 1,
             run,
+            resumed,
             spec,
             slots: Vec::new(),
             batches: vec![Batch {
@@ -182,53 +298,29 @@ impl RunActor {
                 queue: VecDeque::new(),
                 running: 0,
             }],
-            results: Vec::new(),
             facts: BTreeMap::new(),
             ledger,
             budget_stopped: false,
             pending: Vec::new(),
             tx: tx.clone(),
             rx,
-            cancel: deps.shutdown_token.child_token(),
+            cancel: CancellationToken::new(),
+            abandon: CancellationToken::new(),
             tasks_in_flight: 0,
             join_timer: None,
         };
-        actor.next_seq = actor.run.version + 1; // run.started was event 1
-        let mailbox = tx.clone();
-        deps.live
-            .lock()
-            .expect("live map lock poisoned")
-            .insert(actor.run.run_id.clone(), tx);
-        tokio::spawn(async move { actor.main().await }.instrument(span));
-        mailbox
+        (tx, Some(actor))
+    }
+
+    fn start(self) {
+        let span = self.span.clone();
+        tokio::spawn(async move { self.main().await }.instrument(span));
     }
 
     async fn main(mut self) {
         let run_id = self.run.run_id.clone();
-        if let Err(e) = self.begin().await {
-            tracing::error!(run_id, error = %e, "run could not start");
-        }
-        loop {
-            if self.finished() {
-                break;
-            }
-            let timer = self.next_timer();
-            let msg = tokio::select! {
-                msg = self.rx.recv() => msg,
-                () = sleep_until(timer) => {
-                    if let Err(e) = self.on_timer().await {
-                        tracing::error!(run_id, error = %e, "run timer handling failed");
-                        break;
-                    }
-                    continue;
-                }
-            };
-            let Some(msg) = msg else { break };
-            if let Err(e) = self.handle(msg).await {
-                tracing::error!(run_id, error = %e, "run stopped: its state could not be committed");
-                break;
-            }
-        }
+        let exit = self.drive().await;
+        self.abandon.cancel();
         self.deps
             .live
             .lock()
@@ -238,18 +330,85 @@ impl RunActor {
         for index in 0..self.slots.len() {
             self.end_delegation_span(index);
         }
-        // Tokens of a finished run are useless to anyone but an attacker.
-        let revoke = v1::RevokeRequest {
-            target: Some(v1::revoke_request::Target::RunId(run_id.clone())),
-            reason: "run finished".to_owned(),
+        match exit {
+            Exit::Done => {
+                // Tokens of a finished run are useless to anyone but an attacker. (Only
+                // then: a revoked run stays revoked, so a run resumed later could not
+                // get working tokens again.)
+                let revoke = v1::RevokeRequest {
+                    target: Some(v1::revoke_request::Target::RunId(run_id.clone())),
+                    reason: "run finished".to_owned(),
+                };
+                if let Err(e) = self
+                    .deps
+                    .policy
+                    .revoke(request(revoke, &self.deps.credential))
+                    .await
+                {
+                    tracing::warn!(run_id, error = %e.message(), "could not revoke the run's tokens");
+                }
+            }
+            Exit::Shutdown => {
+                // Hand the run over at once rather than when the lease runs out.
+                if let Some(lease) = &self.deps.lease
+                    && !self.terminal()
+                {
+                    match self.deps.store.release(&lease.owner, &run_id).await {
+                        Ok(_) => tracing::info!(
+                            run_id,
+                            "shutting down: the run's lease is released; it resumes on the next start or another replica"
+                        ),
+                        Err(e) => {
+                            tracing::warn!(run_id, error = %e, "shutting down: the run's lease could not be released; it resumes when the lease expires")
+                        }
+                    }
+                }
+            }
+            Exit::Lost(reason) => {
+                tracing::warn!(run_id, %reason, "another supervisor replica took the run over; this one stops touching it");
+            }
+            Exit::Failed(e) => {
+                tracing::error!(run_id, error = %e, "run stopped: its state could not be committed; it resumes when its lease lapses");
+            }
+        }
+    }
+
+    /// Runs the actor until the run is over for this replica.
+    async fn drive(&mut self) -> Exit {
+        let started = if self.resumed {
+            self.begin_resumed().await
+        } else {
+            self.begin().await
         };
-        if let Err(e) = self
-            .deps
-            .policy
-            .revoke(request(revoke, &self.deps.credential))
-            .await
-        {
-            tracing::warn!(run_id, error = %e.message(), "could not revoke the run's tokens");
+        if let Err(e) = started {
+            return e.into();
+        }
+        let shutdown = self.deps.shutdown_token.clone();
+        loop {
+            if self.finished() {
+                return Exit::Done;
+            }
+            let timer = self.next_timer();
+            let msg = tokio::select! {
+                msg = self.rx.recv() => msg,
+                () = sleep_until(timer) => {
+                    if let Err(e) = self.on_timer().await {
+                        return e.into();
+                    }
+                    continue;
+                }
+                () = shutdown.cancelled() => return Exit::Shutdown,
+            };
+            // The actor holds a sender itself, so the mailbox never closes.
+            let Some(msg) = msg else { return Exit::Done };
+            if matches!(msg, Msg::LeaseLost) {
+                return Exit::Lost(
+                    "lease renewal found the run held by another replica".to_owned(),
+                );
+            }
+            if let Err(e) = self.handle(msg).await {
+                return e.into();
+            }
         }
     }
 
@@ -309,7 +468,9 @@ impl RunActor {
                 batch: 0,
                 in_flight: false,
                 finished: !live.contains(&i),
+                dormant: false,
                 attempts: 0,
+                attempt_base: 0,
                 workers: Vec::new(),
                 children: 0,
                 children_attempt: 0,
@@ -348,6 +509,135 @@ impl RunActor {
         Ok(())
     }
 
+    /// Takes a stored run over: rebuilds the slots from the ledger, gets fresh tokens
+    /// in one call for every top-level delegation that is dispatched again or whose
+    /// results are verified again, and applies the join.
+    async fn begin_resumed(&mut self) -> Result<(), StoreError> {
+        // What the stored events say: the next sequence number, and every worker each
+        // delegation was dispatched to (the join checks that a result came from one).
+        let stored = self.deps.store.run_events(&self.run.run_id, 0).await?;
+        self.next_seq = stored.last().map_or(1, |e| e.sequence + 1);
+        let mut dispatched_to: HashMap<String, Vec<String>> = HashMap::new();
+        for e in &stored {
+            if let Some(Kind::Dispatched(d)) = &e.kind {
+                let workers = dispatched_to.entry(d.delegation_id.clone()).or_default();
+                if !workers.contains(&d.worker_id) {
+                    workers.push(d.worker_id.clone());
+                }
+            }
+        }
+        drop(stored);
+        tracing::info!(
+            run_id = %self.run.run_id,
+            version = self.run.version,
+            state = events::run_state_name(self.run.state),
+            received = self.run.received.len(),
+            "resuming the run from its stored state"
+        );
+
+        let no_task = v1::DelegationTask::default();
+        // Top-level delegations to dispatch again, and those whose results the join has.
+        let mut redispatch = Vec::new();
+        let mut verify = Vec::new();
+        for (i, d) in self.run.delegations.iter().enumerate() {
+            let task = d.task.as_ref().unwrap_or(&no_task);
+            let top_level = task.parent_delegation_id.is_empty();
+            let settled = d.result.is_some()
+                || matches!(
+                    v1::DelegationState::try_from(d.state),
+                    Ok(v1::DelegationState::Dropped
+                        | v1::DelegationState::Cancelled
+                        | v1::DelegationState::Failed)
+                );
+            let mut workers = dispatched_to
+                .remove(&task.delegation_id)
+                .unwrap_or_default();
+            if !d.worker_id.is_empty() && !workers.contains(&d.worker_id) {
+                workers.push(d.worker_id.clone());
+            }
+            if top_level && !settled {
+                redispatch.push(i);
+            }
+            if top_level && d.result.is_some() {
+                verify.push(i);
+            }
+            self.slots.push(Slot {
+                token: String::new(),
+                top_level,
+                batch: 0,
+                in_flight: false,
+                finished: settled,
+                // A nested child is dispatched again only when its parent's repeated
+                // Delegate call asks for it: without a parent waiting, its result would
+                // reach no one.
+                dormant: !top_level && !settled,
+                attempts: d.attempts,
+                attempt_base: d.attempts,
+                workers,
+                children: 0,
+                children_attempt: 0,
+                cancelled: false,
+                // Settled delegations were traced by whoever settled them.
+                span: if top_level && !settled {
+                    trace::delegation_span(&self.span, task)
+                } else {
+                    Span::none()
+                },
+            });
+        }
+        if let Some(usage) = self.run.usage
+            && let Err(e) = self.ledger.charge(&usage)
+        {
+            tracing::warn!(run_id = %self.run.run_id, error = %e, "the run's budget is exhausted: no further delegations start");
+            self.budget_stopped = true;
+        }
+
+        let mut wanted: Vec<usize> = redispatch.iter().chain(&verify).copied().collect();
+        wanted.sort_unstable();
+        let tasks: Vec<v1::DelegationTask> = wanted
+            .iter()
+            .filter_map(|i| self.run.delegations[*i].task.clone())
+            .collect();
+        match self.issue_tokens(&tasks, None).await {
+            Ok(tokens) => {
+                for (i, token) in wanted.iter().zip(tokens) {
+                    self.slots[*i].token = token;
+                }
+            }
+            Err(status) => {
+                let reason = format!(
+                    "task tokens were refused when the run was resumed: {}",
+                    status.message()
+                );
+                return self.finish(None, v1::RunState::Failed, reason).await;
+            }
+        }
+        if self.run.state == v1::RunState::Pending as i32 {
+            // Accepted, then the supervisor stopped before the run started.
+            self.run.state = v1::RunState::Running as i32;
+            self.commit(Events::default()).await?;
+        }
+        // The join's facts: every result it received, verified again.
+        let by_id: HashMap<String, usize> = self
+            .run
+            .delegations
+            .iter()
+            .enumerate()
+            .filter_map(|(i, d)| Some((d.task.as_ref()?.delegation_id.clone(), i)))
+            .collect();
+        let received = self.run.received.clone();
+        for result in &received {
+            if let Some(&index) = by_id.get(&result.delegation_id) {
+                self.verify_evidence(index, result).await;
+            }
+        }
+        for i in redispatch {
+            self.batches[0].queue.push_back(i);
+        }
+        self.pump(0);
+        self.join_step("resume").await
+    }
+
     async fn issue_tokens(
         &self,
         tasks: &[v1::DelegationTask],
@@ -366,13 +656,29 @@ impl RunActor {
                 .map(|task| plan::grant(task, self.spec.limits.max_depth, t))
                 .collect(),
         };
-        let tokens = self
-            .deps
-            .policy
-            .issue_task_token(request(req, &self.deps.credential))
-            .await?
-            .into_inner()
-            .tokens;
+        // The policy service may be restarting (a resumed run meets it right after a
+        // crash of the mesh): transient failures are retried a few times, so they do not
+        // fail the run.
+        let mut attempt = 0;
+        let tokens = loop {
+            attempt += 1;
+            match self
+                .deps
+                .policy
+                .issue_task_token(request(req.clone(), &self.deps.credential))
+                .await
+            {
+                Ok(r) => break r.into_inner().tokens,
+                Err(s) if status_is_transient(s.code()) && attempt < TOKEN_ATTEMPTS => {
+                    tracing::warn!(run_id = %self.run.run_id, attempt, error = %s.message(), "task tokens could not be issued; retrying");
+                    tokio::time::sleep(
+                        backoff(&self.deps.settings, attempt).max(Duration::from_millis(200)),
+                    )
+                    .await;
+                }
+                Err(s) => return Err(s),
+            }
+        };
         if tokens.len() != tasks.len() {
             return Err(Status::internal(format!(
                 "policy returned {} tokens for {} delegations",
@@ -403,10 +709,18 @@ impl RunActor {
         slot.in_flight = true;
         slot.attempts += 1;
         let attempt = slot.attempts;
-        let avoid = slot.workers.clone();
+        // A retry prefers another worker; the first dispatch after a takeover prefers
+        // none, so it may find the worker that still runs (or has the result of) the
+        // earlier dispatch of the same id.
+        let avoid = if attempt == slot.attempt_base + 1 {
+            Vec::new()
+        } else {
+            slot.workers.clone()
+        };
         let token = slot.token.clone();
         let task = self.run.delegations[index].task.clone().unwrap_or_default();
         let cancel = self.cancel.child_token();
+        let abandon = self.abandon.clone();
         let tx = self.tx.clone();
         let registry = self.deps.registry.clone();
         let grace = self.deps.settings.dispatch_grace;
@@ -424,6 +738,7 @@ impl RunActor {
                 attempt,
                 avoid,
                 cancel,
+                abandon,
                 delay,
                 grace,
             })
@@ -446,6 +761,7 @@ impl RunActor {
                 worker_id,
                 outcome,
             } => {
+                self.deps.crash.at(CrashPoint::ResultInFlight);
                 self.tasks_in_flight = self.tasks_in_flight.saturating_sub(1);
                 self.on_outcome(index, attempt, worker_id, outcome).await
             }
@@ -478,13 +794,19 @@ impl RunActor {
                         // A result for a delegation this run does not have: the join
                         // rejects it as UNKNOWN_DELEGATION, visibly.
                         if !self.terminal() {
-                            self.results.push(result);
+                            self.run.received.push(result);
                             self.join_step("result").await?;
+                            if !self.terminal() {
+                                // Undecided: keep the join's input durable all the same.
+                                self.commit(Events::default()).await?;
+                            }
                         }
                         Ok(())
                     }
                 }
             }
+            // Handled by the loop, which stops.
+            Msg::LeaseLost => Ok(()),
         }
     }
 
@@ -517,7 +839,9 @@ impl RunActor {
             run: vec![e],
             cloud: vec![],
         })
-        .await
+        .await?;
+        self.deps.crash.at(CrashPoint::AfterDispatch);
+        Ok(())
     }
 
     async fn on_outcome(
@@ -533,7 +857,7 @@ impl RunActor {
         let time_left = deadline_of(&task) > now();
         let may_retry = !self.terminal()
             && !self.slots[index].cancelled
-            && attempt < max_attempts
+            && attempt.saturating_sub(self.slots[index].attempt_base) < max_attempts
             && time_left
             && !self.cancel.is_cancelled();
         match outcome {
@@ -710,7 +1034,7 @@ impl RunActor {
             cloud: vec![cloud],
         };
         if self.slots[index].top_level {
-            self.results.push(result);
+            self.run.received.push(result);
             if late {
                 self.late_revision(
                     &mut ev,
@@ -723,6 +1047,7 @@ impl RunActor {
                 return self.commit(ev).await;
             }
             self.commit(ev).await?;
+            self.deps.crash.at(CrashPoint::DuringJoin);
             self.join_step("result").await
         } else {
             self.commit(ev).await?;
@@ -827,7 +1152,7 @@ impl RunActor {
         let input = JoinInput {
             contract: &self.spec.join,
             delegations: &expected,
-            results: &self.results,
+            results: &self.run.received,
             evidence: &self.facts,
             now: now(),
         };
@@ -877,7 +1202,7 @@ impl RunActor {
             let input = JoinInput {
                 contract: &self.spec.join,
                 delegations: &expected,
-                results: &self.results,
+                results: &self.run.received,
                 evidence: &self.facts,
                 now: t,
             };
@@ -950,9 +1275,14 @@ impl RunActor {
         let mut never_started = Vec::new();
         for (i, d) in self.run.delegations.iter_mut().enumerate() {
             let in_flight = self.slots.get(i).is_some_and(|s| s.in_flight);
+            let dormant = self.slots.get(i).is_some_and(|s| s.dormant);
             if d.state == v1::DelegationState::Pending as i32 && !in_flight {
                 d.state = v1::DelegationState::Cancelled as i32;
                 d.detail = "the run ended before it was dispatched".to_owned();
+                never_started.push(i);
+            } else if dormant && d.result.is_none() {
+                d.state = v1::DelegationState::Cancelled as i32;
+                d.detail = "the run ended before this child was asked for again after the supervisor restarted".to_owned();
                 never_started.push(i);
             } else if in_flight && d.result.is_none() {
                 d.state = v1::DelegationState::TimedOut as i32;
@@ -984,7 +1314,11 @@ impl RunActor {
             t,
             events::run_completed_data(&self.run),
         ));
+        let decided = self.run.decision.is_some();
         self.commit(ev).await?;
+        if decided {
+            self.deps.crash.at(CrashPoint::AfterDecision);
+        }
         trace::record_run_end(&self.span, &self.run);
         tracing::info!(
             run_id = %self.run.run_id,
@@ -1005,7 +1339,8 @@ impl RunActor {
     ) -> Vec<String> {
         let mut ids = Vec::new();
         let accepted: Vec<v1::TaskResult> = self
-            .results
+            .run
+            .received
             .iter()
             .filter(|r| decision.accepted.contains(&r.delegation_id))
             .cloned()
@@ -1084,7 +1419,7 @@ impl RunActor {
         let input = JoinInput {
             contract: &self.spec.join,
             delegations: &expected,
-            results: &self.results,
+            results: &self.run.received,
             evidence: &self.facts,
             now: now(),
         };
@@ -1240,9 +1575,12 @@ impl RunActor {
         }
         let first_index = self.slots[parent].children;
         // Per kept child, in call order: the ledger index of the child an earlier attempt
-        // created (Ok), or the position of its new task in `tasks` (Err).
+        // created (Ok), or the position of its task in `tasks` (Err): a new child, or a
+        // dormant one (`revive`) that needs a token and a dispatch again.
         let mut kept: Vec<Result<usize, usize>> = Vec::with_capacity(children.len());
         let mut tasks = Vec::new();
+        let mut revive: Vec<Option<usize>> = Vec::new();
+        let mut repeated = false;
         let mut dropped_names = Vec::new();
         for (i, (p, wire)) in planned.iter().zip(children).enumerate() {
             if plan.dropped.contains(&i) {
@@ -1287,15 +1625,22 @@ impl RunActor {
                             earlier.map_or("", |e| e.profile_id.as_str()),
                         )));
                     }
-                    kept.push(Ok(index));
+                    repeated = true;
+                    if self.slots[index].dormant {
+                        kept.push(Err(tasks.len()));
+                        tasks.push(self.run.delegations[index].task.clone().unwrap_or(task));
+                        revive.push(Some(index));
+                    } else {
+                        kept.push(Ok(index));
+                    }
                 }
                 None => {
                     kept.push(Err(tasks.len()));
                     tasks.push(task);
+                    revive.push(None);
                 }
             }
         }
-        let repeated = kept.iter().any(Result::is_ok);
         // Child tokens can only narrow the parent's; the policy service refuses wider.
         let tokens = self.issue_tokens(&tasks, Some(token)).await?;
         #[allow(clippy::cast_possible_truncation)]
@@ -1309,11 +1654,22 @@ impl RunActor {
             running: 0,
         });
         let mut created = Vec::with_capacity(tasks.len());
-        for (task, token) in tasks.into_iter().zip(tokens) {
-            let index = self.run.delegations.len();
+        for ((task, token), revived) in tasks.into_iter().zip(tokens).zip(revive) {
             // A child's span hangs under the call that asked for it, which is how its
             // parent delegation reached the supervisor.
             let span = trace::delegation_span(caller, &task);
+            if let Some(index) = revived {
+                // Asked for again after a restart: dispatched again under its own id.
+                let slot = &mut self.slots[index];
+                slot.dormant = false;
+                slot.token = token;
+                slot.batch = batch;
+                slot.span = span;
+                self.batches[batch].queue.push_back(index);
+                created.push(index);
+                continue;
+            }
+            let index = self.run.delegations.len();
             self.run.delegations.push(v1::Delegation {
                 task: Some(task),
                 state: v1::DelegationState::Pending as i32,
@@ -1325,7 +1681,9 @@ impl RunActor {
                 batch,
                 in_flight: false,
                 finished: false,
+                dormant: false,
                 attempts: 0,
+                attempt_base: 0,
                 workers: Vec::new(),
                 children: 0,
                 children_attempt: 0,
@@ -1441,6 +1799,46 @@ impl RunActor {
     }
 }
 
+/// Ends a stored run that cannot be resumed, as FAILED with `reason`, in one commit with
+/// its events (there is no actor to do it).
+async fn fail_stored(deps: Arc<Deps>, mut run: v1::Run, reason: String) {
+    tracing::error!(run_id = %run.run_id, %reason, "the run cannot be resumed; it fails");
+    let next = match deps.store.run_events(&run.run_id, 0).await {
+        Ok(e) => e.last().map_or(1, |e| e.sequence + 1),
+        Err(e) => {
+            tracing::error!(run_id = %run.run_id, error = %e, "the run's events cannot be read");
+            return;
+        }
+    };
+    let t = now();
+    run.state = v1::RunState::Failed as i32;
+    run.terminal_reason = reason.clone();
+    run.version += 1;
+    run.updated_at = Some(to_timestamp(t));
+    let events = Events {
+        run: vec![v1::RunEvent {
+            sequence: next,
+            run_id: run.run_id.clone(),
+            time: Some(to_timestamp(t)),
+            kind: Some(Kind::Terminal(v1::RunTerminal {
+                state: run.state,
+                outcome: run.outcome,
+                reason,
+            })),
+        }],
+        cloud: vec![events::cloud(
+            events::RUN_COMPLETED,
+            &run,
+            None,
+            t,
+            events::run_completed_data(&run),
+        )],
+    };
+    if let Err(e) = deps.store.commit(&run, &events).await {
+        tracing::error!(run_id = %run.run_id, error = %e, "the failed run could not be stored");
+    }
+}
+
 async fn sleep_until(t: Option<SystemTime>) {
     match t {
         None => std::future::pending::<()>().await,
@@ -1460,12 +1858,22 @@ struct Dispatch {
     attempt: u32,
     avoid: Vec<String>,
     cancel: CancellationToken,
+    abandon: CancellationToken,
     delay: Duration,
     grace: Duration,
 }
 
-/// One dispatch attempt: wait for a worker slot, send the task, report the outcome.
+/// One dispatch attempt: wait for a worker slot, send the task, report the outcome. An
+/// abandoned dispatch just stops: it reports nothing and leaves the worker alone.
 async fn dispatch(d: Dispatch) {
+    let abandon = d.abandon.clone();
+    tokio::select! {
+        () = attempt_dispatch(d) => {}
+        () = abandon.cancelled() => {}
+    }
+}
+
+async fn attempt_dispatch(d: Dispatch) {
     let Dispatch {
         registry,
         tx,
@@ -1475,6 +1883,7 @@ async fn dispatch(d: Dispatch) {
         attempt,
         avoid,
         cancel,
+        abandon: _,
         delay,
         grace,
     } = d;

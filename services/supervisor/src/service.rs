@@ -37,7 +37,9 @@ impl std::fmt::Debug for SupervisorService {
 fn store_status(e: StoreError) -> Status {
     match e {
         StoreError::NotFound(id) => Status::not_found(format!("run {id} not found")),
-        StoreError::Conflict { .. } => Status::aborted(e.to_string()),
+        StoreError::Conflict { .. } | StoreError::LeaseLost { .. } => {
+            Status::aborted(e.to_string())
+        }
         StoreError::Backend(m) => Status::unavailable(format!("run store unavailable: {m}")),
     }
 }
@@ -235,12 +237,13 @@ struct RunIdentity {
     trace_parent: String,
 }
 
-/// Strips what ListRuns leaves out (delegation results) to keep pages small.
+/// Strips what ListRuns leaves out (results and revisions) to keep pages small.
 fn summary(mut run: v1::Run) -> v1::Run {
     for d in &mut run.delegations {
         d.result = None;
     }
     run.revisions.clear();
+    run.received.clear();
     run
 }
 
@@ -310,6 +313,7 @@ impl Supervisor for SupervisorService {
         {
             Created::New => {
                 tracing::info!(run_id = %run.run_id, tenant = %run.tenant, trace_id = %run.trace_id, delegations = run.delegations.len(), "run accepted");
+                self.deps.crash.at(crate::crash::CrashPoint::AfterAccept);
                 if start {
                     RunActor::spawn(self.deps.clone(), run.clone(), domain, Some(run_span));
                 } else {

@@ -171,47 +171,6 @@ impl SqlRunStore {
         rows.iter().map(|r| decode(r, "join_decisions")).collect()
     }
 
-    /// The last outbox event `relay` acknowledged, where it resumes after a restart.
-    ///
-    /// # Errors
-    ///
-    /// [`StoreError::Backend`] when the database cannot be read.
-    pub async fn relay_cursor(&self, relay: &str) -> Result<Option<String>, StoreError> {
-        let row = self
-            .db
-            .fetch_optional(sql("SELECT event_id FROM outbox_relays WHERE relay = $1").bind(relay))
-            .await?;
-        Ok(row.map(|r| r.get("event_id")).transpose()?)
-    }
-
-    /// Records that `relay` delivered every outbox event up to `event_id`. A relay
-    /// delivers at least once: after a crash it resumes from its last acknowledgement.
-    ///
-    /// # Errors
-    ///
-    /// [`StoreError::NotFound`] for an event id not in the outbox,
-    /// [`StoreError::Backend`] when the database fails.
-    pub async fn acknowledge(&self, relay: &str, event_id: &str) -> Result<(), StoreError> {
-        let n = self
-            .db
-            .execute(
-                sql(
-                    "INSERT INTO outbox_relays (relay, position, event_id, updated_at) \
-                     SELECT $1, position, event_id, $3 FROM outbox WHERE event_id = $2 \
-                     ON CONFLICT (relay) DO UPDATE SET position = excluded.position, \
-                     event_id = excluded.event_id, updated_at = excluded.updated_at",
-                )
-                .bind(relay)
-                .bind(event_id)
-                .bind(micros(SystemTime::now())),
-            )
-            .await?;
-        if n == 0 {
-            return Err(StoreError::NotFound(format!("outbox event {event_id}")));
-        }
-        Ok(())
-    }
-
     /// On PostgreSQL, waits for every other writer's transaction to end; see the
     /// [module docs](self).
     async fn serialize_appends(tx: &mut Tx) -> Result<(), StoreError> {
@@ -524,8 +483,10 @@ impl RunStore for SqlRunStore {
         let mut tx = self.db.begin().await?;
         Self::serialize_appends(&mut tx).await?;
         let read = match tx.backend() {
-            Backend::Sqlite => sql("SELECT version, body FROM runs WHERE run_id = $1"),
-            Backend::Postgres => sql("SELECT version, body FROM runs WHERE run_id = $1 FOR UPDATE"),
+            Backend::Sqlite => sql("SELECT version, owner, body FROM runs WHERE run_id = $1"),
+            Backend::Postgres => {
+                sql("SELECT version, owner, body FROM runs WHERE run_id = $1 FOR UPDATE")
+            }
         };
         let row = tx
             .fetch_optional(read.bind(&run.run_id))
@@ -538,6 +499,18 @@ impl RunStore for SqlRunStore {
                 expected,
                 found,
             });
+        }
+        // Lease fencing: once another replica claimed the run, this one never writes it
+        // again, even where its version still matches. A lease that merely expired with
+        // nobody claiming it still names this replica, which may go on.
+        if let Some((me, _)) = &self.creator {
+            let holder: Option<String> = row.get("owner")?;
+            if let Some(holder) = holder.filter(|h| h != me) {
+                return Err(StoreError::LeaseLost {
+                    run_id: run.run_id.clone(),
+                    owner: holder,
+                });
+            }
         }
         let before: v1::Run = decode(&row, "runs")?;
         let updated = tx
@@ -666,6 +639,12 @@ impl RunStore for SqlRunStore {
         self.notify.subscribe()
     }
 
+    fn owner(&self) -> Option<(&str, Duration)> {
+        self.creator
+            .as_ref()
+            .map(|(owner, ttl)| (owner.as_str(), *ttl))
+    }
+
     async fn unfinished(&self) -> Result<Vec<v1::Run>, StoreError> {
         let rows = self
             .db
@@ -766,10 +745,50 @@ impl RunStore for SqlRunStore {
             .await?;
         Ok(n == 1)
     }
+
+    async fn relay_cursor(&self, relay: &str) -> Result<Option<String>, StoreError> {
+        let row = self
+            .db
+            .fetch_optional(sql("SELECT event_id FROM outbox_relays WHERE relay = $1").bind(relay))
+            .await?;
+        Ok(row.map(|r| r.get("event_id")).transpose()?)
+    }
+
+    async fn acknowledge(&self, relay: &str, event_id: &str) -> Result<(), StoreError> {
+        // Several replicas may relay the same outbox: the cursor only moves forward.
+        let n = self
+            .db
+            .execute(
+                sql(
+                    "INSERT INTO outbox_relays (relay, position, event_id, updated_at) \
+                     SELECT $1, position, event_id, $3 FROM outbox WHERE event_id = $2 \
+                     ON CONFLICT (relay) DO UPDATE SET position = excluded.position, \
+                     event_id = excluded.event_id, updated_at = excluded.updated_at \
+                     WHERE outbox_relays.position < excluded.position",
+                )
+                .bind(relay)
+                .bind(event_id)
+                .bind(micros(SystemTime::now())),
+            )
+            .await?;
+        if n == 0 {
+            let known = self
+                .db
+                .fetch_optional(
+                    sql("SELECT position FROM outbox WHERE event_id = $1").bind(event_id),
+                )
+                .await?;
+            if known.is_none() {
+                return Err(StoreError::NotFound(format!("outbox event {event_id}")));
+            }
+        }
+        Ok(())
+    }
 }
 
 /// The run store a configuration asks for: the SQL store over the database
-/// `database_url` names (by default the SQLite file in `data_dir`), or memory.
+/// `database_url` names (by default the SQLite file in `data_dir`), or memory; the runs
+/// it creates are leased to the replica `owner` for `lease_ttl`.
 ///
 /// # Errors
 ///
@@ -777,17 +796,24 @@ impl RunStore for SqlRunStore {
 pub async fn open_store(
     database_url: Option<&str>,
     data_dir: &std::path::Path,
+    owner: &str,
+    lease_ttl: Duration,
 ) -> Result<Arc<dyn RunStore>, crate::Error> {
     Ok(match convene_store::open(database_url, data_dir).await? {
         Some(db) => {
             tracing::info!(backend = %db.backend(), url = db.url(), "runs are stored in the database");
-            Arc::new(SqlRunStore::open(db).await.map_err(crate::Error::Store)?)
+            Arc::new(
+                SqlRunStore::open(db)
+                    .await
+                    .map_err(crate::Error::Store)?
+                    .with_owner(owner, lease_ttl),
+            )
         }
         None => {
             tracing::info!(
                 "runs are kept in memory (database_url = \"memory\"): they are lost at exit"
             );
-            Arc::new(crate::store::MemoryStore::default())
+            Arc::new(crate::store::MemoryStore::default().with_owner(owner, lease_ttl))
         }
     })
 }

@@ -30,6 +30,17 @@ pub enum StoreError {
         /// Version in the store.
         found: u64,
     },
+    /// Another supervisor replica holds the run's lease: this one must stop touching
+    /// the run (its lease expired and the other replica claimed it).
+    #[error(
+        "run {run_id} is now owned by supervisor replica {owner}; this replica's lease on it was lost"
+    )]
+    LeaseLost {
+        /// The run.
+        run_id: String,
+        /// The replica holding it now.
+        owner: String,
+    },
     /// No such run.
     #[error("run {0} not found")]
     NotFound(String),
@@ -95,7 +106,10 @@ pub trait RunStore: Send + Sync + 'static {
     ) -> Result<Created, StoreError>;
 
     /// Commits a changed run whose stored version is `run.version - 1`, with the
-    /// events the change produced.
+    /// events the change produced. A store that leases the runs it creates to a replica
+    /// ([`MemoryStore::with_owner`], `SqlRunStore::with_owner`) also refuses the commit
+    /// with [`StoreError::LeaseLost`] when another replica holds the run's lease: a
+    /// replica whose lease expired and was taken over can never write again.
     async fn commit(&self, run: &v1::Run, events: &Events) -> Result<(), StoreError>;
 
     /// A run by id, whatever its tenant (callers check the tenant).
@@ -125,6 +139,10 @@ pub trait RunStore: Send + Sync + 'static {
     /// re-reads from the store.
     fn subscribe(&self) -> broadcast::Receiver<Committed>;
 
+    /// The supervisor replica this store leases the runs it creates to, and for how long
+    /// (set by `with_owner`); None: runs are not leased, and nothing is recovered.
+    fn owner(&self) -> Option<(&str, Duration)>;
+
     /// Non-terminal runs, for recovery after a restart.
     async fn unfinished(&self) -> Result<Vec<v1::Run>, StoreError>;
 
@@ -153,6 +171,17 @@ pub trait RunStore: Send + Sync + 'static {
     /// Gives up `owner`'s lease on a run (it finished, or the replica shuts down), so
     /// another replica may claim it at once. Returns whether `owner` held it.
     async fn release(&self, owner: &str, run_id: &str) -> Result<bool, StoreError>;
+
+    /// The last outbox event `relay` acknowledged, where it resumes after a restart.
+    async fn relay_cursor(&self, relay: &str) -> Result<Option<String>, StoreError>;
+
+    /// Records that `relay` delivered every outbox event up to `event_id`. The cursor
+    /// only moves forward: an acknowledgement of an event before the cursor (a slower
+    /// replica relaying the same events) changes nothing. A relay delivers at least
+    /// once: after a crash it resumes from the last acknowledgement.
+    ///
+    /// [`StoreError::NotFound`] for an event id not in the outbox.
+    async fn acknowledge(&self, relay: &str, event_id: &str) -> Result<(), StoreError>;
 }
 
 /// A notification that events of a run were committed.
@@ -185,6 +214,8 @@ struct Inner {
     outbox_index: HashMap<String, usize>,
     /// Run id → (owner, lease expiry).
     leases: HashMap<String, (String, SystemTime)>,
+    /// Relay → outbox index of the last acknowledged event.
+    relays: HashMap<String, usize>,
 }
 
 /// Everything in memory: fast, and lost with the process.
@@ -279,17 +310,31 @@ impl RunStore for MemoryStore {
     async fn commit(&self, run: &v1::Run, events: &Events) -> Result<(), StoreError> {
         let committed = {
             let mut inner = self.inner.lock().expect("store lock poisoned");
+            let found = inner
+                .runs
+                .get(&run.run_id)
+                .ok_or_else(|| StoreError::NotFound(run.run_id.clone()))?
+                .version;
+            if found + 1 != run.version {
+                return Err(StoreError::Conflict {
+                    run_id: run.run_id.clone(),
+                    expected: run.version.saturating_sub(1),
+                    found,
+                });
+            }
+            if let Some((me, _)) = &self.creator
+                && let Some((holder, _)) = inner.leases.get(&run.run_id)
+                && holder != me
+            {
+                return Err(StoreError::LeaseLost {
+                    run_id: run.run_id.clone(),
+                    owner: holder.clone(),
+                });
+            }
             let stored = inner
                 .runs
                 .get_mut(&run.run_id)
                 .ok_or_else(|| StoreError::NotFound(run.run_id.clone()))?;
-            if stored.version + 1 != run.version {
-                return Err(StoreError::Conflict {
-                    run_id: run.run_id.clone(),
-                    expected: run.version.saturating_sub(1),
-                    found: stored.version,
-                });
-            }
             *stored = run.clone();
             Self::append(&mut inner, &run.run_id, events)
         };
@@ -386,6 +431,12 @@ impl RunStore for MemoryStore {
         self.notify.subscribe()
     }
 
+    fn owner(&self) -> Option<(&str, Duration)> {
+        self.creator
+            .as_ref()
+            .map(|(owner, ttl)| (owner.as_str(), *ttl))
+    }
+
     async fn unfinished(&self) -> Result<Vec<v1::Run>, StoreError> {
         let inner = self.inner.lock().expect("store lock poisoned");
         Ok(inner
@@ -458,5 +509,25 @@ impl RunStore for MemoryStore {
             inner.leases.remove(run_id);
         }
         Ok(held)
+    }
+
+    async fn relay_cursor(&self, relay: &str) -> Result<Option<String>, StoreError> {
+        let inner = self.inner.lock().expect("store lock poisoned");
+        Ok(inner
+            .relays
+            .get(relay)
+            .and_then(|i| inner.outbox.get(*i))
+            .map(|e| e.id.clone()))
+    }
+
+    async fn acknowledge(&self, relay: &str, event_id: &str) -> Result<(), StoreError> {
+        let mut inner = self.inner.lock().expect("store lock poisoned");
+        let index = *inner
+            .outbox_index
+            .get(event_id)
+            .ok_or_else(|| StoreError::NotFound(format!("outbox event {event_id}")))?;
+        let cursor = inner.relays.entry(relay.to_owned()).or_insert(index);
+        *cursor = (*cursor).max(index);
+        Ok(())
     }
 }

@@ -1,0 +1,156 @@
+//! Fault injection for crash tests: TEST-ONLY.
+//!
+//! With a crash point configured (`crash: { point: after_dispatch, after: 3 }`, or
+//! `CONVENE_CRASH__POINT` / `CONVENE_CRASH__AFTER`), the supervisor process aborts the
+//! `after`-th time it reaches that point in a run's life, as abruptly as a SIGKILL: no
+//! drain, no flush, nothing committed beyond what was committed already. The crash test
+//! (`tests/tests/durable.rs`) uses it to prove that a restarted supervisor finishes every
+//! run exactly as an uncrashed one would. Never set it anywhere else.
+
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use serde::{Deserialize, Serialize};
+
+/// Where in a run's life the supervisor may be made to crash.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CrashPoint {
+    /// StartRun committed the new run; its actor has not started.
+    AfterAccept,
+    /// A delegation's `Dispatched` state was committed; the worker is executing it.
+    AfterDispatch,
+    /// A dispatch's outcome (a result or a failure) reached the run's actor, which has
+    /// not recorded it.
+    ResultInFlight,
+    /// A top-level result was committed; the join's decision on it was not.
+    DuringJoin,
+    /// The decision (and the run's terminal state) was committed; the relay has not
+    /// delivered its events.
+    AfterDecision,
+}
+
+impl CrashPoint {
+    /// Every crash point, in the order a run reaches them.
+    pub const ALL: [CrashPoint; 5] = [
+        CrashPoint::AfterAccept,
+        CrashPoint::AfterDispatch,
+        CrashPoint::ResultInFlight,
+        CrashPoint::DuringJoin,
+        CrashPoint::AfterDecision,
+    ];
+
+    /// The configuration value naming this point (`after_dispatch`, ...).
+    pub fn name(self) -> &'static str {
+        match self {
+            CrashPoint::AfterAccept => "after_accept",
+            CrashPoint::AfterDispatch => "after_dispatch",
+            CrashPoint::ResultInFlight => "result_in_flight",
+            CrashPoint::DuringJoin => "during_join",
+            CrashPoint::AfterDecision => "after_decision",
+        }
+    }
+}
+
+/// The `crash` configuration section. TEST-ONLY: see the [module docs](self).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CrashSettings {
+    /// The point to crash at; unset (the default): never crash.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub point: Option<CrashPoint>,
+    /// Crash the `after`-th time the point is reached (counted from the process's
+    /// start; 1 = the first time).
+    pub after: u32,
+}
+
+impl Default for CrashSettings {
+    fn default() -> Self {
+        Self {
+            point: None,
+            after: 1,
+        }
+    }
+}
+
+/// A configured crash point and how often it was reached in this process.
+#[derive(Debug)]
+pub(crate) struct Crash {
+    point: Option<CrashPoint>,
+    after: u32,
+    reached: AtomicU32,
+}
+
+impl Crash {
+    pub(crate) fn new(settings: &CrashSettings) -> Self {
+        if let Some(point) = settings.point {
+            tracing::warn!(
+                point = point.name(),
+                after = settings.after,
+                "TEST-ONLY fault injection: this supervisor aborts at a crash point"
+            );
+        }
+        Self {
+            point: settings.point,
+            after: settings.after.max(1),
+            reached: AtomicU32::new(0),
+        }
+    }
+
+    /// Counts a pass through `point`; aborts the process on the configured pass.
+    pub(crate) fn at(&self, point: CrashPoint) {
+        if self.point != Some(point) {
+            return;
+        }
+        let n = self.reached.fetch_add(1, Ordering::SeqCst) + 1;
+        if n == self.after {
+            // stderr is unbuffered: the line is out before the process is gone. Nothing
+            // else runs: no destructors, no drain, no flush of logs or traces.
+            eprintln!(
+                "convene-supervisor: crash point {} reached ({n} time(s)): aborting",
+                point.name()
+            );
+            std::process::abort();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn settings_parse_from_the_documented_names() {
+        let s: CrashSettings =
+            serde_json::from_str(r#"{"point": "result_in_flight", "after": 3}"#).unwrap();
+        assert_eq!(s.point, Some(CrashPoint::ResultInFlight));
+        assert_eq!(s.after, 3);
+        for point in CrashPoint::ALL {
+            let parsed: CrashPoint =
+                serde_json::from_value(serde_json::Value::String(point.name().into())).unwrap();
+            assert_eq!(parsed, point);
+        }
+        assert!(serde_json::from_str::<CrashSettings>(r#"{"point": "later"}"#).is_err());
+        assert!(serde_json::from_str::<CrashSettings>(r#"{"when": 1}"#).is_err());
+    }
+
+    #[test]
+    fn other_points_and_earlier_passes_do_not_crash() {
+        let crash = Crash::new(&CrashSettings {
+            point: Some(CrashPoint::AfterDecision),
+            after: 3,
+        });
+        // Reaching this line at all proves no abort: two passes of the configured point
+        // and any number of others.
+        for _ in 0..10 {
+            crash.at(CrashPoint::AfterDispatch);
+        }
+        crash.at(CrashPoint::AfterDecision);
+        crash.at(CrashPoint::AfterDecision);
+        assert_eq!(crash.reached.load(Ordering::SeqCst), 2);
+        let off = Crash::new(&CrashSettings::default());
+        for point in CrashPoint::ALL {
+            off.at(point);
+        }
+        assert_eq!(off.reached.load(Ordering::SeqCst), 0);
+    }
+}

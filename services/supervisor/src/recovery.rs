@@ -1,0 +1,163 @@
+//! Recovery, leases and replicas: every unfinished run has exactly one supervisor
+//! replica working on it, and a run whose replica died is resumed by another (or by the
+//! same one restarted).
+//!
+//! - A replica has an id (its owner id: a UUIDv7 per process, or `replica_id`). The
+//!   runs it creates are leased to it for `run_lease_ttl` (`with_owner` on the store).
+//! - It renews the leases of the runs its actors run every third of the lease. A run
+//!   missing from the renewal's answer was taken over by another replica after the lease
+//!   expired: its actor stops. (Independently, the store refuses every commit of a
+//!   replica that is not the run's lease holder, so a replica that stalled past its lease
+//!   can never write over the one that took the run over.)
+//! - Once at start and then every `claim_interval` it claims unfinished runs whose lease
+//!   is free or expired (`FOR UPDATE SKIP LOCKED` on PostgreSQL, so two replicas never
+//!   claim one run) and resumes each ([`RunActor::resume`]).
+//! - A replica with a configured, stable id first gives up the leases it holds from
+//!   before its restart (nothing of its own can be running at start) and so claims those
+//!   runs at once instead of after their leases run out.
+//! - At shutdown each actor releases its run's lease, so another replica resumes the run
+//!   without waiting.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::time::MissedTickBehavior;
+
+use crate::Deps;
+use crate::run::{Msg, RunActor};
+
+/// Runs claimed per query; the claim repeats until fewer come back.
+const CLAIM_BATCH: usize = 64;
+
+/// A replica's lease settings.
+#[derive(Debug, Clone)]
+pub(crate) struct Lease {
+    /// The replica's id: the owner of its leases.
+    pub(crate) owner: String,
+    /// How long a lease lasts unless renewed.
+    pub(crate) ttl: Duration,
+    /// How often free and expired runs are claimed.
+    pub(crate) claim_interval: Duration,
+    /// Whether the id outlives the process (configured rather than generated).
+    pub(crate) stable: bool,
+}
+
+/// Starts lease renewal and claiming, until the supervisor shuts down. Does nothing
+/// when the store does not lease runs.
+pub(crate) fn spawn(deps: Arc<Deps>) {
+    let Some(lease) = deps.lease.clone() else {
+        tracing::debug!("the run store leases no runs: no recovery of unfinished runs");
+        return;
+    };
+    tracing::info!(
+        replica = %lease.owner,
+        lease_ttl = ?lease.ttl,
+        claim_interval = ?lease.claim_interval,
+        "this supervisor leases the runs it runs and resumes unfinished ones"
+    );
+    tokio::spawn(maintain(deps, lease));
+}
+
+async fn maintain(deps: Arc<Deps>, lease: Lease) {
+    let stop = deps.shutdown_token.clone();
+    if lease.stable {
+        adopt(&deps, &lease).await;
+    }
+    let mut renew = tokio::time::interval(lease.ttl / 3);
+    renew.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    let mut claim = tokio::time::interval(lease.claim_interval);
+    claim.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            // Both intervals tick at once first: claiming at start is the recovery.
+            _ = claim.tick() => claim_all(&deps, &lease).await,
+            _ = renew.tick() => renew_all(&deps, &lease).await,
+            () = stop.cancelled() => return,
+        }
+    }
+}
+
+/// Gives up the leases this replica's id holds from before a restart, so the next
+/// claim takes those runs at once.
+async fn adopt(deps: &Deps, lease: &Lease) {
+    let runs = match deps.store.unfinished().await {
+        Ok(runs) => runs,
+        Err(error) => {
+            tracing::warn!(%error, "unfinished runs cannot be read; they are claimed as their leases expire");
+            return;
+        }
+    };
+    let mut adopted = 0;
+    for run in runs {
+        match deps.store.release(&lease.owner, &run.run_id).await {
+            Ok(true) => adopted += 1,
+            Ok(false) => {}
+            Err(error) => {
+                tracing::warn!(run_id = %run.run_id, %error, "the run's lease cannot be taken back; it is claimed when it expires");
+            }
+        }
+    }
+    if adopted > 0 {
+        tracing::info!(
+            runs = adopted,
+            "taking back the unfinished runs this replica ran before it restarted"
+        );
+    }
+}
+
+/// Claims free and expired runs and resumes each.
+async fn claim_all(deps: &Arc<Deps>, lease: &Lease) {
+    loop {
+        let runs = match deps
+            .store
+            .claim_runs(&lease.owner, lease.ttl, CLAIM_BATCH)
+            .await
+        {
+            Ok(runs) => runs,
+            Err(error) => {
+                tracing::warn!(%error, "claiming unfinished runs failed; trying again later");
+                return;
+            }
+        };
+        let claimed = runs.len();
+        for run in runs {
+            let run_id = run.run_id.clone();
+            if RunActor::resume(deps.clone(), run) {
+                tracing::info!(%run_id, "claimed an unfinished run; resuming it");
+            }
+        }
+        if claimed < CLAIM_BATCH {
+            return;
+        }
+    }
+}
+
+/// Renews the leases of the runs this replica's actors run; stops the actors of runs
+/// another replica holds now.
+async fn renew_all(deps: &Deps, lease: &Lease) {
+    let ids: Vec<String> = deps
+        .live
+        .lock()
+        .expect("live map lock poisoned")
+        .keys()
+        .cloned()
+        .collect();
+    if ids.is_empty() {
+        return;
+    }
+    let held: HashSet<String> = match deps.store.renew_lease(&lease.owner, &ids, lease.ttl).await {
+        Ok(held) => held.into_iter().collect(),
+        Err(error) => {
+            tracing::warn!(%error, runs = ids.len(), "renewing run leases failed; trying again shortly");
+            return;
+        }
+    };
+    let live = deps.live.lock().expect("live map lock poisoned");
+    for id in ids.iter().filter(|id| !held.contains(*id)) {
+        if let Some(mailbox) = live.get(id) {
+            tracing::warn!(run_id = %id, "the run's lease is held by another replica now");
+            let _ = mailbox.send(Msg::LeaseLost);
+        }
+    }
+}
