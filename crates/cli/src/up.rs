@@ -247,6 +247,9 @@ impl Mesh {
         for w in workers {
             let _ = w.await;
         }
+        self.supervisor
+            .actors_stopped(convene_supervisor::ACTOR_STOP_GRACE)
+            .await;
         served.context("the gRPC server failed")
     }
 }

@@ -11,10 +11,10 @@ use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use sqlx::sqlite::{
     SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
 };
-use sqlx::{Postgres, Sqlite, Transaction};
-use tokio::sync::{Mutex, OwnedMutexGuard};
+use tokio::sync::Mutex;
 
 use crate::Error;
+use crate::group::{Group, Physical, Turn};
 use crate::statement::{Row, Statement};
 
 /// The value of `database_url` that keeps a service's state in memory.
@@ -66,10 +66,12 @@ enum Pool {
 #[derive(Clone)]
 pub struct Database {
     pool: Pool,
-    /// Writers of this process take turns here before `BEGIN IMMEDIATE`, so SQLite's
-    /// single write lock is handed over in order instead of through its busy-wait
-    /// back-off (which sleeps up to 100 ms per try under contention).
-    writer: Arc<Mutex<()>>,
+    /// Writers of this process take turns here, in order (so SQLite's single write lock
+    /// is not fought over through its busy-wait back-off, which sleeps up to 100 ms per
+    /// try), and share physical transactions: see [`crate::group`].
+    group: Arc<Group>,
+    /// Held while migrating a SQLite file.
+    migrating: Arc<Mutex<()>>,
     /// Where, for logs and errors (password hidden).
     shown: Arc<str>,
 }
@@ -164,6 +166,9 @@ impl Database {
             let pool = PgPoolOptions::new()
                 .max_connections(POSTGRES_CONNECTIONS)
                 .acquire_timeout(CONNECT_TIMEOUT)
+                // No ping before every use: a broken connection fails its statement,
+                // which callers treat as transient, and the pool replaces it.
+                .test_before_acquire(false)
                 .connect_with(options)
                 .await
                 .map_err(|source| Error::Unreachable {
@@ -184,6 +189,8 @@ impl Database {
             let pool = SqlitePoolOptions::new()
                 .max_connections(SQLITE_CONNECTIONS)
                 .acquire_timeout(CONNECT_TIMEOUT)
+                // A SQLite connection is a file handle in this process: nothing to ping.
+                .test_before_acquire(false)
                 .connect_with(options)
                 .await
                 .map_err(|source| Error::Unreachable {
@@ -201,7 +208,8 @@ impl Database {
     fn new(pool: Pool, shown: &str) -> Self {
         Self {
             pool,
-            writer: Arc::new(Mutex::new(())),
+            group: Group::new(),
+            migrating: Arc::new(Mutex::new(())),
             shown: shown.into(),
         }
     }
@@ -216,7 +224,7 @@ impl Database {
             attempt += 1;
             let outcome = match &self.pool {
                 Pool::Sqlite(pool) => {
-                    let _writer = self.writer.lock().await;
+                    let _writer = self.migrating.lock().await;
                     sqlx::migrate!("./migrations/sqlite").run(pool).await
                 }
                 Pool::Postgres(pool) => sqlx::migrate!("./migrations/postgres").run(pool).await,
@@ -260,20 +268,34 @@ impl Database {
     ///
     /// [`Error::Query`] when no connection is available or `BEGIN` fails.
     pub async fn begin(&self) -> Result<Tx, Error> {
-        match &self.pool {
+        let turn = match &self.pool {
             Pool::Sqlite(pool) => {
-                let guard = self.writer.clone().lock_owned().await;
-                let tx = pool.begin_with("BEGIN IMMEDIATE").await?;
-                Ok(Tx {
-                    inner: TxInner::Sqlite(tx),
-                    _writer: Some(guard),
-                })
+                let pool = pool.clone();
+                self.group
+                    .begin(|| async move {
+                        Ok(Physical::Sqlite(pool.begin_with("BEGIN IMMEDIATE").await?))
+                    })
+                    .await?
             }
-            Pool::Postgres(pool) => Ok(Tx {
-                inner: TxInner::Postgres(pool.begin().await?),
-                _writer: None,
-            }),
-        }
+            Pool::Postgres(pool) => {
+                let pool = pool.clone();
+                self.group
+                    .begin(|| async move { Ok(Physical::Postgres(pool.begin().await?)) })
+                    .await?
+            }
+        };
+        Ok(Tx {
+            turn: Some(turn),
+            group: self.group.clone(),
+            backend: self.backend(),
+        })
+    }
+
+    /// Write transactions committed through this handle so far, and the physical
+    /// commits (fsyncs) that carried them: writers that queue up behind each other share
+    /// one (see [`crate::group`]).
+    pub fn commits(&self) -> (u64, u64) {
+        self.group.commits()
     }
 
     /// Runs one writing statement in a transaction of its own; returns the rows it
@@ -398,16 +420,12 @@ fn sqlite_options(url: &str) -> Result<SqliteConnectOptions, String> {
         .foreign_keys(true))
 }
 
-enum TxInner {
-    Sqlite(Transaction<'static, Sqlite>),
-    Postgres(Transaction<'static, Postgres>),
-}
-
-/// A write transaction on either back end (see [`Database::begin`]).
+/// A write transaction on either back end (see [`Database::begin`]): a savepoint of the
+/// physical transaction its batch of writers shares ([`crate::group`]).
 pub struct Tx {
-    inner: TxInner,
-    /// Held until the transaction ends (SQLite only).
-    _writer: Option<OwnedMutexGuard<()>>,
+    turn: Option<Turn>,
+    group: Arc<Group>,
+    backend: Backend,
 }
 
 impl fmt::Debug for Tx {
@@ -418,13 +436,27 @@ impl fmt::Debug for Tx {
     }
 }
 
+impl Drop for Tx {
+    fn drop(&mut self) {
+        if let Some(turn) = self.turn.take() {
+            self.group.abandon(turn);
+        }
+    }
+}
+
 impl Tx {
     /// Which back end the transaction runs on.
     pub fn backend(&self) -> Backend {
-        match self.inner {
-            TxInner::Sqlite(_) => Backend::Sqlite,
-            TxInner::Postgres(_) => Backend::Postgres,
-        }
+        self.backend
+    }
+
+    fn physical(&mut self) -> Result<&mut Physical, Error> {
+        self.turn
+            .as_mut()
+            .and_then(|t| t.batch.physical.as_mut())
+            .ok_or_else(|| {
+                Error::Commit("the transaction was rolled back by an earlier failure".to_owned())
+            })
     }
 
     /// Runs a statement; returns the rows it changed.
@@ -434,9 +466,9 @@ impl Tx {
     /// [`Error::Query`] when it fails. PostgreSQL then refuses every further statement
     /// of the transaction: roll back (drop it) and start over.
     pub async fn execute(&mut self, statement: Statement) -> Result<u64, Error> {
-        Ok(match &mut self.inner {
-            TxInner::Sqlite(tx) => statement.sqlite().execute(&mut **tx).await?.rows_affected(),
-            TxInner::Postgres(tx) => statement
+        Ok(match self.physical()? {
+            Physical::Sqlite(tx) => statement.sqlite().execute(&mut **tx).await?.rows_affected(),
+            Physical::Postgres(tx) => statement
                 .postgres()
                 .execute(&mut **tx)
                 .await?
@@ -450,13 +482,13 @@ impl Tx {
     ///
     /// As [`execute`](Self::execute).
     pub async fn fetch_optional(&mut self, statement: Statement) -> Result<Option<Row>, Error> {
-        Ok(match &mut self.inner {
-            TxInner::Sqlite(tx) => statement
+        Ok(match self.physical()? {
+            Physical::Sqlite(tx) => statement
                 .sqlite()
                 .fetch_optional(&mut **tx)
                 .await?
                 .map(Row::Sqlite),
-            TxInner::Postgres(tx) => statement
+            Physical::Postgres(tx) => statement
                 .postgres()
                 .fetch_optional(&mut **tx)
                 .await?
@@ -470,15 +502,15 @@ impl Tx {
     ///
     /// As [`execute`](Self::execute).
     pub async fn fetch_all(&mut self, statement: Statement) -> Result<Vec<Row>, Error> {
-        Ok(match &mut self.inner {
-            TxInner::Sqlite(tx) => statement
+        Ok(match self.physical()? {
+            Physical::Sqlite(tx) => statement
                 .sqlite()
                 .fetch_all(&mut **tx)
                 .await?
                 .into_iter()
                 .map(Row::Sqlite)
                 .collect(),
-            TxInner::Postgres(tx) => statement
+            Physical::Postgres(tx) => statement
                 .postgres()
                 .fetch_all(&mut **tx)
                 .await?
@@ -488,29 +520,24 @@ impl Tx {
         })
     }
 
-    /// Commits. The changes are durable when this returns.
+    /// Commits. The changes are durable when this returns Ok (they were committed with
+    /// the other writers of their batch).
     ///
     /// # Errors
     ///
-    /// [`Error::Query`] when the commit fails; nothing was changed then.
-    pub async fn commit(self) -> Result<(), Error> {
-        match self.inner {
-            TxInner::Sqlite(tx) => tx.commit().await?,
-            TxInner::Postgres(tx) => tx.commit().await?,
-        }
-        Ok(())
+    /// [`Error::Commit`] when the commit fails; nothing was changed then.
+    pub async fn commit(mut self) -> Result<(), Error> {
+        let turn = self.turn.take().expect("a transaction ends once");
+        self.group.commit(turn).await
     }
 
     /// Rolls back now (dropping the transaction does too, a moment later).
     ///
     /// # Errors
     ///
-    /// [`Error::Query`] when the rollback fails.
-    pub async fn rollback(self) -> Result<(), Error> {
-        match self.inner {
-            TxInner::Sqlite(tx) => tx.rollback().await?,
-            TxInner::Postgres(tx) => tx.rollback().await?,
-        }
-        Ok(())
+    /// [`Error::Commit`] when the rollback fails.
+    pub async fn rollback(mut self) -> Result<(), Error> {
+        let turn = self.turn.take().expect("a transaction ends once");
+        self.group.rollback(turn).await
     }
 }

@@ -57,6 +57,10 @@ pub enum Error {
     /// A statement failed.
     #[error("database statement failed: {0}")]
     Query(#[from] sqlx::Error),
+    /// A commit failed, or the batch of writers it was part of was rolled back (see
+    /// [`crate::group`]); nothing of the transaction was kept.
+    #[error("database commit failed: {0}")]
+    Commit(String),
     /// A stored value does not have the shape this version of convene expects.
     #[error("column {column} holds an unexpected value: {detail}")]
     Corrupt {

@@ -14,6 +14,10 @@
 //! transaction of its own) or in a [`Tx`], returning [`Row`]s. Everything that differs
 //! between the drivers stays inside this crate.
 //!
+//! Writers of one process take turns and share physical transactions (group commit):
+//! one fsync covers every commit that queued up behind another, and a writer alone
+//! commits at once (see the `group` module).
+//!
 //! A service's `database_url` setting is resolved by [`open`]: unset means the SQLite
 //! file in its data directory, [`MEMORY`] keeps its in-memory stores.
 //!
@@ -24,6 +28,7 @@
 
 mod database;
 mod error;
+mod group;
 mod statement;
 pub mod time;
 

@@ -297,3 +297,87 @@ async fn memory_opens_no_database() {
     assert_eq!(db.backend(), Backend::Sqlite);
     assert!(dir.path().join("convene.db").exists());
 }
+
+/// Writers that queue up behind each other share physical commits; each one still
+/// commits or rolls back on its own, and a failing one takes nobody else down.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn queued_writers_share_commits_and_keep_their_own_outcome() {
+    const WRITERS: usize = 120;
+    for t in test_databases().await {
+        let db = t.db.clone();
+        let (logical_before, physical_before) = db.commits();
+        let insert = |id: String| {
+            sql(
+                "INSERT INTO revocations (kind, target_id, reason, revoked_at) \
+                 VALUES ('token', $1, 'r', 0)",
+            )
+            .bind(id)
+        };
+        // Taken before the load: every fourth writer collides with it.
+        db.execute(insert("taken".to_owned())).await.unwrap();
+        let mut tasks = tokio::task::JoinSet::new();
+        for i in 0..WRITERS {
+            let db = db.clone();
+            tasks.spawn(async move {
+                let mut tx = db.begin().await.unwrap();
+                tx.execute(insert(format!("w{i:03}-a"))).await.unwrap();
+                match i % 4 {
+                    // A statement fails: the writer gives up its own changes only.
+                    0 => {
+                        let err = tx.execute(insert("taken".to_owned())).await.unwrap_err();
+                        assert!(err.is_unique_violation(), "{err}");
+                        tx.rollback().await.unwrap();
+                        (i, false)
+                    }
+                    // Rolled back on purpose.
+                    1 => {
+                        tx.execute(insert(format!("w{i:03}-b"))).await.unwrap();
+                        tx.rollback().await.unwrap();
+                        (i, false)
+                    }
+                    // Dropped without commit.
+                    2 if i % 8 == 2 => {
+                        drop(tx);
+                        (i, false)
+                    }
+                    _ => {
+                        tx.execute(insert(format!("w{i:03}-b"))).await.unwrap();
+                        tx.commit().await.unwrap();
+                        (i, true)
+                    }
+                }
+            });
+        }
+        let mut expected = vec!["taken".to_owned()];
+        while let Some(done) = tasks.join_next().await {
+            let (i, committed) = done.unwrap();
+            if committed {
+                expected.push(format!("w{i:03}-a"));
+                expected.push(format!("w{i:03}-b"));
+            }
+        }
+        expected.sort();
+        // A dropped transaction's rollback runs in the background; the next writer waits
+        // for it.
+        db.execute(insert("after".to_owned())).await.unwrap();
+        expected.push("after".to_owned());
+        expected.sort();
+        let rows = db
+            .fetch_all(sql("SELECT target_id FROM revocations ORDER BY target_id"))
+            .await
+            .unwrap();
+        let ids: Vec<String> = rows.iter().map(|r| r.get("target_id").unwrap()).collect();
+        assert_eq!(ids, expected, "{}", t.label);
+
+        let committed = expected.len() as u64 / 2 + 1; // pairs, plus `after` and `taken`
+        let (logical, physical) = db.commits();
+        assert_eq!(logical - logical_before, committed, "{}", t.label);
+        assert!(
+            physical - physical_before < committed,
+            "{}: {} logical commits took {} physical ones: no batching",
+            t.label,
+            committed,
+            physical - physical_before
+        );
+    }
+}

@@ -55,6 +55,10 @@ pub use store::{MemoryStore, RunStore};
 /// The policy file of the payment-incident example, the development default.
 pub const EXAMPLE_POLICY: &str = include_str!("../../../examples/payment-incident/policy.yaml");
 
+/// How long a stopping supervisor waits for its run actors to end (they stop at the
+/// shutdown signal; this bounds a stuck store write).
+pub const ACTOR_STOP_GRACE: Duration = Duration::from_secs(10);
+
 /// The supervisor's well-known port.
 pub const DEFAULT_PORT: u16 = 7400;
 
@@ -339,6 +343,9 @@ pub(crate) struct Deps {
     pub(crate) settings: Settings,
     pub(crate) live: Mutex<HashMap<String, run::Mailbox>>,
     pub(crate) shutdown_token: CancellationToken,
+    /// Every run actor's task, so a stopping supervisor can wait for them to close
+    /// their runs' spans and give up their leases.
+    pub(crate) actors: tokio_util::task::TaskTracker,
 }
 
 /// Everything the supervisor is built from.
@@ -422,6 +429,7 @@ pub fn build(parts: Parts) -> (SupervisorService, Arc<Registry>) {
         },
         live: Mutex::new(HashMap::new()),
         shutdown_token,
+        actors: tokio_util::task::TaskTracker::new(),
     });
     recovery::spawn(deps.clone());
     (SupervisorService::new(deps, auth, parts.shutdown), registry)
@@ -491,8 +499,9 @@ pub async fn run(config: Config, shutdown: Shutdown) -> Result<(), Error> {
         source,
     })?;
     tracing::info!(%addr, "supervisor listening");
-    add_to(GrpcServer::new(config.server.clone()), service, registry)
+    add_to(GrpcServer::new(config.server.clone()), service.clone(), registry)
         .serve(listener, shutdown)
         .await?;
+    service.actors_stopped(ACTOR_STOP_GRACE).await;
     Ok(())
 }

@@ -314,7 +314,8 @@ impl RunActor {
 
     fn start(self) {
         let span = self.span.clone();
-        tokio::spawn(async move { self.main().await }.instrument(span));
+        let actors = self.deps.actors.clone();
+        actors.spawn(async move { self.main().await }.instrument(span));
     }
 
     async fn main(mut self) {

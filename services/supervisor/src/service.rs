@@ -64,6 +64,25 @@ impl SupervisorService {
             .map_err(|_| Status::failed_precondition(format!("run {run_id} is no longer running")))
     }
 
+    /// Waits, at most `grace`, for every run actor to end; call it once shutdown fired
+    /// (actors stop at the signal). Their runs' spans are closed then, so a telemetry
+    /// flush after it exports them, and their leases are given up. Returns whether all
+    /// ended in time.
+    pub async fn actors_stopped(&self, grace: std::time::Duration) -> bool {
+        self.deps.actors.close();
+        let ended = tokio::time::timeout(grace, self.deps.actors.wait())
+            .await
+            .is_ok();
+        if !ended {
+            tracing::warn!(
+                runs = self.live_runs(),
+                ?grace,
+                "run actors did not stop in time; their runs resume from the store"
+            );
+        }
+        ended
+    }
+
     /// Runs that still have a live owner task in this process.
     pub fn live_runs(&self) -> usize {
         self.deps.live.lock().expect("live map lock poisoned").len()

@@ -171,14 +171,41 @@ impl SqlRunStore {
         rows.iter().map(|r| decode(r, "join_decisions")).collect()
     }
 
-    /// On PostgreSQL, waits for every other writer's transaction to end; see the
-    /// [module docs](self).
-    async fn serialize_appends(tx: &mut Tx) -> Result<(), StoreError> {
+    /// Starts a write transaction; with `appends` (it writes run events or the outbox)
+    /// it first waits, on PostgreSQL, for every other writer's transaction to end (see
+    /// the [module docs](self)).
+    ///
+    /// On PostgreSQL a store that leases runs also bounds how long the transaction may
+    /// sit idle to the lease's length. A replica that stalls in the middle of a write (a
+    /// frozen machine, a long pause) holds the append lock and row locks that every other
+    /// replica waits for; past its lease, when the others take its runs over anyway, the
+    /// server ends its session instead, the locks go, and the stalled write fails.
+    async fn begin(&self, appends: bool) -> Result<Tx, StoreError> {
+        let mut tx = self.db.begin().await?;
         if tx.backend() == Backend::Postgres {
-            tx.execute(sql("SELECT pg_advisory_xact_lock($1)").bind(APPEND_LOCK))
-                .await?;
+            let idle = self
+                .creator
+                .as_ref()
+                .map(|(_, ttl)| ttl.as_millis().max(1).to_string());
+            let guard = match (idle, appends) {
+                (Some(ms), true) => Some(
+                    sql("SELECT set_config('idle_in_transaction_session_timeout', $1, true), \
+                         pg_advisory_xact_lock($2)")
+                    .bind(ms)
+                    .bind(APPEND_LOCK),
+                ),
+                (Some(ms), false) => Some(
+                    sql("SELECT set_config('idle_in_transaction_session_timeout', $1, true)")
+                        .bind(ms),
+                ),
+                (None, true) => Some(sql("SELECT pg_advisory_xact_lock($1)").bind(APPEND_LOCK)),
+                (None, false) => None,
+            };
+            if let Some(guard) = guard {
+                tx.execute(guard).await?;
+            }
         }
-        Ok(())
+        Ok(tx)
     }
 
     fn announce(&self, run_id: &str, events: &Events) {
@@ -246,30 +273,34 @@ async fn poll_once(
     events_after: &mut i64,
     outbox_after: &mut i64,
 ) -> Result<(), StoreError> {
-    let events = db
+    // One statement, so one snapshot: a commit's run events and outbox events are seen
+    // together or not at all.
+    let rows = db
         .fetch_all(
-            sql("SELECT id, run_id, sequence FROM run_events WHERE id > $1 ORDER BY id LIMIT $2")
-                .bind(*events_after)
-                .bind(POLL_BATCH),
-        )
-        .await?;
-    let outbox = db
-        .fetch_all(
-            sql("SELECT position, run_id FROM outbox WHERE position > $1 \
-                 ORDER BY position LIMIT $2")
+            sql("SELECT 'e' AS kind, id AS pos, run_id, sequence FROM \
+                   (SELECT id, run_id, sequence FROM run_events WHERE id > $1 \
+                    ORDER BY id LIMIT $3) AS e \
+                 UNION ALL \
+                 SELECT 'o' AS kind, position AS pos, run_id, 0 AS sequence FROM \
+                   (SELECT position, run_id FROM outbox WHERE position > $2 \
+                    ORDER BY position LIMIT $3) AS o")
+            .bind(*events_after)
             .bind(*outbox_after)
             .bind(POLL_BATCH),
         )
         .await?;
+    let (events, outbox): (Vec<_>, Vec<_>) = rows
+        .iter()
+        .partition(|r| r.get::<String>("kind").is_ok_and(|k| k == "e"));
     // Per run: (highest sequence, whether outbox events came too).
     let mut runs: BTreeMap<String, (u64, bool)> = BTreeMap::new();
-    for row in &events {
-        *events_after = row.get("id")?;
+    for row in events {
+        *events_after = (*events_after).max(row.get("pos")?);
         let entry = runs.entry(row.get("run_id")?).or_default();
         entry.0 = entry.0.max(row.get_u64("sequence")?);
     }
-    for row in &outbox {
-        *outbox_after = row.get("position")?;
+    for row in outbox {
+        *outbox_after = (*outbox_after).max(row.get("pos")?);
         runs.entry(row.get("run_id")?).or_default().1 = true;
     }
     for (run_id, (last_sequence, cloud)) in runs {
@@ -413,8 +444,7 @@ impl RunStore for SqlRunStore {
         key: Option<&IdempotencyKey>,
         events: &Events,
     ) -> Result<Created, StoreError> {
-        let mut tx = self.db.begin().await?;
-        Self::serialize_appends(&mut tx).await?;
+        let mut tx = self.begin(true).await?;
         if let Some(key) = key {
             // The primary key decides a race between two StartRuns with one key: the
             // loser inserts nothing (PostgreSQL waits for the winner's commit first).
@@ -428,9 +458,11 @@ impl RunStore for SqlRunStore {
                 )
                 .await?;
             if inserted == 0 {
-                tx.rollback().await?;
-                let row = self
-                    .db
+                // Read inside the transaction: the winner may be an earlier writer of
+                // this very batch, whose run only this transaction sees until the batch
+                // commits. Committing (nothing) then waits for that commit, so the run
+                // returned is durable.
+                let row = tx
                     .fetch_optional(
                         sql("SELECT r.body FROM idempotency_keys k \
                              JOIN runs r ON r.run_id = k.run_id \
@@ -445,7 +477,9 @@ impl RunStore for SqlRunStore {
                             key.key, key.principal
                         ))
                     })?;
-                return Ok(Created::Existing(Box::new(decode(&row, "runs")?)));
+                let existing: v1::Run = decode(&row, "runs")?;
+                tx.commit().await?;
+                return Ok(Created::Existing(Box::new(existing)));
             }
         }
         let (owner, lease_until) = match &self.creator {
@@ -480,8 +514,7 @@ impl RunStore for SqlRunStore {
 
     async fn commit(&self, run: &v1::Run, events: &Events) -> Result<(), StoreError> {
         let expected = run.version.saturating_sub(1);
-        let mut tx = self.db.begin().await?;
-        Self::serialize_appends(&mut tx).await?;
+        let mut tx = self.begin(true).await?;
         let read = match tx.backend() {
             Backend::Sqlite => sql("SELECT version, owner, body FROM runs WHERE run_id = $1"),
             Backend::Postgres => {
@@ -680,7 +713,7 @@ impl RunStore for SqlRunStore {
                  ORDER BY run_id LIMIT $4 FOR UPDATE SKIP LOCKED) RETURNING body",
             ),
         };
-        let mut tx = self.db.begin().await?;
+        let mut tx = self.begin(false).await?;
         let rows = tx
             .fetch_all(
                 claim
@@ -718,7 +751,7 @@ impl RunStore for SqlRunStore {
         for id in run_ids {
             statement = statement.bind(id);
         }
-        let mut tx = self.db.begin().await?;
+        let mut tx = self.begin(false).await?;
         let rows = tx.fetch_all(statement).await?;
         tx.commit().await?;
         let held: Vec<String> = rows
@@ -734,8 +767,8 @@ impl RunStore for SqlRunStore {
     }
 
     async fn release(&self, owner: &str, run_id: &str) -> Result<bool, StoreError> {
-        let n = self
-            .db
+        let mut tx = self.begin(false).await?;
+        let n = tx
             .execute(
                 sql("UPDATE runs SET owner = NULL, lease_until = NULL \
                      WHERE run_id = $1 AND owner = $2")
@@ -743,6 +776,7 @@ impl RunStore for SqlRunStore {
                 .bind(owner),
             )
             .await?;
+        tx.commit().await?;
         Ok(n == 1)
     }
 

@@ -1,0 +1,294 @@
+//! Group commit: the write transactions of one process share physical transactions.
+//!
+//! A durable commit costs one WAL fsync (SQLite with `synchronous = FULL`) or one WAL
+//! flush (PostgreSQL), whatever it holds. Writers take turns anyway — SQLite has one
+//! write lock, and convene's stores order their appends — so instead of paying that cost
+//! per logical transaction, the writers that queue up behind each other share one:
+//!
+//! - The writer whose turn it is opens the physical transaction if none is open and runs
+//!   its statements inside a savepoint of it.
+//! - Its commit releases the savepoint. When another writer is already waiting for its
+//!   turn (and the batch is not full), it hands the open transaction over and waits;
+//!   otherwise it commits the physical transaction and tells every writer of the batch.
+//! - A rollback (or a transaction dropped without commit) rolls back to its savepoint:
+//!   the batch's other writers keep their changes.
+//! - No writer hears "committed" before the physical commit succeeded; when it fails,
+//!   every writer of the batch gets the error and nothing of the batch is kept.
+//!
+//! A writer alone (no queue) commits at once, exactly as without batching, so this adds
+//! no latency; under load, one fsync covers a batch of commits. The hand-over and the
+//! physical commit run in spawned tasks, so a caller that stops waiting (a cancelled
+//! request) can neither strand an open batch nor leave a commit half done.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use sqlx::{Postgres, Sqlite, Transaction};
+use tokio::sync::{Mutex, OwnedMutexGuard, oneshot};
+
+use crate::Error;
+
+/// Logical transactions one physical transaction holds at most, so one batch cannot
+/// keep other processes sharing the database from writing for long.
+const MAX_BATCH: usize = 256;
+
+/// How long a writer whose commit was handed over waits before it makes sure its batch
+/// gets committed itself (it normally is long before: this covers a writer that queued
+/// for its turn and was cancelled before taking it).
+const HANDOVER_CHECK: Duration = Duration::from_millis(100);
+
+/// The open physical transaction.
+pub(crate) enum Physical {
+    Sqlite(Transaction<'static, Sqlite>),
+    Postgres(Transaction<'static, Postgres>),
+}
+
+impl Physical {
+    async fn run(&mut self, statement: &'static str) -> Result<(), sqlx::Error> {
+        match self {
+            Physical::Sqlite(tx) => sqlx::query(statement).execute(&mut **tx).await.map(drop),
+            Physical::Postgres(tx) => sqlx::query(statement).execute(&mut **tx).await.map(drop),
+        }
+    }
+
+    async fn commit(self) -> Result<(), sqlx::Error> {
+        match self {
+            Physical::Sqlite(tx) => tx.commit().await,
+            Physical::Postgres(tx) => tx.commit().await,
+        }
+    }
+
+    async fn rollback(self) -> Result<(), sqlx::Error> {
+        match self {
+            Physical::Sqlite(tx) => tx.rollback().await,
+            Physical::Postgres(tx) => tx.rollback().await,
+        }
+    }
+}
+
+/// What the writer whose turn it is may use.
+pub(crate) struct Batch {
+    /// The physical transaction, when one is open.
+    pub(crate) physical: Option<Physical>,
+    /// The writers whose savepoints were released into the open transaction.
+    waiters: Vec<oneshot::Sender<Result<(), Arc<str>>>>,
+    /// Counts physical transactions: a writer knows which batch it joined.
+    generation: u64,
+}
+
+/// The turn and the queue of a database's writers.
+pub(crate) struct Group {
+    turn: Arc<Mutex<Batch>>,
+    /// Writers waiting for their turn.
+    queued: AtomicUsize,
+    /// Logical transactions committed, and the physical commits that carried them.
+    logical: AtomicU64,
+    physical: AtomicU64,
+}
+
+/// A writer's turn: the batch, with its savepoint open.
+pub(crate) struct Turn {
+    pub(crate) batch: OwnedMutexGuard<Batch>,
+    generation: u64,
+}
+
+/// Counts a writer as queued until it has its turn or gave up waiting.
+struct Queued<'a>(&'a AtomicUsize);
+
+impl Drop for Queued<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// How a writer's turn ends.
+enum End {
+    Commit(oneshot::Sender<Result<(), Arc<str>>>),
+    Rollback(oneshot::Sender<Result<(), Arc<str>>>),
+    Abandon,
+}
+
+impl Group {
+    pub(crate) fn new() -> Arc<Self> {
+        Arc::new(Self {
+            turn: Arc::new(Mutex::new(Batch {
+                physical: None,
+                waiters: Vec::new(),
+                generation: 0,
+            })),
+            queued: AtomicUsize::new(0),
+            logical: AtomicU64::new(0),
+            physical: AtomicU64::new(0),
+        })
+    }
+
+    /// Logical transactions committed so far, and the physical commits that held them.
+    pub(crate) fn commits(&self) -> (u64, u64) {
+        (
+            self.logical.load(Ordering::Relaxed),
+            self.physical.load(Ordering::Relaxed),
+        )
+    }
+
+    /// Waits for this writer's turn, opens the physical transaction with `open` when
+    /// none is open, and a savepoint for the writer in it.
+    pub(crate) async fn begin<F, Fut>(self: &Arc<Self>, open: F) -> Result<Turn, Error>
+    where
+        F: FnOnce() -> Fut,
+        Fut: Future<Output = Result<Physical, sqlx::Error>>,
+    {
+        let mut batch = {
+            self.queued.fetch_add(1, Ordering::SeqCst);
+            let _queued = Queued(&self.queued);
+            self.turn.clone().lock_owned().await
+        };
+        if batch.physical.is_none() {
+            batch.physical = Some(open().await?);
+        }
+        let physical = batch.physical.as_mut().expect("opened above");
+        if let Err(e) = physical.run("SAVEPOINT convene_writer").await {
+            let message: Arc<str> = e.to_string().into();
+            abort(&mut batch, &message).await;
+            return Err(e.into());
+        }
+        let generation = batch.generation;
+        Ok(Turn { batch, generation })
+    }
+
+    /// Ends a turn with a commit: Ok once the physical transaction holding the writer's
+    /// changes committed.
+    pub(crate) async fn commit(self: &Arc<Self>, turn: Turn) -> Result<(), Error> {
+        let generation = turn.generation;
+        let (tx, rx) = oneshot::channel();
+        tokio::spawn(self.clone().end(turn.batch, End::Commit(tx)));
+        self.outcome(rx, generation).await
+    }
+
+    /// Ends a turn with a rollback of the writer's changes (the batch goes on).
+    pub(crate) async fn rollback(self: &Arc<Self>, turn: Turn) -> Result<(), Error> {
+        let (tx, rx) = oneshot::channel();
+        tokio::spawn(self.clone().end(turn.batch, End::Rollback(tx)));
+        rx.await.map_err(|_| abandoned()).and_then(|r| r.map_err(batch_error))
+    }
+
+    /// Ends a turn that was dropped without commit or rollback: its changes are rolled
+    /// back. Must be called inside a Tokio runtime.
+    pub(crate) fn abandon(self: &Arc<Self>, mut turn: Turn) {
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(self.clone().end(turn.batch, End::Abandon));
+        } else {
+            // No runtime left (the process is ending): drop the whole batch, which the
+            // driver rolls back; its writers hear that it was abandoned.
+            turn.batch.generation += 1;
+            turn.batch.physical = None;
+            turn.batch.waiters.clear();
+        }
+    }
+
+    async fn end(self: Arc<Self>, mut batch: OwnedMutexGuard<Batch>, end: End) {
+        let Some(physical) = batch.physical.as_mut() else {
+            // The batch was aborted under this writer: it was told already.
+            return;
+        };
+        match end {
+            End::Commit(reply) => match physical.run("RELEASE SAVEPOINT convene_writer").await {
+                Ok(()) => batch.waiters.push(reply),
+                Err(e) => {
+                    let message: Arc<str> = e.to_string().into();
+                    let _ = reply.send(Err(message.clone()));
+                    abort(&mut batch, &message).await;
+                    return;
+                }
+            },
+            End::Rollback(_) | End::Abandon => {
+                let undone = match physical.run("ROLLBACK TO SAVEPOINT convene_writer").await {
+                    Ok(()) => physical.run("RELEASE SAVEPOINT convene_writer").await,
+                    Err(e) => Err(e),
+                };
+                if let Err(e) = undone {
+                    // The physical transaction is gone (SQLite rolls back the whole
+                    // transaction on some errors): nothing of the batch survived.
+                    let message: Arc<str> = e.to_string().into();
+                    if let End::Rollback(reply) = end {
+                        let _ = reply.send(Err(message.clone()));
+                    }
+                    abort(&mut batch, &message).await;
+                    return;
+                }
+                if let End::Rollback(reply) = end {
+                    let _ = reply.send(Ok(()));
+                }
+            }
+        }
+        if self.queued.load(Ordering::SeqCst) > 0 && batch.waiters.len() < MAX_BATCH {
+            // The next writer continues in this transaction and commits it, or hands it
+            // on in turn.
+            return;
+        }
+        self.flush(&mut batch).await;
+    }
+
+    /// Commits the open physical transaction and tells its writers.
+    async fn flush(&self, batch: &mut Batch) {
+        let Some(physical) = batch.physical.take() else {
+            return;
+        };
+        batch.generation += 1;
+        let outcome = physical
+            .commit()
+            .await
+            .map_err(|e| Arc::<str>::from(e.to_string()));
+        if outcome.is_ok() {
+            self.physical.fetch_add(1, Ordering::Relaxed);
+            self.logical
+                .fetch_add(batch.waiters.len() as u64, Ordering::Relaxed);
+        }
+        for waiter in batch.waiters.drain(..) {
+            let _ = waiter.send(outcome.clone());
+        }
+    }
+
+    /// Waits for the commit of the batch `generation`; makes sure it happens should the
+    /// writer it was handed to have gone away.
+    async fn outcome(
+        &self,
+        mut rx: oneshot::Receiver<Result<(), Arc<str>>>,
+        generation: u64,
+    ) -> Result<(), Error> {
+        loop {
+            tokio::select! {
+                r = &mut rx => {
+                    return r.map_err(|_| abandoned()).and_then(|r| r.map_err(batch_error));
+                }
+                () = tokio::time::sleep(HANDOVER_CHECK) => {
+                    let mut batch = self.turn.clone().lock_owned().await;
+                    if batch.generation == generation && batch.physical.is_some() {
+                        self.flush(&mut batch).await;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Rolls back the open physical transaction after a failure that broke it; its writers
+/// hear `message`.
+async fn abort(batch: &mut Batch, message: &Arc<str>) {
+    batch.generation += 1;
+    if let Some(physical) = batch.physical.take() {
+        // Failing here too means the database rolled it back already.
+        let _ = physical.rollback().await;
+    }
+    for waiter in batch.waiters.drain(..) {
+        let _ = waiter.send(Err(message.clone()));
+    }
+}
+
+fn batch_error(message: Arc<str>) -> Error {
+    Error::Commit(message.to_string())
+}
+
+fn abandoned() -> Error {
+    Error::Commit("the database writer stopped before committing".to_owned())
+}
