@@ -6,7 +6,8 @@
 //! per logical transaction, the writers that queue up behind each other share one:
 //!
 //! - The writer whose turn it is opens the physical transaction if none is open and runs
-//!   its statements inside a savepoint of it.
+//!   its statements in it — inside a savepoint when earlier writers' changes are in it
+//!   already (the first writer of a batch needs none: its rollback is the transaction's).
 //! - Its commit releases the savepoint. When another writer is already waiting for its
 //!   turn (and the batch is not full), it hands the open transaction over and waits;
 //!   otherwise it commits the physical transaction and tells every writer of the batch.
@@ -87,10 +88,12 @@ pub(crate) struct Group {
     physical: AtomicU64,
 }
 
-/// A writer's turn: the batch, with its savepoint open.
+/// A writer's turn: the batch, with its savepoint open when it has one.
 pub(crate) struct Turn {
     pub(crate) batch: OwnedMutexGuard<Batch>,
     generation: u64,
+    /// Whether the writer runs in a savepoint; false for the first writer of a batch.
+    savepoint: bool,
 }
 
 /// Counts a writer as queued until it has its turn or gave up waiting.
@@ -143,17 +146,23 @@ impl Group {
             let _queued = Queued(&self.queued);
             self.turn.clone().lock_owned().await
         };
-        if batch.physical.is_none() {
+        let first = batch.physical.is_none();
+        if first {
             batch.physical = Some(open().await?);
-        }
-        let physical = batch.physical.as_mut().expect("opened above");
-        if let Err(e) = physical.run("SAVEPOINT convene_writer").await {
-            let message: Arc<str> = e.to_string().into();
-            abort(&mut batch, &message).await;
-            return Err(e.into());
+        } else {
+            let physical = batch.physical.as_mut().expect("checked above");
+            if let Err(e) = physical.run("SAVEPOINT convene_writer").await {
+                let message: Arc<str> = e.to_string().into();
+                abort(&mut batch, &message).await;
+                return Err(e.into());
+            }
         }
         let generation = batch.generation;
-        Ok(Turn { batch, generation })
+        Ok(Turn {
+            batch,
+            generation,
+            savepoint: !first,
+        })
     }
 
     /// Ends a turn with a commit: Ok once the physical transaction holding the writer's
@@ -161,22 +170,38 @@ impl Group {
     pub(crate) async fn commit(self: &Arc<Self>, turn: Turn) -> Result<(), Error> {
         let generation = turn.generation;
         let (tx, rx) = oneshot::channel();
-        tokio::spawn(self.clone().end(turn.batch, End::Commit(tx)));
+        tokio::spawn(
+            self.clone()
+                .end(turn.batch, turn.savepoint, End::Commit(tx)),
+        );
         self.outcome(rx, generation).await
     }
 
     /// Ends a turn with a rollback of the writer's changes (the batch goes on).
     pub(crate) async fn rollback(self: &Arc<Self>, turn: Turn) -> Result<(), Error> {
         let (tx, rx) = oneshot::channel();
-        tokio::spawn(self.clone().end(turn.batch, End::Rollback(tx)));
-        rx.await.map_err(|_| abandoned()).and_then(|r| r.map_err(batch_error))
+        tokio::spawn(
+            self.clone()
+                .end(turn.batch, turn.savepoint, End::Rollback(tx)),
+        );
+        rx.await
+            .map_err(|_| abandoned())
+            .and_then(|r| r.map_err(batch_error))
     }
 
     /// Ends a turn that was dropped without commit or rollback: its changes are rolled
     /// back. Must be called inside a Tokio runtime.
     pub(crate) fn abandon(self: &Arc<Self>, mut turn: Turn) {
+        if !turn.savepoint {
+            // The batch's first writer: its changes are all the transaction holds, and
+            // dropping the driver's transaction rolls it back and returns the connection
+            // to the pool, here and now (no task that a stopping runtime might never run).
+            turn.batch.generation += 1;
+            turn.batch.physical = None;
+            return;
+        }
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            runtime.spawn(self.clone().end(turn.batch, End::Abandon));
+            runtime.spawn(self.clone().end(turn.batch, turn.savepoint, End::Abandon));
         } else {
             // No runtime left (the process is ending): drop the whole batch, which the
             // driver rolls back; its writers hear that it was abandoned.
@@ -186,12 +211,25 @@ impl Group {
         }
     }
 
-    async fn end(self: Arc<Self>, mut batch: OwnedMutexGuard<Batch>, end: End) {
+    async fn end(self: Arc<Self>, mut batch: OwnedMutexGuard<Batch>, savepoint: bool, end: End) {
         let Some(physical) = batch.physical.as_mut() else {
             // The batch was aborted under this writer: it was told already.
             return;
         };
+        if !savepoint && !matches!(end, End::Commit(_)) {
+            // The batch's first writer: its changes are all the transaction holds.
+            batch.generation += 1;
+            let undone = match batch.physical.take() {
+                Some(physical) => physical.rollback().await,
+                None => Ok(()),
+            };
+            if let End::Rollback(reply) = end {
+                let _ = reply.send(undone.map_err(|e| Arc::<str>::from(e.to_string())));
+            }
+            return;
+        }
         match end {
+            End::Commit(reply) if !savepoint => batch.waiters.push(reply),
             End::Commit(reply) => match physical.run("RELEASE SAVEPOINT convene_writer").await {
                 Ok(()) => batch.waiters.push(reply),
                 Err(e) => {
