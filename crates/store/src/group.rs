@@ -34,10 +34,11 @@ use crate::Error;
 /// keep other processes sharing the database from writing for long.
 const MAX_BATCH: usize = 256;
 
-/// How long a writer whose commit was handed over waits before it makes sure its batch
-/// gets committed itself (it normally is long before: this covers a writer that queued
-/// for its turn and was cancelled before taking it).
-const HANDOVER_CHECK: Duration = Duration::from_millis(100);
+/// How often a batch left open with nobody to end it is looked for. A batch is handed
+/// over only to a writer already queued for its turn; one that is cancelled before it
+/// takes the turn leaves the batch open — holding SQLite's write lock, and its writers
+/// waiting — until the next writer comes, or this check commits it.
+const ORPHAN_CHECK: Duration = Duration::from_millis(50);
 
 /// The open physical transaction.
 pub(crate) enum Physical {
@@ -74,8 +75,6 @@ pub(crate) struct Batch {
     pub(crate) physical: Option<Physical>,
     /// The writers whose savepoints were released into the open transaction.
     waiters: Vec<oneshot::Sender<Result<(), Arc<str>>>>,
-    /// Counts physical transactions: a writer knows which batch it joined.
-    generation: u64,
 }
 
 /// The turn and the queue of a database's writers.
@@ -91,7 +90,6 @@ pub(crate) struct Group {
 /// A writer's turn: the batch, with its savepoint open when it has one.
 pub(crate) struct Turn {
     pub(crate) batch: OwnedMutexGuard<Batch>,
-    generation: u64,
     /// Whether the writer runs in a savepoint; false for the first writer of a batch.
     savepoint: bool,
 }
@@ -113,12 +111,19 @@ enum End {
 }
 
 impl Group {
+    /// A new group, and the task that commits batches left without a writer (it stops
+    /// when the group is dropped). Must be called inside a Tokio runtime.
     pub(crate) fn new() -> Arc<Self> {
+        let group = Self::unwatched();
+        tokio::spawn(watch_orphans(Arc::downgrade(&group)));
+        group
+    }
+
+    fn unwatched() -> Arc<Self> {
         Arc::new(Self {
             turn: Arc::new(Mutex::new(Batch {
                 physical: None,
                 waiters: Vec::new(),
-                generation: 0,
             })),
             queued: AtomicUsize::new(0),
             logical: AtomicU64::new(0),
@@ -157,10 +162,8 @@ impl Group {
                 return Err(e.into());
             }
         }
-        let generation = batch.generation;
         Ok(Turn {
             batch,
-            generation,
             savepoint: !first,
         })
     }
@@ -168,13 +171,12 @@ impl Group {
     /// Ends a turn with a commit: Ok once the physical transaction holding the writer's
     /// changes committed.
     pub(crate) async fn commit(self: &Arc<Self>, turn: Turn) -> Result<(), Error> {
-        let generation = turn.generation;
         let (tx, rx) = oneshot::channel();
         tokio::spawn(
             self.clone()
                 .end(turn.batch, turn.savepoint, End::Commit(tx)),
         );
-        self.outcome(rx, generation).await
+        self.outcome(rx).await
     }
 
     /// Ends a turn with a rollback of the writer's changes (the batch goes on).
@@ -196,7 +198,6 @@ impl Group {
             // The batch's first writer: its changes are all the transaction holds, and
             // dropping the driver's transaction rolls it back and returns the connection
             // to the pool, here and now (no task that a stopping runtime might never run).
-            turn.batch.generation += 1;
             turn.batch.physical = None;
             return;
         }
@@ -205,7 +206,6 @@ impl Group {
         } else {
             // No runtime left (the process is ending): drop the whole batch, which the
             // driver rolls back; its writers hear that it was abandoned.
-            turn.batch.generation += 1;
             turn.batch.physical = None;
             turn.batch.waiters.clear();
         }
@@ -218,7 +218,6 @@ impl Group {
         };
         if !savepoint && !matches!(end, End::Commit(_)) {
             // The batch's first writer: its changes are all the transaction holds.
-            batch.generation += 1;
             let undone = match batch.physical.take() {
                 Some(physical) => physical.rollback().await,
                 None => Ok(()),
@@ -272,7 +271,6 @@ impl Group {
         let Some(physical) = batch.physical.take() else {
             return;
         };
-        batch.generation += 1;
         let outcome = physical
             .commit()
             .await
@@ -287,25 +285,29 @@ impl Group {
         }
     }
 
-    /// Waits for the commit of the batch `generation`; makes sure it happens should the
-    /// writer it was handed to have gone away.
-    async fn outcome(
-        &self,
-        mut rx: oneshot::Receiver<Result<(), Arc<str>>>,
-        generation: u64,
-    ) -> Result<(), Error> {
-        loop {
-            tokio::select! {
-                r = &mut rx => {
-                    return r.map_err(|_| abandoned()).and_then(|r| r.map_err(batch_error));
-                }
-                () = tokio::time::sleep(HANDOVER_CHECK) => {
-                    let mut batch = self.turn.clone().lock_owned().await;
-                    if batch.generation == generation && batch.physical.is_some() {
-                        self.flush(&mut batch).await;
-                    }
-                }
-            }
+    /// Waits for the commit of the batch the writer joined.
+    async fn outcome(&self, rx: oneshot::Receiver<Result<(), Arc<str>>>) -> Result<(), Error> {
+        rx.await
+            .map_err(|_| abandoned())
+            .and_then(|r| r.map_err(batch_error))
+    }
+}
+
+/// Commits, every [`ORPHAN_CHECK`], a batch that is open while no writer has the turn.
+async fn watch_orphans(group: std::sync::Weak<Group>) {
+    let mut tick = tokio::time::interval(ORPHAN_CHECK);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let Some(group) = group.upgrade() else {
+            return;
+        };
+        // A turn that is taken, or promised to a queued writer, is not orphaned.
+        let Ok(mut batch) = group.turn.clone().try_lock_owned() else {
+            continue;
+        };
+        if batch.physical.is_some() {
+            group.flush(&mut batch).await;
         }
     }
 }
@@ -313,7 +315,6 @@ impl Group {
 /// Rolls back the open physical transaction after a failure that broke it; its writers
 /// hear `message`.
 async fn abort(batch: &mut Batch, message: &Arc<str>) {
-    batch.generation += 1;
     if let Some(physical) = batch.physical.take() {
         // Failing here too means the database rolled it back already.
         let _ = physical.rollback().await;

@@ -2,6 +2,7 @@
 //! PostgreSQL when `CONVENE_TEST_POSTGRES_URL` names a server.
 
 use std::path::Path;
+use std::time::Duration;
 
 use convene_store::test_util::test_databases;
 use convene_store::{Backend, Database, Error, Location, sql};
@@ -379,5 +380,50 @@ async fn queued_writers_share_commits_and_keep_their_own_outcome() {
             committed,
             physical - physical_before
         );
+    }
+}
+
+/// A batch handed over to a queued writer that is cancelled before it takes its turn is
+/// still committed: the writers in it hear so, and the write lock is free again.
+#[tokio::test]
+async fn a_batch_whose_next_writer_went_away_is_still_committed() {
+    for t in test_databases().await {
+        let db = t.db.clone();
+        let insert = |id: &'static str| {
+            sql(
+                "INSERT INTO revocations (kind, target_id, reason, revoked_at) \
+                 VALUES ('token', $1, 'r', 0)",
+            )
+            .bind(id)
+        };
+        let mut first = db.begin().await.unwrap();
+        first.execute(insert("first")).await.unwrap();
+        // Queued behind `first`.
+        let queued = {
+            let db = db.clone();
+            tokio::spawn(async move { db.begin().await.map(drop) })
+        };
+        tokio::task::yield_now().await;
+        // `first` commits and hands the batch to the queued writer...
+        let committing = tokio::spawn(first.commit());
+        tokio::task::yield_now().await;
+        tokio::task::yield_now().await;
+        // ...which goes away before it takes its turn.
+        queued.abort();
+        let committed = tokio::time::timeout(Duration::from_secs(10), committing)
+            .await
+            .expect("the batch is committed though its next writer went away");
+        committed.unwrap().unwrap();
+        // And the next writer gets its turn.
+        tokio::time::timeout(Duration::from_secs(10), db.execute(insert("next")))
+            .await
+            .expect("the write lock is free again")
+            .unwrap();
+        let rows = db
+            .fetch_all(sql("SELECT target_id FROM revocations ORDER BY target_id"))
+            .await
+            .unwrap();
+        let ids: Vec<String> = rows.iter().map(|r| r.get("target_id").unwrap()).collect();
+        assert_eq!(ids, ["first", "next"], "{}", t.label);
     }
 }

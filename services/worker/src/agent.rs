@@ -192,10 +192,19 @@ struct Infra {
 
 impl Infra {
     fn from_status(service: &str, status: &tonic::Status) -> Self {
-        let retryable = matches!(
-            status.code(),
-            Code::Unavailable | Code::DeadlineExceeded | Code::ResourceExhausted | Code::Aborted
-        );
+        // A connection that broke under the call (reset, or shut down by the HTTP/2
+        // peer) reaches the client as UNKNOWN "transport error": the service may well
+        // answer the same call on a new connection.
+        let broken_connection =
+            status.code() == Code::Unknown && status.message().starts_with("transport error");
+        let retryable = broken_connection
+            || matches!(
+                status.code(),
+                Code::Unavailable
+                    | Code::DeadlineExceeded
+                    | Code::ResourceExhausted
+                    | Code::Aborted
+            );
         Self {
             code: if retryable {
                 "upstream_unavailable"
@@ -319,6 +328,9 @@ impl Agent {
 
     async fn run_loop(&self, ctx: &TaskContext<'_>, progress: &Mutex<Progress>) -> LoopEnd {
         let faults = &self.profile.faults;
+        if let Some(hold) = &faults.hold {
+            hold.wait(&ctx.task.delegation_id).await;
+        }
         if let Some(delay) = faults.delay {
             tokio::time::sleep(delay).await;
         }
@@ -1273,6 +1285,22 @@ fn to_proto_value(value: &Value) -> prost_types::Value {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_broken_connection_is_retryable_and_a_refusal_is_not() {
+        let broken =
+            Infra::from_status("policy service", &tonic::Status::unknown("transport error"));
+        assert!(broken.retryable);
+        assert_eq!(broken.code, "upstream_unavailable");
+        let down = Infra::from_status("policy service", &tonic::Status::unavailable("down"));
+        assert!(down.retryable);
+        let bug = Infra::from_status("policy service", &tonic::Status::unknown("panicked"));
+        assert!(!bug.retryable);
+        assert_eq!(bug.code, "upstream_error");
+        let refused = Infra::from_status("policy service", &tonic::Status::invalid_argument("bad"));
+        assert!(!refused.retryable);
+        assert!(refused.message.contains("policy service"));
+    }
 
     #[test]
     fn token_claims_are_read_without_verification() {
