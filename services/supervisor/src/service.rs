@@ -415,17 +415,21 @@ impl Supervisor for SupervisorService {
                 if done {
                     return;
                 }
-                tokio::select! {
-                    note = notes.recv() => match note {
-                        Ok(c) if c.run_id != run.run_id || c.last_sequence <= last => {}
-                        Ok(_) | Err(broadcast::error::RecvError::Lagged(_)) => {}
-                        Err(broadcast::error::RecvError::Closed) => return,
-                    },
-                    () = shutdown.wait() => {
-                        let _ = tx.send(Err(Status::unavailable("the supervisor is shutting down; watch again after it is back"))).await;
-                        return;
+                // Read the store again only for a commit of this run past `last`: other
+                // runs' commits would cost every watcher a query each.
+                loop {
+                    tokio::select! {
+                        note = notes.recv() => match note {
+                            Ok(c) if c.run_id != run.run_id || c.last_sequence <= last => {}
+                            Ok(_) | Err(broadcast::error::RecvError::Lagged(_)) => break,
+                            Err(broadcast::error::RecvError::Closed) => return,
+                        },
+                        () = shutdown.wait() => {
+                            let _ = tx.send(Err(Status::unavailable("the supervisor is shutting down; watch again after it is back"))).await;
+                            return;
+                        }
+                        () = tx.closed() => return,
                     }
-                    () = tx.closed() => return,
                 }
             }
         });
@@ -581,17 +585,20 @@ impl Supervisor for SupervisorService {
                 if !req.follow {
                     return;
                 }
-                tokio::select! {
-                    note = notes.recv() => match note {
-                        Ok(c) if !c.cloud => {}
-                        Ok(_) | Err(broadcast::error::RecvError::Lagged(_)) => {}
-                        Err(broadcast::error::RecvError::Closed) => return,
-                    },
-                    () = shutdown.wait() => {
-                        let _ = tx.send(Err(Status::unavailable("the supervisor is shutting down; resume from your last event id"))).await;
-                        return;
+                // Read the outbox again only once a commit added to it.
+                loop {
+                    tokio::select! {
+                        note = notes.recv() => match note {
+                            Ok(c) if !c.cloud => {}
+                            Ok(_) | Err(broadcast::error::RecvError::Lagged(_)) => break,
+                            Err(broadcast::error::RecvError::Closed) => return,
+                        },
+                        () = shutdown.wait() => {
+                            let _ = tx.send(Err(Status::unavailable("the supervisor is shutting down; resume from your last event id"))).await;
+                            return;
+                        }
+                        () = tx.closed() => return,
                     }
-                    () = tx.closed() => return,
                 }
             }
         });
