@@ -71,6 +71,11 @@ pub struct MeshOptions {
     /// `OTEL_EXPORTER_OTLP_ENDPOINT` to export their traces. Applied last, so it can
     /// override the harness's own settings (`RUST_LOG`).
     pub env: Vec<(String, String)>,
+    /// Extra environment for the supervisor process only (Processes mode), applied
+    /// after `env`: settings only the supervisor's configuration knows, such as
+    /// `CONVENE_REPLICA_ID`, `CONVENE_RUN_LEASE_TTL`, `CONVENE_NATS_URL` or a crash point.
+    /// [`TestMesh::restart`] replaces it.
+    pub supervisor_env: Vec<(String, String)>,
 }
 
 /// The repository's root directory.
@@ -166,7 +171,7 @@ pub struct TestMesh {
     pub policy_endpoint: String,
     dir: TempDir,
     in_process: Option<(Shutdown, convene_cli::up::Mesh)>,
-    children: Vec<(String, Child)>,
+    children: Vec<Proc>,
     env: Vec<(String, String)>,
     database_url: Option<String>,
     /// A PostgreSQL database created for this mesh, dropped after it.
@@ -187,10 +192,49 @@ impl Drop for TestMesh {
         if let Some((shutdown, _)) = &self.in_process {
             shutdown.trigger();
         }
-        for (_, child) in &mut self.children {
-            let _ = child.start_kill();
+        for p in &mut self.children {
+            let _ = p.child.start_kill();
         }
     }
+}
+
+/// How one process of a mesh is started (Processes mode), kept so that it can be
+/// started again ([`TestMesh::restart`]) or copied ([`TestMesh::spawn_supervisor`]).
+#[derive(Debug, Clone)]
+struct Recipe {
+    /// `convene` arguments, e.g. `serve supervisor`.
+    args: Vec<String>,
+    /// The port it listens on (`CONVENE_SERVER__LISTEN`).
+    port: u16,
+    /// Variables removed from the inherited environment.
+    remove: Vec<String>,
+    /// Its environment.
+    env: Vec<(String, String)>,
+    /// Its own extra environment, applied last; a restart may replace it.
+    extra: Vec<(String, String)>,
+}
+
+impl Recipe {
+    fn command(&self) -> Command {
+        let mut cmd = Command::new(convene_bin());
+        cmd.args(&self.args);
+        for name in &self.remove {
+            cmd.env_remove(name);
+        }
+        cmd.env("CONVENE_SERVER__LISTEN", format!("127.0.0.1:{}", self.port))
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
+            .envs(self.extra.iter().map(|(k, v)| (k, v)))
+            .stdin(std::process::Stdio::null())
+            .kill_on_drop(true);
+        cmd
+    }
+}
+
+/// A process of the mesh.
+struct Proc {
+    name: String,
+    child: Child,
+    recipe: Recipe,
 }
 
 impl TestMesh {
@@ -233,6 +277,7 @@ impl TestMesh {
                     &profile_files,
                     policy_file.as_deref(),
                     options.env,
+                    options.supervisor_env,
                     database_url.as_deref(),
                 )
                 .await
@@ -296,9 +341,9 @@ impl TestMesh {
         profiles: &[PathBuf],
         policy_file: Option<&Path>,
         env: Vec<(String, String)>,
+        supervisor_env: Vec<(String, String)>,
         database_url: Option<&str>,
     ) -> Self {
-        let bin = convene_bin();
         let data = dir.path().join("data");
         std::fs::create_dir_all(&data).expect("data dir");
         let port = |_: &str| free_port();
@@ -323,45 +368,50 @@ impl TestMesh {
             _database: None,
         };
         let extra = mesh.env.clone();
-        let common = |cmd: &mut Command, listen: u16| {
-            cmd.env("CONVENE_DATA_DIR", &data)
-                .env("CONVENE_SERVER__LISTEN", format!("127.0.0.1:{listen}"))
-                .env("RUST_LOG", "warn")
-                .stdin(std::process::Stdio::null())
-                .kill_on_drop(true);
+        let recipe = |args: &[&str], port: u16| {
+            let mut env = vec![
+                ("CONVENE_DATA_DIR".to_owned(), data.display().to_string()),
+                ("RUST_LOG".to_owned(), "warn".to_owned()),
+            ];
             // Every service here reads the policy file (workers do not: their
             // configuration refuses the key).
             if let Some(path) = policy_file {
-                cmd.env("CONVENE_POLICY_FILE", path);
+                env.push(("CONVENE_POLICY_FILE".into(), path.display().to_string()));
             }
             // Every service shares one database (SQLite in the data directory works across
             // processes too: WAL and a busy timeout).
             if let Some(url) = database_url {
-                cmd.env("CONVENE_DATABASE_URL", url);
+                env.push(("CONVENE_DATABASE_URL".into(), url.to_owned()));
             }
-            cmd.envs(extra.iter().map(|(k, v)| (k, v)));
+            env.extend(extra.iter().cloned());
+            Recipe {
+                args: args.iter().map(|a| (*a).to_owned()).collect(),
+                port,
+                remove: Vec::new(),
+                env,
+                extra: Vec::new(),
+            }
         };
         // Policy first: it creates the development credentials everyone else reads.
-        let mut cmd = Command::new(&bin);
-        cmd.args(["serve", "policy"]);
-        common(&mut cmd, policy);
-        mesh.spawn("policy", cmd, policy).await;
-        let mut cmd = Command::new(&bin);
-        cmd.args(["serve", "evidence-store"])
-            .env("CONVENE_POLICY_ENDPOINT", url(policy));
-        common(&mut cmd, evidence);
-        mesh.spawn("evidence-store", cmd, evidence).await;
-        let mut cmd = Command::new(&bin);
-        cmd.args(["serve", "approval"]);
-        common(&mut cmd, approval);
-        mesh.spawn("approval", cmd, approval).await;
-        let mut cmd = Command::new(&bin);
-        cmd.args(["serve", "supervisor"])
-            .env("CONVENE_POLICY_ENDPOINT", url(policy))
-            .env("CONVENE_EVIDENCE_ENDPOINT", url(evidence))
-            .env("CONVENE_APPROVAL_ENDPOINT", url(approval));
-        common(&mut cmd, supervisor);
-        mesh.spawn("supervisor", cmd, supervisor).await;
+        mesh.spawn("policy", recipe(&["serve", "policy"], policy))
+            .await;
+        let mut r = recipe(&["serve", "evidence-store"], evidence);
+        r.env
+            .insert(0, ("CONVENE_POLICY_ENDPOINT".into(), url(policy)));
+        mesh.spawn("evidence-store", r).await;
+        mesh.spawn("approval", recipe(&["serve", "approval"], approval))
+            .await;
+        let mut r = recipe(&["serve", "supervisor"], supervisor);
+        r.env.splice(
+            0..0,
+            [
+                ("CONVENE_POLICY_ENDPOINT".to_owned(), url(policy)),
+                ("CONVENE_EVIDENCE_ENDPOINT".to_owned(), url(evidence)),
+                ("CONVENE_APPROVAL_ENDPOINT".to_owned(), url(approval)),
+            ],
+        );
+        r.extra = supervisor_env;
+        mesh.spawn("supervisor", r).await;
         // Dispatches wait for a live worker, so runs may start before workers register.
         let mut n = 0;
         for (group, path) in workers.iter().zip(profiles) {
@@ -374,43 +424,141 @@ impl TestMesh {
         mesh
     }
 
-    async fn spawn(&mut self, name: &str, mut cmd: Command, port: u16) {
-        let child = cmd
+    async fn spawn(&mut self, name: &str, recipe: Recipe) {
+        assert!(
+            self.launch(name, recipe).await,
+            "{name} exited before it was serving; see its log above"
+        );
+    }
+
+    /// Starts a process and waits until it serves; false when it exited first.
+    async fn launch(&mut self, name: &str, recipe: Recipe) -> bool {
+        let mut child = recipe
+            .command()
             .spawn()
             .unwrap_or_else(|e| panic!("cannot start {name}: {e}"));
-        self.children.push((name.to_owned(), child));
-        let addr: SocketAddr = format!("127.0.0.1:{port}").parse().expect("addr");
-        convene_server::test_util::wait_ready(addr).await;
+        let addr: SocketAddr = format!("127.0.0.1:{}", recipe.port).parse().expect("addr");
+        let ready = tokio::select! {
+            () = convene_server::test_util::wait_ready(addr) => true,
+            _ = child.wait() => false,
+        };
+        self.children.push(Proc {
+            name: name.to_owned(),
+            child,
+            recipe,
+        });
+        ready
     }
 
     /// Starts one more worker process (Processes mode) with `profiles` as its
     /// profiles file, registered as `worker_id`.
     pub async fn spawn_worker(&mut self, worker_id: &str, profiles: &Path, capacity: u32) {
+        let supervisor = self.supervisor_endpoint.clone();
+        self.spawn_worker_at(worker_id, profiles, capacity, &supervisor)
+            .await;
+    }
+
+    /// Starts one more worker process (Processes mode) registered as `worker_id` with the
+    /// supervisor at `supervisor_endpoint` (a replica from
+    /// [`spawn_supervisor`](Self::spawn_supervisor), say).
+    pub async fn spawn_worker_at(
+        &mut self,
+        worker_id: &str,
+        profiles: &Path,
+        capacity: u32,
+        supervisor_endpoint: &str,
+    ) {
         assert_eq!(
             self.mode,
             Mode::Processes,
             "worker processes exist in Processes mode only"
         );
-        let port = free_port();
         let data = self.dir.path().join("data");
-        let mut cmd = Command::new(convene_bin());
-        cmd.args(["serve", "worker"])
-            .env("CONVENE_DATA_DIR", &data)
-            .env("CONVENE_SERVER__LISTEN", format!("127.0.0.1:{port}"))
-            .env("CONVENE_POLICY_ENDPOINT", &self.policy_endpoint)
-            .env("CONVENE_EVIDENCE_ENDPOINT", &self.evidence_endpoint)
-            .env("CONVENE_SUPERVISOR_ENDPOINT", &self.supervisor_endpoint)
-            .env("CONVENE_WORKER_ID", worker_id)
-            .env("CONVENE_PROFILES_FILE", profiles)
-            .env("CONVENE_TOOLS_DATA_DIR", example_data())
-            .env("CONVENE_CAPACITY", capacity.to_string())
+        let mut env: Vec<(String, String)> = [
+            ("CONVENE_DATA_DIR", data.display().to_string()),
+            ("CONVENE_POLICY_ENDPOINT", self.policy_endpoint.clone()),
+            ("CONVENE_EVIDENCE_ENDPOINT", self.evidence_endpoint.clone()),
+            (
+                "CONVENE_SUPERVISOR_ENDPOINT",
+                supervisor_endpoint.to_owned(),
+            ),
+            ("CONVENE_WORKER_ID", worker_id.to_owned()),
+            ("CONVENE_PROFILES_FILE", profiles.display().to_string()),
+            (
+                "CONVENE_TOOLS_DATA_DIR",
+                example_data().display().to_string(),
+            ),
+            ("CONVENE_CAPACITY", capacity.to_string()),
+            ("RUST_LOG", "warn".to_owned()),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v))
+        .collect();
+        env.extend(self.env.iter().cloned());
+        let recipe = Recipe {
+            args: vec!["serve".into(), "worker".into()],
+            port: free_port(),
             // Workers keep no state; their configuration refuses the key.
-            .env_remove("CONVENE_DATABASE_URL")
-            .env("RUST_LOG", "warn")
-            .envs(self.env.iter().map(|(k, v)| (k, v)))
-            .stdin(std::process::Stdio::null())
-            .kill_on_drop(true);
-        self.spawn(worker_id, cmd, port).await;
+            remove: vec!["CONVENE_DATABASE_URL".into()],
+            env,
+            extra: Vec::new(),
+        };
+        self.spawn(worker_id, recipe).await;
+    }
+
+    /// Starts another supervisor replica (Processes mode) named `name`, on a port of its
+    /// own, with the settings of the mesh's supervisor (the same database, policy,
+    /// evidence store and approval service) and `extra` as its own extra environment
+    /// (e.g. a `CONVENE_REPLICA_ID` of its own) instead of
+    /// [`MeshOptions::supervisor_env`]. Returns its endpoint. Workers register with one
+    /// supervisor: give it some with [`spawn_worker_at`](Self::spawn_worker_at).
+    pub async fn spawn_supervisor(&mut self, name: &str, extra: Vec<(String, String)>) -> String {
+        let mut recipe = self
+            .children
+            .iter()
+            .find(|p| p.name == "supervisor")
+            .map(|p| p.recipe.clone())
+            .expect("the mesh's supervisor process (Processes mode)");
+        recipe.port = free_port();
+        recipe.extra = extra;
+        let endpoint = format!("http://127.0.0.1:{}", recipe.port);
+        self.spawn(name, recipe).await;
+        endpoint
+    }
+
+    /// Starts the named process again (Processes mode) with the same command line, port
+    /// and settings, except that `extra` replaces its own extra environment (for the
+    /// supervisor, [`MeshOptions::supervisor_env`]). A process still running is killed
+    /// first (SIGKILL). Returns whether it came up serving: false when it exited first,
+    /// e.g. at a crash point it reached while resuming runs (then it can be restarted
+    /// again).
+    pub async fn restart(&mut self, name: &str, extra: Vec<(String, String)>) -> bool {
+        let index = self
+            .children
+            .iter()
+            .position(|p| p.name == name)
+            .unwrap_or_else(|| panic!("no process named {name}"));
+        let mut old = self.children.remove(index);
+        if !matches!(old.child.try_wait(), Ok(Some(_))) {
+            let _ = old.child.kill().await;
+        }
+        let mut recipe = old.recipe;
+        recipe.extra = extra;
+        self.launch(name, recipe).await
+    }
+
+    /// Waits, at most `limit`, for the named process to exit; returns whether it did.
+    pub async fn wait_exited(&mut self, name: &str, limit: Duration) -> bool {
+        let deadline = tokio::time::Instant::now() + limit;
+        loop {
+            if self.exited(name) {
+                return true;
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
     }
 
     /// Writes a profiles file into the mesh's directory and returns its path.
@@ -422,12 +570,12 @@ impl TestMesh {
 
     /// Kills a service or worker process by name (Processes mode): SIGKILL, no drain.
     pub async fn kill(&mut self, name: &str) {
-        let (_, child) = self
+        let p = self
             .children
             .iter_mut()
-            .find(|(n, _)| n == name)
+            .find(|p| p.name == name)
             .unwrap_or_else(|| panic!("no process named {name}"));
-        child.kill().await.expect("the process is killed");
+        p.child.kill().await.expect("the process is killed");
     }
 
     /// Stops the mesh gracefully and waits for it: in Processes mode every process gets
@@ -440,13 +588,13 @@ impl TestMesh {
             let _ = tokio::time::timeout(grace, mesh.stopped()).await;
         }
         let order = |name: &str| match name {
-            "supervisor" => 1,
+            n if n.starts_with("supervisor") => 1,
             "policy" | "evidence-store" | "approval" => 2,
             _ => 0,
         };
         let mut children = std::mem::take(&mut self.children);
-        children.sort_by_key(|(name, _)| order(name));
-        for (name, child) in &mut children {
+        children.sort_by_key(|p| order(&p.name));
+        for Proc { name, child, .. } in &mut children {
             let pid = child
                 .id()
                 .and_then(|id| rustix::process::Pid::from_raw(i32::try_from(id).ok()?));
@@ -461,12 +609,37 @@ impl TestMesh {
         }
     }
 
+    /// Sends `signal` to the named process (Processes mode), e.g. SIGSTOP to freeze it
+    /// as a stalled machine would, and SIGCONT to let it go on.
+    pub fn signal(&mut self, name: &str, signal: rustix::process::Signal) {
+        let p = self
+            .children
+            .iter_mut()
+            .find(|p| p.name == name)
+            .unwrap_or_else(|| panic!("no process named {name}"));
+        let pid = p
+            .child
+            .id()
+            .and_then(|id| rustix::process::Pid::from_raw(i32::try_from(id).ok()?))
+            .unwrap_or_else(|| panic!("{name} has exited"));
+        rustix::process::kill_process(pid, signal)
+            .unwrap_or_else(|e| panic!("cannot signal {name}: {e}"));
+    }
+
+    /// How the named process exited; None while it runs.
+    pub fn exit_status(&mut self, name: &str) -> Option<std::process::ExitStatus> {
+        self.children
+            .iter_mut()
+            .find(|p| p.name == name)
+            .and_then(|p| p.child.try_wait().ok().flatten())
+    }
+
     /// Whether the named process has exited.
     pub fn exited(&mut self, name: &str) -> bool {
         self.children
             .iter_mut()
-            .find(|(n, _)| n == name)
-            .is_some_and(|(_, c)| matches!(c.try_wait(), Ok(Some(_))))
+            .find(|p| p.name == name)
+            .is_some_and(|p| matches!(p.child.try_wait(), Ok(Some(_))))
     }
 
     /// The data directory.
@@ -493,6 +666,22 @@ impl TestMesh {
     /// A gRPC client of the supervisor.
     pub fn supervisor(&self) -> SupervisorHandle {
         Arc::new(GrpcSupervisor::connect(&self.supervisor_endpoint).expect("endpoint"))
+    }
+
+    /// A gRPC client of the supervisor replica at `endpoint` (see
+    /// [`spawn_supervisor`](Self::spawn_supervisor)).
+    pub fn supervisor_at(&self, endpoint: &str) -> SupervisorHandle {
+        Arc::new(GrpcSupervisor::connect(endpoint).expect("endpoint"))
+    }
+
+    /// The database the mesh's services share, opened for a test to read what they
+    /// stored (the SQLite file in the data directory unless
+    /// [`database_url`](Self::database_url) names another).
+    pub async fn open_database(&self) -> convene_store::Database {
+        convene_store::open(self.database_url(), &self.data_dir())
+            .await
+            .expect("the mesh's database opens")
+            .expect("the mesh keeps its state in a database")
     }
 
     /// A gRPC client of the approval service.

@@ -1,9 +1,14 @@
-//! `convene bench`: a closed-loop load generator for a mesh.
+//! `convene bench`: a closed-loop load generator for a mesh, and a scale run.
 //!
 //! `concurrency` clients each start a run, follow it to its end, and start the next, for
 //! a duration or a number of runs, after a warm-up whose runs are not counted. Latency
 //! (StartRun accepted → terminal state) goes into an HDR histogram; CPU time and peak
-//! RSS are read from `/proc` for this process and every mesh process it started.
+//! RSS are read from `/proc` for every mesh process the bench started.
+//!
+//! The mesh is started in this process (`convene up`'s code, in-process handles), or
+//! as one operating-system process per service and worker with `--processes`
+//! ([`procs`]), or not at all with `--endpoint`. `--scale N` measures what N runs in
+//! flight at once cost the supervisor, and how long they take to drain ([`scale`]).
 //!
 //! Workloads:
 //! - `noop`: the payment-incident shape with no data work — three delegations in
@@ -12,6 +17,10 @@
 //!   by one claim, then the join. Everything a real run persists is persisted.
 //! - `payment-incident`: the example run over the example data.
 
+pub mod procs;
+pub mod scale;
+
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -21,12 +30,13 @@ use anyhow::Context as _;
 use convene_mesh::auth::request;
 use convene_mesh::handles::{GrpcSupervisor, SupervisorHandle};
 use convene_proto::v1::{self, run_event::Kind};
+use convene_server::Shutdown;
 use futures::StreamExt as _;
 use hdrhistogram::Histogram;
 use serde::Serialize;
 use tokio::sync::Mutex;
 
-use crate::spec;
+use crate::{client, spec, up};
 
 /// What each run does.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
@@ -73,13 +83,53 @@ pub struct BenchArgs {
     /// Workers of the started mesh.
     #[arg(long, default_value_t = 2)]
     pub workers: usize,
+    /// Delegations each worker of the started mesh runs at once [default: 4096; with
+    /// --scale, enough for every delegation of the N runs].
+    #[arg(long)]
+    pub capacity: Option<u32>,
     /// Database of the started mesh: a SQLite path/URL or postgres://... URL
     /// [default: SQLite in the data directory]; `memory` keeps state in memory.
     #[arg(long = "store", value_name = "URL")]
     pub database_url: Option<String>,
+    /// Start every service and worker as its own process (`convene serve <service>` on
+    /// loopback ports) instead of all in this process; CPU and peak RSS are reported
+    /// per process.
+    #[arg(long, conflicts_with = "endpoint")]
+    pub processes: bool,
+    /// Scale run: start N runs at once whose workers hold every delegation until all
+    /// are in flight, report the supervisor's resident memory per run in flight, then
+    /// release them and report the time to drain. --concurrency bounds the StartRun
+    /// calls in flight while submitting.
+    #[arg(
+        long,
+        value_name = "N",
+        conflicts_with_all = ["endpoint", "runs", "duration", "workload"]
+    )]
+    pub scale: Option<u64>,
     /// Print one JSON object instead of the human summary.
     #[arg(long)]
     pub json: bool,
+}
+
+/// Where the measured mesh runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum MeshMode {
+    /// Every service in the bench's process.
+    OneProcess,
+    /// Every service and worker its own process.
+    Processes,
+    /// A mesh the bench did not start (--endpoint): no CPU or memory figures.
+    Endpoint,
+}
+
+/// A process of the mesh whose CPU time and memory are reported.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Proc {
+    /// Its name in the report (`convene` in one process, else the service or worker).
+    pub name: String,
+    /// Its pid.
+    pub pid: u32,
 }
 
 /// The result of a benchmark.
@@ -87,6 +137,8 @@ pub struct BenchArgs {
 pub struct Report {
     /// The workload.
     pub workload: Workload,
+    /// Where the mesh runs.
+    pub mode: MeshMode,
     /// Runs in flight at once.
     pub concurrency: usize,
     /// Seconds measured.
@@ -101,8 +153,16 @@ pub struct Report {
     pub latency_us: Latency,
     /// CPU seconds (user + system, all mesh processes) per run.
     pub cpu_s_per_run: f64,
-    /// Peak resident set size of the mesh (summed over its processes).
+    /// Peak resident set size of the mesh (summed over its processes' peaks).
     pub peak_rss_bytes: u64,
+    /// CPU seconds per run of each mesh process.
+    pub cpu_s_per_run_by_process: BTreeMap<String, f64>,
+    /// Peak resident set size of each mesh process.
+    pub rss_by_process: BTreeMap<String, u64>,
+    /// CPU seconds per run of the bench's own client work, when it runs apart from the
+    /// mesh (with --processes; in one process it is part of `cpu_s_per_run`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub client_cpu_s_per_run: Option<f64>,
 }
 
 /// Latency percentiles in microseconds.
@@ -243,10 +303,19 @@ pub fn cpu_seconds(pid: u32) -> f64 {
 
 /// Peak resident set size of a process in bytes, from `/proc/<pid>/status` (VmHWM).
 pub fn peak_rss(pid: u32) -> u64 {
+    status_bytes(pid, "VmHWM:")
+}
+
+/// Resident set size of a process now, in bytes, from `/proc/<pid>/status` (VmRSS).
+pub fn rss(pid: u32) -> u64 {
+    status_bytes(pid, "VmRSS:")
+}
+
+fn status_bytes(pid: u32, field: &str) -> u64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
         .ok()
         .and_then(|s| {
-            s.lines().find(|l| l.starts_with("VmHWM:")).and_then(|l| {
+            s.lines().find(|l| l.starts_with(field)).and_then(|l| {
                 l.split_whitespace()
                     .nth(1)
                     .and_then(|v| v.parse::<u64>().ok())
@@ -301,38 +370,77 @@ impl Driver {
             ))
             .await?
             .into_inner();
+        // Read the stream to its end (the supervisor ends it right after the terminal
+        // event): a stream dropped early is reset by the client, and a connection that
+        // resets too many streams (h2's limit is 1024) is closed with every call on it.
+        let mut terminal = None;
         while let Some(e) = events.next().await {
             if let Some(Kind::Terminal(t)) = e?.event.and_then(|e| e.kind) {
-                return Ok(t.state);
+                terminal = Some(t.state);
             }
         }
-        anyhow::bail!(
-            "run {} ended its event stream without a terminal event",
-            run.run_id
-        )
+        terminal.with_context(|| {
+            format!(
+                "run {} ended its event stream without a terminal event",
+                run.run_id
+            )
+        })
     }
 }
 
-/// Runs the closed loop: a warm-up, then the measured phase. `pids` are the mesh's
-/// processes whose CPU time and peak RSS are reported.
+/// Runs the closed loop of `concurrency` clients over `spec` until `until`, results
+/// dropped: a warm-up.
+pub async fn warm_up(driver: &Driver, spec: &v1::RunSpec, concurrency: usize, seconds: f64) {
+    if seconds <= 0.0 {
+        return;
+    }
+    let until = Instant::now() + Duration::from_secs_f64(seconds);
+    let clients = (0..concurrency).map(|_| async {
+        while Instant::now() < until {
+            let _ = driver.one(spec).await;
+        }
+    });
+    futures::future::join_all(clients).await;
+}
+
+/// CPU seconds of each process, by name.
+fn cpu_by_process(processes: &[Proc]) -> BTreeMap<String, f64> {
+    processes
+        .iter()
+        .map(|p| (p.name.clone(), cpu_seconds(p.pid)))
+        .collect()
+}
+
+/// Peak RSS of each process, by name.
+fn peak_rss_by_process(processes: &[Proc]) -> BTreeMap<String, u64> {
+    processes
+        .iter()
+        .map(|p| (p.name.clone(), peak_rss(p.pid)))
+        .collect()
+}
+
+/// What a measured mesh is: where it runs, its processes (whose CPU time and peak RSS
+/// are reported), and the bench's own pid when it is not one of them.
+#[derive(Debug, Clone)]
+pub struct Measured {
+    /// Where the mesh runs.
+    pub mode: MeshMode,
+    /// The mesh's processes.
+    pub processes: Vec<Proc>,
+    /// This process, when its client work is apart from the mesh.
+    pub client: Option<u32>,
+}
+
+/// Runs the closed loop: a warm-up, then the measured phase.
 pub async fn measure(
     driver: &Driver,
     spec: &v1::RunSpec,
     expected: v1::RunState,
     args: &BenchArgs,
-    pids: &[u32],
+    mesh: &Measured,
 ) -> anyhow::Result<Report> {
     anyhow::ensure!(args.concurrency > 0, "--concurrency must be at least 1");
-    // Warm-up: same loop, results dropped.
-    if args.warmup > 0.0 {
-        let until = Instant::now() + Duration::from_secs_f64(args.warmup);
-        let clients = (0..args.concurrency).map(|_| async {
-            while Instant::now() < until {
-                let _ = driver.one(spec).await;
-            }
-        });
-        futures::future::join_all(clients).await;
-    }
+    warm_up(driver, spec, args.concurrency, args.warmup).await;
     let histogram = Arc::new(Mutex::new(
         Histogram::<u64>::new_with_bounds(1, 600_000_000, 3).context("histogram")?,
     ));
@@ -340,7 +448,8 @@ pub async fn measure(
     let errors = Arc::new(AtomicU64::new(0));
     let started = Arc::new(AtomicU64::new(0));
     let stop = Arc::new(AtomicBool::new(false));
-    let cpu_before: f64 = pids.iter().map(|p| cpu_seconds(*p)).sum();
+    let cpu_before = cpu_by_process(&mesh.processes);
+    let client_before = mesh.client.map(cpu_seconds);
     let begin = Instant::now();
     let until = begin + Duration::from_secs_f64(args.duration);
     let clients = (0..args.concurrency).map(|_| {
@@ -369,7 +478,16 @@ pub async fn measure(
                         let _ = histogram.lock().await.record(us.max(1));
                         ok.fetch_add(1, Ordering::Relaxed);
                     }
-                    Ok(_) | Err(_) => {
+                    Ok(state) => {
+                        tracing::warn!(
+                            state = v1::RunState::try_from(state)
+                                .map_or("UNKNOWN", |s| s.as_str_name()),
+                            "a run ended in a state the workload does not expect"
+                        );
+                        errors.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %format!("{e:#}"), "a run failed");
                         errors.fetch_add(1, Ordering::Relaxed);
                     }
                 }
@@ -378,15 +496,25 @@ pub async fn measure(
     });
     futures::future::join_all(clients).await;
     let elapsed = begin.elapsed().as_secs_f64();
-    let cpu_after: f64 = pids.iter().map(|p| cpu_seconds(*p)).sum();
+    let cpu_after = cpu_by_process(&mesh.processes);
+    let client_after = mesh.client.map(cpu_seconds);
     let h = histogram.lock().await;
     let runs = ok.load(Ordering::Relaxed);
     #[allow(clippy::cast_precision_loss)] // run counts are far below 2^52
     let per_run = |x: f64| if runs == 0 { 0.0 } else { x / runs as f64 };
     #[allow(clippy::cast_precision_loss)]
     let runs_per_s = runs as f64 / elapsed.max(f64::EPSILON);
+    let cpu_s_per_run_by_process: BTreeMap<String, f64> = cpu_after
+        .iter()
+        .map(|(name, after)| {
+            let before = cpu_before.get(name).copied().unwrap_or(0.0);
+            (name.clone(), per_run(after - before))
+        })
+        .collect();
+    let rss_by_process = peak_rss_by_process(&mesh.processes);
     Ok(Report {
         workload: args.workload,
+        mode: mesh.mode,
         concurrency: args.concurrency,
         duration_s: elapsed,
         runs,
@@ -398,18 +526,233 @@ pub async fn measure(
             p99: h.value_at_quantile(0.99),
             max: h.max(),
         },
-        cpu_s_per_run: per_run(cpu_after - cpu_before),
-        peak_rss_bytes: pids.iter().map(|p| peak_rss(*p)).sum(),
+        cpu_s_per_run: cpu_s_per_run_by_process.values().sum(),
+        peak_rss_bytes: rss_by_process.values().sum(),
+        cpu_s_per_run_by_process,
+        rss_by_process,
+        client_cpu_s_per_run: client_before
+            .zip(client_after)
+            .map(|(before, after)| per_run(after - before)),
     })
+}
+
+/// A mesh the bench started, stopped when the bench ends.
+pub enum Started {
+    /// Every service in this process.
+    InProcess(up::Mesh),
+    /// Every service and worker its own process.
+    Processes(procs::ProcessMesh),
+}
+
+impl Started {
+    /// Stops the mesh and waits for it.
+    pub async fn stop(self) {
+        match self {
+            Started::InProcess(mesh) => {
+                mesh.shutdown.trigger();
+                if let Err(e) = mesh.stopped().await {
+                    tracing::warn!(error = %format!("{e:#}"), "the mesh did not stop cleanly");
+                }
+            }
+            Started::Processes(mesh) => mesh.stop(STOP_GRACE).await,
+        }
+    }
+}
+
+/// Time each mesh process gets to drain after SIGTERM before it is killed.
+const STOP_GRACE: Duration = Duration::from_secs(15);
+
+/// The default principal of the workloads' policy, whose runs the bench starts.
+const PRINCIPAL: &str = "oncall@acme";
+
+/// How the mesh is started: its files, workers and their capacity, and how many calls
+/// each server takes at once (processes only).
+struct MeshPlan<'a> {
+    prepared: &'a Prepared,
+    dir: &'a Path,
+    capacity: u32,
+    concurrency_limit: Option<usize>,
+}
+
+/// Starts the mesh `args` asks for (in this process or as processes) and a driver of
+/// its supervisor.
+async fn start_mesh(
+    args: &BenchArgs,
+    plan: &MeshPlan<'_>,
+) -> anyhow::Result<(Driver, Measured, Started)> {
+    let credentials = plan.dir.join("credentials");
+    if args.processes {
+        let options = procs::Options {
+            bin: std::env::current_exe().context("cannot find the convene binary")?,
+            data_dir: plan.dir.to_owned(),
+            policy: plan.prepared.policy.clone(),
+            profiles: plan.prepared.profiles.clone(),
+            tools_data: plan.prepared.data.clone(),
+            database_url: args.database_url.clone(),
+            workers: args.workers,
+            capacity: plan.capacity,
+            concurrency_limit: plan.concurrency_limit,
+        };
+        let mesh = procs::ProcessMesh::start(&options).await?;
+        let credential = convene_mesh::policy_file::dev_credential(&credentials, PRINCIPAL)
+            .context("reading the bench principal's development credential")?;
+        let driver = Driver::grpc(&mesh.supervisor_endpoint, credential)?;
+        let measured = Measured {
+            mode: MeshMode::Processes,
+            processes: mesh
+                .processes()
+                .into_iter()
+                .map(|(name, pid)| Proc { name, pid })
+                .collect(),
+            client: Some(std::process::id()),
+        };
+        Ok((driver, measured, Started::Processes(mesh)))
+    } else {
+        let mut up_args = up::UpArgs::defaults("127.0.0.1:0".parse()?);
+        up_args.policy_file = Some(plan.prepared.policy.clone());
+        up_args.profiles_file = Some(plan.prepared.profiles.clone());
+        up_args.tools_data_dir = plan.prepared.data.clone();
+        up_args.workers = args.workers;
+        up_args.capacity = plan.capacity;
+        up_args.database_url = args.database_url.clone();
+        up_args.default_principal = Some(PRINCIPAL.to_owned());
+        let mesh = up::start(&up_args, plan.dir, Shutdown::new()).await?;
+        let credential = convene_mesh::policy_file::dev_credential(&credentials, PRINCIPAL)?;
+        let driver = Driver {
+            supervisor: Arc::new(mesh.supervisor.clone()),
+            credential,
+        };
+        let measured = Measured {
+            mode: MeshMode::OneProcess,
+            processes: vec![Proc {
+                name: "convene".to_owned(),
+                pid: std::process::id(),
+            }],
+            client: None,
+        };
+        Ok((driver, measured, Started::InProcess(mesh)))
+    }
+}
+
+/// What `convene bench` measured.
+#[derive(Debug, Clone)]
+pub enum Outcome {
+    /// The closed loop.
+    Load(Report),
+    /// The scale run.
+    Scale(scale::ScaleReport),
+}
+
+impl Outcome {
+    /// Runs that failed or ended otherwise than the workload expects.
+    pub fn errors(&self) -> u64 {
+        match self {
+            Outcome::Load(r) => r.errors,
+            Outcome::Scale(r) => r.errors,
+        }
+    }
+
+    /// One JSON object.
+    ///
+    /// # Errors
+    ///
+    /// Never in practice (the reports are plain data).
+    pub fn json(&self) -> serde_json::Result<String> {
+        match self {
+            Outcome::Load(r) => serde_json::to_string(r),
+            Outcome::Scale(r) => serde_json::to_string(r),
+        }
+    }
+
+    /// The human summary.
+    pub fn summary(&self) -> String {
+        match self {
+            Outcome::Load(r) => summary(r),
+            Outcome::Scale(r) => scale::summary(r),
+        }
+    }
+}
+
+/// Resolves when this process is asked to stop (Ctrl-C, SIGTERM, SIGHUP), naming the
+/// signal; never when the handlers cannot be installed.
+async fn interrupted() -> &'static str {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (Ok(mut term), Ok(mut hup)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::hangup()),
+    ) else {
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => "SIGINT",
+        _ = term.recv() => "SIGTERM",
+        _ = hup.recv() => "SIGHUP",
+    }
+}
+
+/// `convene bench`: prepares the workload in `data_dir` (a fresh temporary directory
+/// when None), starts the mesh (unless --endpoint), measures, and stops the mesh again,
+/// also when interrupted or failing: no mesh process outlives the bench.
+///
+/// # Errors
+///
+/// The mesh cannot be started or reached, a setting is invalid, or a signal
+/// interrupted the bench.
+pub async fn run(args: &BenchArgs, data_dir: Option<&Path>) -> anyhow::Result<Outcome> {
+    anyhow::ensure!(args.concurrency > 0, "--concurrency must be at least 1");
+    anyhow::ensure!(args.workers > 0, "--workers must be at least 1");
+    let repo = std::env::current_dir()?;
+    let scratch = tempfile::tempdir()?;
+    let dir = data_dir.map_or_else(|| scratch.path().to_owned(), Path::to_owned);
+    if let Some(n) = args.scale {
+        return scale::run(args, n, &dir, &repo).await;
+    }
+    let prepared = prepare(args.workload, &dir.join("bench"), &repo)?;
+    if let Some(endpoint) = &args.endpoint {
+        let c =
+            client::Client::resolve(endpoint.clone(), None, &dir, None, args.credential.clone())?;
+        let driver = Driver::grpc(endpoint, c.credential)?;
+        let measured = Measured {
+            mode: MeshMode::Endpoint,
+            processes: Vec::new(),
+            client: None,
+        };
+        let measuring = measure(&driver, &prepared.spec, prepared.expected, args, &measured);
+        return tokio::select! {
+            report = measuring => report.map(Outcome::Load),
+            signal = interrupted() => Err(anyhow::anyhow!("interrupted by {signal}")),
+        };
+    }
+    let plan = MeshPlan {
+        prepared: &prepared,
+        dir: &dir,
+        capacity: args.capacity.unwrap_or(4096),
+        concurrency_limit: None,
+    };
+    // One set of signal listeners for the whole bench, so no signal falls between two.
+    let signal = interrupted();
+    tokio::pin!(signal);
+    // An interrupted start drops the half-started mesh, which kills its processes.
+    let (driver, measured, started) = tokio::select! {
+        started = start_mesh(args, &plan) => started?,
+        signal = &mut signal => anyhow::bail!("interrupted by {signal} while starting the mesh"),
+    };
+    let outcome = tokio::select! {
+        report = measure(&driver, &prepared.spec, prepared.expected, args, &measured) => report,
+        signal = &mut signal => Err(anyhow::anyhow!("interrupted by {signal}")),
+    };
+    started.stop().await;
+    outcome.map(Outcome::Load)
 }
 
 /// The human summary.
 pub fn summary(r: &Report) -> String {
-    format!(
-        "workload {:?}, concurrency {}: {} runs in {:.1} s = {:.0} runs/s ({} errors)\n\
+    let mut text = format!(
+        "workload {:?} ({:?}), concurrency {}: {} runs in {:.1} s = {:.0} runs/s ({} errors)\n\
          latency p50 {:.2} ms, p95 {:.2} ms, p99 {:.2} ms, max {:.2} ms\n\
          CPU {:.3} ms per run (all mesh processes), peak RSS {:.1} MiB",
         r.workload,
+        r.mode,
         r.concurrency,
         r.runs,
         r.duration_s,
@@ -421,5 +764,22 @@ pub fn summary(r: &Report) -> String {
         r.latency_us.max as f64 / 1000.0,
         r.cpu_s_per_run * 1000.0,
         r.peak_rss_bytes as f64 / (1024.0 * 1024.0),
-    )
+    );
+    if r.rss_by_process.len() > 1 {
+        for (name, rss) in &r.rss_by_process {
+            let cpu = r.cpu_s_per_run_by_process.get(name).copied().unwrap_or(0.0);
+            text.push_str(&format!(
+                "\n  {name}: CPU {:.3} ms per run, peak RSS {:.1} MiB",
+                cpu * 1000.0,
+                *rss as f64 / (1024.0 * 1024.0)
+            ));
+        }
+    }
+    if let Some(client) = r.client_cpu_s_per_run {
+        text.push_str(&format!(
+            "\n  bench client: CPU {:.3} ms per run",
+            client * 1000.0
+        ));
+    }
+    text
 }

@@ -85,7 +85,9 @@ enum Command {
     },
     /// Measure the mesh: a closed-loop load generator over the noop or payment-incident
     /// workload, reporting runs/s, latency percentiles (HDR histogram), CPU per run and
-    /// peak RSS. Starts a mesh in this process unless --endpoint is given.
+    /// peak RSS; or, with --scale N, the supervisor's memory per run in flight and the
+    /// time N held runs take to drain. Starts a mesh in this process (or, with
+    /// --processes, one process per service and worker) unless --endpoint is given.
     Bench(bench::BenchArgs),
     /// Validate a run spec offline and explain what it asks for.
     Check {
@@ -307,52 +309,15 @@ fn init_telemetry_quiet() -> convene_telemetry::Telemetry {
     convene_telemetry::init(convene_telemetry::ONE_PROCESS_SERVICE_NAME, &settings)
 }
 
-/// `convene bench`: against --endpoint, or a mesh started in this process with the
-/// workload's policy, profiles and data in a fresh directory (or --data-dir).
+/// `convene bench`, with quiet telemetry (warnings on stderr; the report on stdout).
 async fn run_bench(
     args: &bench::BenchArgs,
     data_dir: Option<&std::path::Path>,
-) -> anyhow::Result<bench::Report> {
+) -> anyhow::Result<bench::Outcome> {
     let telemetry = init_telemetry_quiet();
-    let repo = std::env::current_dir()?;
-    let scratch = tempfile::tempdir()?;
-    let dir = data_dir.map_or_else(|| scratch.path().to_owned(), std::path::Path::to_owned);
-    let prepared = bench::prepare(args.workload, &dir.join("bench"), &repo)?;
-    let report = if let Some(endpoint) = &args.endpoint {
-        let c = Client::resolve(endpoint.clone(), None, &dir, None, args.credential.clone())?;
-        let driver = bench::Driver::grpc(endpoint, c.credential)?;
-        bench::measure(&driver, &prepared.spec, prepared.expected, args, &[]).await?
-    } else {
-        let mut up_args = up::UpArgs::defaults("127.0.0.1:0".parse()?);
-        up_args.policy_file = Some(prepared.policy.clone());
-        up_args.profiles_file = Some(prepared.profiles.clone());
-        up_args.tools_data_dir = prepared.data.clone();
-        up_args.workers = args.workers;
-        up_args.capacity = 4096;
-        up_args.database_url = args.database_url.clone();
-        let mesh = up::start(&up_args, &dir, Shutdown::new()).await?;
-        let credential = convene_mesh::policy_file::dev_credential(
-            &dir.join("credentials"),
-            &mesh.default_principal,
-        )?;
-        let driver = bench::Driver {
-            supervisor: std::sync::Arc::new(mesh.supervisor.clone()),
-            credential,
-        };
-        let report = bench::measure(
-            &driver,
-            &prepared.spec,
-            prepared.expected,
-            args,
-            &[std::process::id()],
-        )
-        .await;
-        mesh.shutdown.trigger();
-        mesh.stopped().await?;
-        report?
-    };
+    let outcome = bench::run(args, data_dir).await;
     telemetry.shutdown().await;
-    Ok(report)
+    outcome
 }
 
 fn jaeger() -> Option<String> {
@@ -412,11 +377,11 @@ async fn main_inner(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Bench(args) => {
             let report = run_bench(&args, explicit_data_dir.as_deref()).await?;
             if args.json {
-                println!("{}", serde_json::to_string(&report)?);
+                println!("{}", report.json()?);
             } else {
-                println!("{}", bench::summary(&report));
+                println!("{}", report.summary());
             }
-            Ok(if report.errors == 0 {
+            Ok(if report.errors() == 0 {
                 ExitCode::SUCCESS
             } else {
                 ExitCode::from(2)

@@ -499,9 +499,13 @@ pub async fn run(config: Config, shutdown: Shutdown) -> Result<(), Error> {
         source,
     })?;
     tracing::info!(%addr, "supervisor listening");
-    add_to(GrpcServer::new(config.server.clone()), service.clone(), registry)
-        .serve(listener, shutdown)
-        .await?;
+    add_to(
+        GrpcServer::new(config.server.clone()),
+        service.clone(),
+        registry,
+    )
+    .serve(listener, shutdown)
+    .await?;
     service.actors_stopped(ACTOR_STOP_GRACE).await;
     Ok(())
 }

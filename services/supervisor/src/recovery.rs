@@ -8,7 +8,9 @@
 //!   missing from the renewal's answer was taken over by another replica after the lease
 //!   expired: its actor stops. (Independently, the store refuses every commit of a
 //!   replica that is not the run's lease holder, so a replica that stalled past its lease
-//!   can never write over the one that took the run over.)
+//!   can never write over the one that took the run over; and on PostgreSQL a write
+//!   transaction left idle for longer than the lease is ended by the server, so the locks
+//!   of a replica that stalled mid-write hold no other replica up.)
 //! - Once at start and then every `claim_interval` it claims unfinished runs whose lease
 //!   is free or expired (`FOR UPDATE SKIP LOCKED` on PostgreSQL, so two replicas never
 //!   claim one run) and resumes each ([`RunActor::resume`]).

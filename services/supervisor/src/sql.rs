@@ -9,7 +9,9 @@
 //! On PostgreSQL every writing transaction first takes one transaction-scoped advisory
 //! lock, so event ids and outbox positions are assigned in commit order: a reader that
 //! resumes after position `p` can never miss an event committed later with a smaller
-//! position. SQLite has a single writer anyway.
+//! position. SQLite has a single writer anyway. A store that leases runs lets none of its
+//! PostgreSQL transactions sit idle for longer than the lease, so a replica that stalls
+//! mid-write never holds the other replicas up for longer than its runs stay its own.
 //!
 //! Subscribers hear of commits made through this store at once; a background poll of
 //! the event tables every [`POLL_INTERVAL`] tells them about commits of other processes
@@ -189,8 +191,10 @@ impl SqlRunStore {
                 .map(|(_, ttl)| ttl.as_millis().max(1).to_string());
             let guard = match (idle, appends) {
                 (Some(ms), true) => Some(
-                    sql("SELECT set_config('idle_in_transaction_session_timeout', $1, true), \
-                         pg_advisory_xact_lock($2)")
+                    sql(
+                        "SELECT set_config('idle_in_transaction_session_timeout', $1, true), \
+                         pg_advisory_xact_lock($2)",
+                    )
                     .bind(ms)
                     .bind(APPEND_LOCK),
                 ),

@@ -220,7 +220,7 @@ impl WorkerService {
                 tracing::warn!(
                     profile = %profile.profile.id,
                     faults = ?profile.faults,
-                    "fault injection is on for this profile; it is for tests only"
+                    "fault injection is on for this profile; it is for tests and benchmarks only"
                 );
             }
             let provider = providers.build(&profile)?;

@@ -1,0 +1,260 @@
+//! `convene bench`, black-box: the closed loop in one process and as processes, the
+//! scale run, and that no mesh process outlives the bench, even an interrupted one.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+fn convene() -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_convene"));
+    cmd.current_dir(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.."))
+        .env_remove("CONVENE_DATA_DIR")
+        .env_remove("CONVENE_ENDPOINT")
+        .env_remove("CONVENE_CREDENTIAL")
+        .env_remove("CONVENE_DATABASE_URL");
+    cmd
+}
+
+/// A fresh PostgreSQL database when `CONVENE_TEST_DATABASE_URL` names a server, for
+/// the mesh to keep its state in; None: the bench's default SQLite file.
+fn database() -> Option<convene_store::test_util::TestPostgres> {
+    let server = std::env::var("CONVENE_TEST_DATABASE_URL")
+        .ok()
+        .filter(|url| url.starts_with("postgres://") || url.starts_with("postgresql://"))?;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a runtime");
+    Some(
+        runtime
+            .block_on(convene_store::test_util::TestPostgres::create(&server))
+            .expect("a fresh PostgreSQL database"),
+    )
+}
+
+/// Runs `convene bench <args> --json --data-dir <dir>` (on a fresh PostgreSQL database
+/// when the environment names a server) and returns its report.
+fn bench(dir: &Path, args: &[&str]) -> Value {
+    let postgres = database();
+    let mut cmd = convene();
+    cmd.arg("bench")
+        .args(args)
+        .args(["--json", "--warmup", "0.5", "--data-dir"])
+        .arg(dir);
+    if let Some(db) = &postgres {
+        cmd.args(["--store", db.url()]);
+    }
+    let out: Output = cmd.output().expect("convene runs");
+    assert!(
+        out.status.success(),
+        "convene bench {args:?} failed ({}):\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let line = stdout.lines().last().unwrap_or_default();
+    serde_json::from_str(line).unwrap_or_else(|e| panic!("not one JSON object ({e}): {stdout}"))
+}
+
+fn u64_of(report: &Value, key: &str) -> u64 {
+    report[key]
+        .as_u64()
+        .unwrap_or_else(|| panic!("{key} is not an unsigned integer in {report}"))
+}
+
+fn f64_of(report: &Value, key: &str) -> f64 {
+    report[key]
+        .as_f64()
+        .unwrap_or_else(|| panic!("{key} is not a number in {report}"))
+}
+
+/// Processes whose environment names `dir` (every process a bench started there has
+/// `CONVENE_DATA_DIR=<dir>`).
+fn processes_of(dir: &Path) -> Vec<u32> {
+    let needle = format!("CONVENE_DATA_DIR={}", dir.display());
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").expect("/proc").flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let Ok(environ) = std::fs::read(entry.path().join("environ")) else {
+            continue;
+        };
+        if environ
+            .split(|b| *b == 0)
+            .any(|var| var == needle.as_bytes())
+        {
+            found.push(pid);
+        }
+    }
+    found
+}
+
+/// The closed-loop report's required fields, and its per-process figures.
+fn check_load_report(report: &Value, runs: u64, mode: &str, processes: &[&str]) {
+    assert_eq!(report["workload"], "noop", "{report}");
+    assert_eq!(report["mode"], mode, "{report}");
+    assert_eq!(u64_of(report, "runs"), runs, "{report}");
+    assert_eq!(u64_of(report, "errors"), 0, "{report}");
+    assert_eq!(u64_of(report, "concurrency"), 64, "{report}");
+    assert!(f64_of(report, "duration_s") > 0.0, "{report}");
+    assert!(f64_of(report, "runs_per_s") > 0.0, "{report}");
+    let latency = &report["latency_us"];
+    let (p50, p95, p99, max) = (
+        u64_of(latency, "p50"),
+        u64_of(latency, "p95"),
+        u64_of(latency, "p99"),
+        u64_of(latency, "max"),
+    );
+    assert!(
+        0 < p50 && p50 <= p95 && p95 <= p99 && p99 <= max,
+        "{report}"
+    );
+    assert!(f64_of(report, "cpu_s_per_run") > 0.0, "{report}");
+    let rss = report["rss_by_process"]
+        .as_object()
+        .unwrap_or_else(|| panic!("rss_by_process is not an object in {report}"));
+    let mut names: Vec<&str> = rss.keys().map(String::as_str).collect();
+    names.sort_unstable();
+    let mut expected = processes.to_vec();
+    expected.sort_unstable();
+    assert_eq!(names, expected, "{report}");
+    assert!(
+        rss.values().all(|v| v.as_u64().is_some_and(|b| b > 0)),
+        "{report}"
+    );
+    let total: u64 = rss.values().filter_map(Value::as_u64).sum();
+    assert_eq!(u64_of(report, "peak_rss_bytes"), total, "{report}");
+    let cpu = report["cpu_s_per_run_by_process"]
+        .as_object()
+        .unwrap_or_else(|| panic!("cpu_s_per_run_by_process is not an object in {report}"));
+    assert_eq!(cpu.len(), processes.len(), "{report}");
+}
+
+#[test]
+fn the_closed_loop_runs_in_one_process_and_as_processes() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let one = dir.path().join("one");
+    let report = bench(&one, &["--workload", "noop", "--runs", "20"]);
+    check_load_report(&report, 20, "one-process", &["convene"]);
+    assert!(report.get("client_cpu_s_per_run").is_none(), "{report}");
+
+    let many = dir.path().join("many");
+    let report = bench(
+        &many,
+        &["--workload", "noop", "--processes", "--runs", "10"],
+    );
+    check_load_report(
+        &report,
+        10,
+        "processes",
+        &[
+            "policy",
+            "evidence-store",
+            "approval",
+            "supervisor",
+            "worker-1",
+            "worker-2",
+        ],
+    );
+    assert!(f64_of(&report, "client_cpu_s_per_run") >= 0.0, "{report}");
+    // Every service ran apart: each has its own log, and none outlives the bench.
+    for name in ["policy", "supervisor", "worker-2"] {
+        assert!(many.join(format!("logs/{name}.log")).is_file(), "{name}");
+    }
+    assert_eq!(processes_of(&many), Vec::<u32>::new());
+}
+
+#[test]
+fn the_scale_run_holds_every_delegation_then_drains() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    for (mode, flags, measured) in [
+        ("one-process", &[][..], "convene"),
+        ("processes", &["--processes"][..], "supervisor"),
+    ] {
+        let data = dir.path().join(mode);
+        let mut args = vec!["--scale", "50"];
+        args.extend_from_slice(flags);
+        let report = bench(&data, &args);
+        assert_eq!(report["workload"], "hold", "{report}");
+        assert_eq!(report["mode"], mode, "{report}");
+        assert_eq!(u64_of(&report, "runs"), 50, "{report}");
+        assert_eq!(u64_of(&report, "errors"), 0, "{report}");
+        assert_eq!(u64_of(&report, "delegations_per_run"), 3, "{report}");
+        assert_eq!(report["supervisor_process"], measured, "{report}");
+        let before = u64_of(&report, "supervisor_rss_before_bytes");
+        let in_flight = u64_of(&report, "supervisor_rss_in_flight_bytes");
+        assert!(before > 0 && in_flight > 0, "{report}");
+        assert_eq!(
+            u64_of(&report, "bytes_per_in_flight_run"),
+            in_flight.saturating_sub(before) / 50,
+            "{report}"
+        );
+        let (submit, in_flight_s, drain) = (
+            f64_of(&report, "submit_s"),
+            f64_of(&report, "in_flight_s"),
+            f64_of(&report, "drain_s"),
+        );
+        assert!(
+            0.0 < submit && submit <= in_flight_s && drain > 0.0,
+            "{report}"
+        );
+        assert!(f64_of(&report, "drain_runs_per_s") > 0.0, "{report}");
+        assert!(f64_of(&report, "cpu_s_per_run") > 0.0, "{report}");
+        assert!(u64_of(&report, "peak_rss_bytes") > 0, "{report}");
+        assert!(
+            report["rss_by_process"][measured].as_u64().is_some(),
+            "{report}"
+        );
+        // Every delegation of every run was held before the release, exactly once.
+        let held = std::fs::read_to_string(data.join("bench/hold/held")).expect("hold log");
+        let mut ids: Vec<&str> = held.lines().collect();
+        assert_eq!(ids.len(), 150, "{held}");
+        ids.sort_unstable();
+        ids.dedup();
+        assert_eq!(ids.len(), 150, "a delegation was held twice: {held}");
+        assert!(data.join("bench/hold/release").is_file());
+        assert_eq!(processes_of(&data), Vec::<u32>::new(), "{mode}");
+    }
+}
+
+#[test]
+fn an_interrupted_bench_stops_every_process_it_started() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut child = convene()
+        .args(["bench", "--processes", "--duration", "600", "--data-dir"])
+        .arg(dir.path())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("convene starts");
+    // Wait until the mesh is up: its four services' and two workers' processes exist
+    // (the last worker starts after every service answered its health check).
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while processes_of(dir.path()).len() < 6 || !dir.path().join("logs/worker-2.log").exists() {
+        assert!(
+            Instant::now() < deadline,
+            "the mesh did not start; processes: {:?}",
+            processes_of(dir.path())
+        );
+        assert!(
+            child.try_wait().expect("wait").is_none(),
+            "the bench exited"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let pid =
+        rustix::process::Pid::from_raw(i32::try_from(child.id()).expect("pid")).expect("a pid");
+    rustix::process::kill_process(pid, rustix::process::Signal::INT).expect("SIGINT sent");
+    let out = child.wait_with_output().expect("the bench exits");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("interrupted by SIGINT"), "{err}");
+    assert_eq!(processes_of(dir.path()), Vec::<u32>::new());
+}
