@@ -87,8 +87,9 @@ pub struct BenchArgs {
     /// --scale, enough for every delegation of the N runs].
     #[arg(long)]
     pub capacity: Option<u32>,
-    /// Database of the started mesh: a SQLite path/URL or postgres://... URL
-    /// [default: SQLite in the data directory]; `memory` keeps state in memory.
+    /// Database of the started mesh: `sqlite` (the SQLite file in the data directory,
+    /// the default), a SQLite path or sqlite:// URL, a postgres://... URL, or `memory`
+    /// (state in memory only).
     #[arg(long = "store", value_name = "URL")]
     pub database_url: Option<String>,
     /// Start every service and worker as its own process (`convene serve <service>` on
@@ -109,6 +110,18 @@ pub struct BenchArgs {
     /// Print one JSON object instead of the human summary.
     #[arg(long)]
     pub json: bool,
+}
+
+impl BenchArgs {
+    /// The database URL `--store` names: `sqlite` means the default SQLite file in the
+    /// data directory (no URL); anything else is passed on as it is.
+    pub fn store_url(&self) -> Option<String> {
+        self.database_url
+            .as_deref()
+            .map(str::trim)
+            .filter(|u| !u.eq_ignore_ascii_case("sqlite"))
+            .map(str::to_owned)
+    }
 }
 
 /// Where the measured mesh runs.
@@ -588,7 +601,7 @@ async fn start_mesh(
             policy: plan.prepared.policy.clone(),
             profiles: plan.prepared.profiles.clone(),
             tools_data: plan.prepared.data.clone(),
-            database_url: args.database_url.clone(),
+            database_url: args.store_url(),
             workers: args.workers,
             capacity: plan.capacity,
             concurrency_limit: plan.concurrency_limit,
@@ -614,7 +627,7 @@ async fn start_mesh(
         up_args.tools_data_dir = plan.prepared.data.clone();
         up_args.workers = args.workers;
         up_args.capacity = plan.capacity;
-        up_args.database_url = args.database_url.clone();
+        up_args.database_url = args.store_url();
         up_args.default_principal = Some(PRINCIPAL.to_owned());
         let mesh = up::start(&up_args, plan.dir, Shutdown::new()).await?;
         let credential = convene_mesh::policy_file::dev_credential(&credentials, PRINCIPAL)?;

@@ -258,3 +258,37 @@ fn an_interrupted_bench_stops_every_process_it_started() {
     assert!(err.contains("interrupted by SIGINT"), "{err}");
     assert_eq!(processes_of(dir.path()), Vec::<u32>::new());
 }
+
+/// `--store sqlite` names the default: the SQLite file in the data directory, not a file
+/// called "sqlite".
+#[test]
+fn store_sqlite_is_the_data_directorys_database() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let data = dir.path().join("data");
+    let repo = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let stray = repo.join("sqlite");
+    let out = convene()
+        .args(["bench", "--workload", "noop", "--runs", "3", "--json"])
+        .args(["--warmup", "0", "--store", "sqlite", "--data-dir"])
+        .arg(&data)
+        .output()
+        .expect("convene runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: Value = serde_json::from_slice(
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .last()
+            .unwrap_or_default()
+            .as_bytes(),
+    )
+    .expect("one JSON object");
+    assert_eq!(u64_of(&report, "runs"), 3, "{report}");
+    assert_eq!(u64_of(&report, "errors"), 0, "{report}");
+    assert!(data.join("convene.db").exists());
+    assert!(!stray.exists(), "a file named sqlite was created");
+    assert!(!data.join("sqlite").exists());
+}
