@@ -196,6 +196,11 @@ fn deadline_of(task: &v1::DelegationTask) -> SystemTime {
         .unwrap_or_else(now)
 }
 
+/// Attempts at filing one approval request, and the first pause between them (doubling):
+/// about three seconds in all.
+const APPROVAL_ATTEMPTS: u32 = 5;
+const APPROVAL_RETRY_BACKOFF: Duration = Duration::from_millis(200);
+
 fn status_is_transient(code: Code) -> bool {
     matches!(
         code,
@@ -1371,12 +1376,32 @@ impl RunActor {
                     rationale: action.rationale.clone(),
                     on_behalf_of: self.run.principal.clone(),
                 };
-                match self
-                    .deps
-                    .approval
-                    .request_approval(request(req, &self.deps.credential))
-                    .await
-                {
+                // The request is idempotent (its key names the run, delegation and
+                // action), so a transient failure — the approval service restarting, its
+                // database busy — is retried rather than losing the request.
+                let mut backoff = APPROVAL_RETRY_BACKOFF;
+                let mut attempt = 1;
+                let filed = loop {
+                    let outcome = self
+                        .deps
+                        .approval
+                        .request_approval(request(req.clone(), &self.deps.credential))
+                        .await;
+                    match outcome {
+                        Err(s)
+                            if attempt < APPROVAL_ATTEMPTS
+                                && (status_is_transient(s.code())
+                                    || s.code() == Code::DeadlineExceeded) =>
+                        {
+                            tracing::warn!(run_id = %self.run.run_id, action = %action.action, attempt, error = %s.message(), "approval request failed; retrying");
+                            tokio::time::sleep(backoff).await;
+                            backoff *= 2;
+                            attempt += 1;
+                        }
+                        other => break other,
+                    }
+                };
+                match filed {
                     Ok(r) => {
                         if let Some(a) = r.into_inner().approval {
                             ev.cloud.push(events::cloud(
