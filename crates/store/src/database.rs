@@ -186,18 +186,38 @@ impl Database {
                     source,
                 })?;
             }
-            let pool = SqlitePoolOptions::new()
-                .max_connections(SQLITE_CONNECTIONS)
-                .acquire_timeout(CONNECT_TIMEOUT)
-                // A SQLite connection is a file handle in this process: nothing to ping.
-                .test_before_acquire(false)
-                .connect_with(options)
-                .await
-                .map_err(|source| Error::Unreachable {
-                    backend: Backend::Sqlite,
-                    url: shown.clone(),
-                    source,
-                })?;
+            // Processes opening one file at the same moment may find it locked while
+            // another sets it up (WAL mode, migrations): a few tries order them.
+            let mut attempt: u32 = 0;
+            let pool = loop {
+                attempt += 1;
+                let opened = SqlitePoolOptions::new()
+                    .max_connections(SQLITE_CONNECTIONS)
+                    .acquire_timeout(CONNECT_TIMEOUT)
+                    // A SQLite connection is a file handle in this process: nothing to ping.
+                    .test_before_acquire(false)
+                    .connect_with(options.clone())
+                    .await;
+                match opened {
+                    Ok(pool) => break pool,
+                    Err(sqlx::Error::Database(e))
+                        if attempt < 5 && e.code().as_deref() == Some("5") =>
+                    {
+                        tracing::debug!(
+                            attempt,
+                            "the SQLite file is locked while opening; retrying"
+                        );
+                        tokio::time::sleep(Duration::from_millis(50 * u64::from(attempt))).await;
+                    }
+                    Err(source) => {
+                        return Err(Error::Unreachable {
+                            backend: Backend::Sqlite,
+                            url: shown.clone(),
+                            source,
+                        });
+                    }
+                }
+            };
             Self::new(Pool::Sqlite(pool), &shown)
         };
         db.migrate().await?;
