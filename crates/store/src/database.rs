@@ -8,13 +8,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
-use sqlx::sqlite::{
-    SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
-};
-use tokio::sync::Mutex;
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
 
 use crate::Error;
 use crate::group::{Group, Physical, Turn};
+use crate::sqlite::{BUSY_TIMEOUT as SQLITE_BUSY_TIMEOUT, Sqlite};
 use crate::statement::{Row, Statement};
 
 /// The value of `database_url` that keeps a service's state in memory.
@@ -23,15 +21,9 @@ pub const MEMORY: &str = "memory";
 /// File name of the SQLite database in a data directory.
 pub const SQLITE_FILE: &str = "convene.db";
 
-/// How long a SQLite connection waits for another process's write to finish before it
-/// gives up. Writers in one process queue on a lock of their own first, so this only
-/// covers processes sharing a file (the end-to-end harness, `convene serve` side by
-/// side), whose transactions are short.
-const SQLITE_BUSY_TIMEOUT: Duration = Duration::from_secs(30);
-
-/// Connections per pool. SQLite serializes writers anyway (readers run beside them in
-/// WAL mode); PostgreSQL gets enough for concurrent commits of many runs.
-const SQLITE_CONNECTIONS: u32 = 8;
+/// Connections per PostgreSQL pool: enough for concurrent commits of many runs. (SQLite
+/// has one writer connection and as many readers as read at once: see
+/// [`crate::sqlite`].)
 const POSTGRES_CONNECTIONS: u32 = 16;
 
 /// How long opening a pool may wait for its first connection.
@@ -57,7 +49,7 @@ impl fmt::Display for Backend {
 
 #[derive(Clone)]
 enum Pool {
-    Sqlite(SqlitePool),
+    Sqlite(Arc<Sqlite>),
     Postgres(PgPool),
 }
 
@@ -70,8 +62,6 @@ pub struct Database {
     /// is not fought over through its busy-wait back-off, which sleeps up to 100 ms per
     /// try), and share physical transactions: see [`crate::group`].
     group: Arc<Group>,
-    /// Held while migrating a SQLite file.
-    migrating: Arc<Mutex<()>>,
     /// Where, for logs and errors (password hidden).
     shown: Arc<str>,
 }
@@ -174,95 +164,65 @@ impl Database {
                 .map_err(|source| Error::Unreachable {
                     backend: Backend::Postgres,
                     url: shown.clone(),
-                    source,
+                    source: source.into(),
                 })?;
             Self::new(Pool::Postgres(pool), &shown)
         } else {
             let options = sqlite_options(url).map_err(bad)?;
             let file = options.get_filename().to_owned();
+            if file.as_os_str() == ":memory:" {
+                return Err(bad(
+                    "an in-memory SQLite database is private to one connection; use \
+                     `memory` to keep state in memory"
+                        .to_owned(),
+                ));
+            }
             if let Some(dir) = file.parent().filter(|d| !d.as_os_str().is_empty()) {
                 std::fs::create_dir_all(dir).map_err(|source| Error::CreateDir {
                     path: dir.to_owned(),
                     source,
                 })?;
             }
-            // Processes opening one file at the same moment may find it locked while
-            // another sets it up (WAL mode, migrations): a few tries order them.
-            let mut attempt: u32 = 0;
-            let pool = loop {
-                attempt += 1;
-                let opened = SqlitePoolOptions::new()
-                    .max_connections(SQLITE_CONNECTIONS)
-                    .acquire_timeout(CONNECT_TIMEOUT)
-                    // A SQLite connection is a file handle in this process: nothing to ping.
-                    .test_before_acquire(false)
-                    .connect_with(options.clone())
-                    .await;
-                match opened {
-                    Ok(pool) => break pool,
-                    Err(sqlx::Error::Database(e))
-                        if attempt < 5 && e.code().as_deref() == Some("5") =>
-                    {
-                        tracing::debug!(
-                            attempt,
-                            "the SQLite file is locked while opening; retrying"
-                        );
-                        tokio::time::sleep(Duration::from_millis(50 * u64::from(attempt))).await;
-                    }
-                    Err(source) => {
-                        return Err(Error::Unreachable {
-                            backend: Backend::Sqlite,
-                            url: shown.clone(),
-                            source,
-                        });
-                    }
-                }
-            };
-            Self::new(Pool::Sqlite(pool), &shown)
+            migrate_sqlite(options, &shown).await?;
+            let sqlite = Sqlite::open(file)
+                .await
+                .map_err(|source| Error::Unreachable {
+                    backend: Backend::Sqlite,
+                    url: shown.clone(),
+                    source,
+                })?;
+            Self::new(Pool::Sqlite(Arc::new(sqlite)), &shown)
         };
-        db.migrate().await?;
+        if let Pool::Postgres(pool) = &db.pool {
+            sqlx::migrate!("./migrations/postgres")
+                .run(pool)
+                .await
+                .map_err(|source| Error::Migration {
+                    backend: Backend::Postgres,
+                    url: shown.clone(),
+                    source,
+                })?;
+        }
         tracing::debug!(backend = %db.backend(), url = %db.shown, "database open and migrated");
         Ok(db)
     }
 
     fn new(pool: Pool, shown: &str) -> Self {
+        let idle: Option<Box<dyn Fn() + Send + Sync>> = match &pool {
+            Pool::Sqlite(sqlite) => {
+                let sqlite = Arc::downgrade(sqlite);
+                Some(Box::new(move || {
+                    if let Some(sqlite) = sqlite.upgrade() {
+                        sqlite.release_orphaned();
+                    }
+                }))
+            }
+            Pool::Postgres(_) => None,
+        };
         Self {
             pool,
-            group: Group::new(),
-            migrating: Arc::new(Mutex::new(())),
+            group: Group::new(idle),
             shown: shown.into(),
-        }
-    }
-
-    /// Applies the embedded migrations of this back end that are not applied yet.
-    async fn migrate(&self) -> Result<(), Error> {
-        // Processes sharing a SQLite file may migrate at the same moment: the loser of
-        // that race fails on a table that exists by then, and a second pass finds every
-        // migration applied. PostgreSQL migrations hold an advisory lock instead.
-        let mut attempt = 0;
-        loop {
-            attempt += 1;
-            let outcome = match &self.pool {
-                Pool::Sqlite(pool) => {
-                    let _writer = self.migrating.lock().await;
-                    sqlx::migrate!("./migrations/sqlite").run(pool).await
-                }
-                Pool::Postgres(pool) => sqlx::migrate!("./migrations/postgres").run(pool).await,
-            };
-            match outcome {
-                Ok(()) => return Ok(()),
-                Err(e) if attempt < 3 && self.backend() == Backend::Sqlite => {
-                    tracing::debug!(error = %e, attempt, "migration raced another process; retrying");
-                    tokio::time::sleep(Duration::from_millis(50 * attempt)).await;
-                }
-                Err(source) => {
-                    return Err(Error::Migration {
-                        backend: self.backend(),
-                        url: self.shown.to_string(),
-                        source,
-                    });
-                }
-            }
         }
     }
 
@@ -289,12 +249,10 @@ impl Database {
     /// [`Error::Query`] when no connection is available or `BEGIN` fails.
     pub async fn begin(&self) -> Result<Tx, Error> {
         let turn = match &self.pool {
-            Pool::Sqlite(pool) => {
-                let pool = pool.clone();
+            Pool::Sqlite(sqlite) => {
+                let sqlite = sqlite.clone();
                 self.group
-                    .begin(|| async move {
-                        Ok(Physical::Sqlite(pool.begin_with("BEGIN IMMEDIATE").await?))
-                    })
+                    .begin(|| async move { Ok(Physical::Sqlite(sqlite.begin().await?)) })
                     .await?
             }
             Pool::Postgres(pool) => {
@@ -352,10 +310,10 @@ impl Database {
     /// [`Error::Query`] when the statement fails.
     pub async fn fetch_optional(&self, statement: Statement) -> Result<Option<Row>, Error> {
         Ok(match &self.pool {
-            Pool::Sqlite(pool) => statement
-                .sqlite()
-                .fetch_optional(pool)
-                .await?
+            Pool::Sqlite(sqlite) => sqlite
+                .fetch_all(&statement)?
+                .into_iter()
+                .next()
                 .map(Row::Sqlite),
             Pool::Postgres(pool) => statement
                 .postgres()
@@ -372,10 +330,8 @@ impl Database {
     /// [`Error::Query`] when the statement fails.
     pub async fn fetch_all(&self, statement: Statement) -> Result<Vec<Row>, Error> {
         Ok(match &self.pool {
-            Pool::Sqlite(pool) => statement
-                .sqlite()
-                .fetch_all(pool)
-                .await?
+            Pool::Sqlite(sqlite) => sqlite
+                .fetch_all(&statement)?
                 .into_iter()
                 .map(Row::Sqlite)
                 .collect(),
@@ -393,8 +349,56 @@ impl Database {
     /// back first.
     pub async fn close(&self) {
         match &self.pool {
-            Pool::Sqlite(pool) => pool.close().await,
+            Pool::Sqlite(sqlite) => sqlite.close(),
             Pool::Postgres(pool) => pool.close().await,
+        }
+    }
+}
+
+/// Brings a SQLite file's schema up to date, through a connection of its own that is
+/// closed afterwards.
+async fn migrate_sqlite(options: SqliteConnectOptions, shown: &str) -> Result<(), Error> {
+    // Processes opening one file at the same moment may find it locked while another
+    // sets it up (WAL mode, migrations), or fail on a table the other just created: a
+    // few tries order them, and a later pass finds every migration applied.
+    let mut attempt: u32 = 0;
+    loop {
+        attempt += 1;
+        let opened = SqlitePoolOptions::new()
+            .max_connections(1)
+            .acquire_timeout(CONNECT_TIMEOUT)
+            .connect_with(options.clone())
+            .await;
+        let pool = match opened {
+            Ok(pool) => pool,
+            Err(sqlx::Error::Database(e)) if attempt < 5 && e.code().as_deref() == Some("5") => {
+                tracing::debug!(attempt, "the SQLite file is locked while opening; retrying");
+                tokio::time::sleep(Duration::from_millis(50 * u64::from(attempt))).await;
+                continue;
+            }
+            Err(source) => {
+                return Err(Error::Unreachable {
+                    backend: Backend::Sqlite,
+                    url: shown.to_owned(),
+                    source: source.into(),
+                });
+            }
+        };
+        let outcome = sqlx::migrate!("./migrations/sqlite").run(&pool).await;
+        pool.close().await;
+        match outcome {
+            Ok(()) => return Ok(()),
+            Err(e) if attempt < 5 => {
+                tracing::debug!(error = %e, attempt, "migration raced another process; retrying");
+                tokio::time::sleep(Duration::from_millis(50 * u64::from(attempt))).await;
+            }
+            Err(source) => {
+                return Err(Error::Migration {
+                    backend: Backend::Sqlite,
+                    url: shown.to_owned(),
+                    source,
+                });
+            }
         }
     }
 }
@@ -487,7 +491,7 @@ impl Tx {
     /// of the transaction: roll back (drop it) and start over.
     pub async fn execute(&mut self, statement: Statement) -> Result<u64, Error> {
         Ok(match self.physical()? {
-            Physical::Sqlite(tx) => statement.sqlite().execute(&mut **tx).await?.rows_affected(),
+            Physical::Sqlite(tx) => tx.execute(&statement)?,
             Physical::Postgres(tx) => statement
                 .postgres()
                 .execute(&mut **tx)
@@ -503,10 +507,10 @@ impl Tx {
     /// As [`execute`](Self::execute).
     pub async fn fetch_optional(&mut self, statement: Statement) -> Result<Option<Row>, Error> {
         Ok(match self.physical()? {
-            Physical::Sqlite(tx) => statement
-                .sqlite()
-                .fetch_optional(&mut **tx)
-                .await?
+            Physical::Sqlite(tx) => tx
+                .fetch_all(&statement)?
+                .into_iter()
+                .next()
                 .map(Row::Sqlite),
             Physical::Postgres(tx) => statement
                 .postgres()
@@ -523,10 +527,8 @@ impl Tx {
     /// As [`execute`](Self::execute).
     pub async fn fetch_all(&mut self, statement: Statement) -> Result<Vec<Row>, Error> {
         Ok(match self.physical()? {
-            Physical::Sqlite(tx) => statement
-                .sqlite()
-                .fetch_all(&mut **tx)
-                .await?
+            Physical::Sqlite(tx) => tx
+                .fetch_all(&statement)?
                 .into_iter()
                 .map(Row::Sqlite)
                 .collect(),

@@ -38,7 +38,7 @@ pub enum Error {
         url: String,
         /// The driver's error.
         #[source]
-        source: sqlx::Error,
+        source: Box<dyn std::error::Error + Send + Sync>,
     },
     /// The schema could not be brought up to date.
     #[error(
@@ -54,9 +54,28 @@ pub enum Error {
         #[source]
         source: sqlx::migrate::MigrateError,
     },
-    /// A statement failed.
+    /// A statement failed (PostgreSQL, and SQLite's migrations).
     #[error("database statement failed: {0}")]
     Query(#[from] sqlx::Error),
+    /// A SQLite statement failed.
+    #[error("database statement failed: {0}")]
+    Sqlite(#[from] rusqlite::Error),
+    /// A statement names a placeholder it has no argument for.
+    #[error(
+        "statement {statement:?}: placeholder {index} has no argument ({bound} bound); \
+         placeholders are $1, $2, ... in the order the arguments are bound"
+    )]
+    Placeholder {
+        /// The SQL text.
+        statement: String,
+        /// Which placeholder (1-based, in order of appearance).
+        index: usize,
+        /// How many arguments were bound.
+        bound: usize,
+    },
+    /// The database handle was closed.
+    #[error("the database was closed (the service is shutting down)")]
+    Closed,
     /// A commit failed, or the batch of writers it was part of was rolled back (see
     /// [`crate::group`]); nothing of the transaction was kept.
     #[error("database commit failed: {0}")]
@@ -74,14 +93,31 @@ pub enum Error {
 impl Error {
     /// Whether the statement broke a unique or primary-key constraint.
     pub fn is_unique_violation(&self) -> bool {
-        matches!(self, Error::Query(sqlx::Error::Database(e)) if e.is_unique_violation())
+        match self {
+            Error::Query(sqlx::Error::Database(e)) => e.is_unique_violation(),
+            Error::Sqlite(rusqlite::Error::SqliteFailure(e, _)) => matches!(
+                e.extended_code,
+                rusqlite::ffi::SQLITE_CONSTRAINT_UNIQUE
+                    | rusqlite::ffi::SQLITE_CONSTRAINT_PRIMARYKEY
+            ),
+            _ => false,
+        }
     }
 
     /// Whether retrying later may succeed (the database is unreachable, busy or shutting
     /// down), as opposed to a request or schema that can never work.
     pub fn is_transient(&self) -> bool {
         match self {
-            Error::Unreachable { .. } => true,
+            Error::Unreachable { .. } | Error::Closed => true,
+            Error::Sqlite(e) => matches!(
+                e.sqlite_error_code(),
+                Some(
+                    rusqlite::ErrorCode::DatabaseBusy
+                        | rusqlite::ErrorCode::DatabaseLocked
+                        | rusqlite::ErrorCode::SystemIoFailure
+                        | rusqlite::ErrorCode::DiskFull
+                )
+            ),
             Error::Query(e) => matches!(
                 e,
                 sqlx::Error::Io(_)

@@ -25,10 +25,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
-use sqlx::{Postgres, Sqlite, Transaction};
+use sqlx::{Postgres, Transaction};
 use tokio::sync::{Mutex, OwnedMutexGuard, oneshot};
 
 use crate::Error;
+use crate::sqlite::WriterTx;
 
 /// Logical transactions one physical transaction holds at most, so one batch cannot
 /// keep other processes sharing the database from writing for long.
@@ -42,29 +43,31 @@ const ORPHAN_CHECK: Duration = Duration::from_millis(50);
 
 /// The open physical transaction.
 pub(crate) enum Physical {
-    Sqlite(Transaction<'static, Sqlite>),
+    Sqlite(WriterTx),
     Postgres(Transaction<'static, Postgres>),
 }
 
 impl Physical {
-    async fn run(&mut self, statement: &'static str) -> Result<(), sqlx::Error> {
+    async fn run(&mut self, statement: &'static str) -> Result<(), Error> {
         match self {
-            Physical::Sqlite(tx) => sqlx::query(statement).execute(&mut **tx).await.map(drop),
-            Physical::Postgres(tx) => sqlx::query(statement).execute(&mut **tx).await.map(drop),
+            Physical::Sqlite(tx) => tx.run(statement),
+            Physical::Postgres(tx) => {
+                Ok(sqlx::query(statement).execute(&mut **tx).await.map(drop)?)
+            }
         }
     }
 
-    async fn commit(self) -> Result<(), sqlx::Error> {
+    async fn commit(self) -> Result<(), Error> {
         match self {
             Physical::Sqlite(tx) => tx.commit().await,
-            Physical::Postgres(tx) => tx.commit().await,
+            Physical::Postgres(tx) => Ok(tx.commit().await?),
         }
     }
 
-    async fn rollback(self) -> Result<(), sqlx::Error> {
+    async fn rollback(self) -> Result<(), Error> {
         match self {
-            Physical::Sqlite(tx) => tx.rollback().await,
-            Physical::Postgres(tx) => tx.rollback().await,
+            Physical::Sqlite(tx) => tx.rollback(),
+            Physical::Postgres(tx) => Ok(tx.rollback().await?),
         }
     }
 }
@@ -113,9 +116,12 @@ enum End {
 impl Group {
     /// A new group, and the task that commits batches left without a writer (it stops
     /// when the group is dropped). Must be called inside a Tokio runtime.
-    pub(crate) fn new() -> Arc<Self> {
+    ///
+    /// `idle` runs on the same check while no writer has the turn and no batch is open:
+    /// the back end's chance to end a transaction a cancelled begin left behind.
+    pub(crate) fn new(idle: Option<Box<dyn Fn() + Send + Sync>>) -> Arc<Self> {
         let group = Self::unwatched();
-        tokio::spawn(watch_orphans(Arc::downgrade(&group)));
+        tokio::spawn(watch_orphans(Arc::downgrade(&group), idle));
         group
     }
 
@@ -144,7 +150,7 @@ impl Group {
     pub(crate) async fn begin<F, Fut>(self: &Arc<Self>, open: F) -> Result<Turn, Error>
     where
         F: FnOnce() -> Fut,
-        Fut: Future<Output = Result<Physical, sqlx::Error>>,
+        Fut: Future<Output = Result<Physical, Error>>,
     {
         let mut batch = {
             self.queued.fetch_add(1, Ordering::SeqCst);
@@ -159,7 +165,7 @@ impl Group {
             if let Err(e) = physical.run("SAVEPOINT convene_writer").await {
                 let message: Arc<str> = e.to_string().into();
                 abort(&mut batch, &message).await;
-                return Err(e.into());
+                return Err(e);
             }
         }
         Ok(Turn {
@@ -293,8 +299,9 @@ impl Group {
     }
 }
 
-/// Commits, every [`ORPHAN_CHECK`], a batch that is open while no writer has the turn.
-async fn watch_orphans(group: std::sync::Weak<Group>) {
+/// Commits, every [`ORPHAN_CHECK`], a batch that is open while no writer has the turn
+/// (and runs `idle` when none is open).
+async fn watch_orphans(group: std::sync::Weak<Group>, idle: Option<Box<dyn Fn() + Send + Sync>>) {
     let mut tick = tokio::time::interval(ORPHAN_CHECK);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -308,6 +315,8 @@ async fn watch_orphans(group: std::sync::Weak<Group>) {
         };
         if batch.physical.is_some() {
             group.flush(&mut batch).await;
+        } else if let Some(idle) = &idle {
+            idle();
         }
     }
 }

@@ -29,6 +29,7 @@
 mod database;
 mod error;
 mod group;
+mod sqlite;
 mod statement;
 pub mod time;
 
@@ -39,6 +40,7 @@ pub use database::{
     Backend, Database, Location, MEMORY, SQLITE_FILE, Tx, open, redact, sqlite_url,
 };
 pub use error::Error;
+pub use sqlite::SqliteRow;
 pub use statement::{Arg, Row, Statement, Value, sql};
 
 /// `$first, $first+1, ...` for `count` placeholders, for an `IN (...)` list whose

@@ -12,12 +12,13 @@
 
 use std::borrow::Cow;
 
+use rusqlite::types::ValueRef;
 use sqlx::postgres::{PgArguments, PgRow};
 use sqlx::query::Query;
-use sqlx::sqlite::{SqliteArguments, SqliteRow};
-use sqlx::{AssertSqlSafe, Postgres, Sqlite};
+use sqlx::{AssertSqlSafe, Postgres};
 
 use crate::Error;
+use crate::sqlite::SqliteRow;
 
 /// One argument of a statement.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -165,20 +166,13 @@ impl Statement {
         }
     }
 
-    pub(crate) fn sqlite(&self) -> Query<'static, Sqlite, SqliteArguments> {
-        bind_all!(sqlx::query::<Sqlite>(self.text_for_driver()), &self.args)
+    pub(crate) fn args(&self) -> &[Arg] {
+        &self.args
     }
 
     pub(crate) fn postgres(&self) -> Query<'static, Postgres, PgArguments> {
-        bind_all!(sqlx::query::<Postgres>(self.text_for_driver()), &self.args)
-    }
-}
-
-/// Binds every argument, by its type; the same text for either driver's query.
-macro_rules! bind_all {
-    ($query:expr, $args:expr) => {{
-        let mut query = $query;
-        for arg in $args {
+        let mut query = sqlx::query::<Postgres>(self.text_for_driver());
+        for arg in &self.args {
             query = match arg {
                 Arg::Int(v) => query.bind(*v),
                 Arg::Text(v) => query.bind(v.clone()),
@@ -187,25 +181,69 @@ macro_rules! bind_all {
             };
         }
         query
-    }};
-}
-use bind_all;
-
-/// A value both drivers decode: `i64`, `String`, `Vec<u8>`, `bool` and their `Option`s.
-pub trait Value:
-    for<'r> sqlx::Decode<'r, Sqlite>
-    + sqlx::Type<Sqlite>
-    + for<'r> sqlx::Decode<'r, Postgres>
-    + sqlx::Type<Postgres>
-{
+    }
 }
 
-impl<T> Value for T where
-    T: for<'r> sqlx::Decode<'r, Sqlite>
-        + sqlx::Type<Sqlite>
-        + for<'r> sqlx::Decode<'r, Postgres>
-        + sqlx::Type<Postgres>
+/// A value both back ends decode: `i64`, `String`, `Vec<u8>`, `bool` and their
+/// `Option`s.
+pub trait Value: Sized + for<'r> sqlx::Decode<'r, Postgres> + sqlx::Type<Postgres> {
+    /// The value from a SQLite column; `Err` says what it held instead.
+    #[doc(hidden)]
+    fn from_sqlite(value: ValueRef<'_>) -> Result<Self, String>;
+}
+
+fn unexpected(want: &str, found: ValueRef<'_>) -> String {
+    format!("expected {want}, found {:?}", found.data_type())
+}
+
+impl Value for i64 {
+    fn from_sqlite(value: ValueRef<'_>) -> Result<Self, String> {
+        match value {
+            ValueRef::Integer(v) => Ok(v),
+            other => Err(unexpected("an integer", other)),
+        }
+    }
+}
+
+impl Value for bool {
+    fn from_sqlite(value: ValueRef<'_>) -> Result<Self, String> {
+        match value {
+            ValueRef::Integer(v) => Ok(v != 0),
+            other => Err(unexpected("a boolean (integer)", other)),
+        }
+    }
+}
+
+impl Value for String {
+    fn from_sqlite(value: ValueRef<'_>) -> Result<Self, String> {
+        match value {
+            ValueRef::Text(v) | ValueRef::Blob(v) => {
+                String::from_utf8(v.to_vec()).map_err(|e| format!("text that is not UTF-8: {e}"))
+            }
+            other => Err(unexpected("text", other)),
+        }
+    }
+}
+
+impl Value for Vec<u8> {
+    fn from_sqlite(value: ValueRef<'_>) -> Result<Self, String> {
+        match value {
+            ValueRef::Blob(v) | ValueRef::Text(v) => Ok(v.to_vec()),
+            other => Err(unexpected("bytes", other)),
+        }
+    }
+}
+
+impl<T: Value> Value for Option<T>
+where
+    Option<T>: for<'r> sqlx::Decode<'r, Postgres> + sqlx::Type<Postgres>,
 {
+    fn from_sqlite(value: ValueRef<'_>) -> Result<Self, String> {
+        match value {
+            ValueRef::Null => Ok(None),
+            other => T::from_sqlite(other).map(Some),
+        }
+    }
 }
 
 /// A result row of either back end.
@@ -222,13 +260,23 @@ impl Row {
     ///
     /// # Errors
     ///
-    /// [`Error::Query`] when the column is missing or holds another type.
+    /// [`Error::Corrupt`] (SQLite) or [`Error::Query`] (PostgreSQL) when the column is
+    /// missing or holds another type.
     pub fn get<T: Value>(&self, column: &str) -> Result<T, Error> {
         use sqlx::Row as _;
-        Ok(match self {
-            Row::Sqlite(row) => row.try_get(column)?,
-            Row::Postgres(row) => row.try_get(column)?,
-        })
+        match self {
+            Row::Sqlite(row) => {
+                let value = row.value(column).ok_or_else(|| Error::Corrupt {
+                    column: column.to_owned(),
+                    detail: "the result has no such column".to_owned(),
+                })?;
+                T::from_sqlite(value).map_err(|detail| Error::Corrupt {
+                    column: column.to_owned(),
+                    detail,
+                })
+            }
+            Row::Postgres(row) => Ok(row.try_get(column)?),
+        }
     }
 
     /// An unsigned integer column (versions, counters, sequences), stored as a

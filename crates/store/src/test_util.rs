@@ -130,7 +130,7 @@ impl TestPostgres {
                 .map_err(|source| Error::Unreachable {
                     backend: crate::Backend::Postgres,
                     url: redact(admin_url),
-                    source,
+                    source: source.into(),
                 })?;
         // The name is generated above from hex digits only, so it is safe as an
         // identifier; CREATE DATABASE takes no parameters.

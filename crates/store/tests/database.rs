@@ -427,3 +427,42 @@ async fn a_batch_whose_next_writer_went_away_is_still_committed() {
         assert_eq!(ids, ["first", "next"], "{}", t.label);
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_writer_that_stops_waiting_for_another_processs_lock_leaves_it_free() {
+    // B waits for the write lock that A (another "process") holds, and its caller gives
+    // up. When A commits, B's wait ends with nobody to take the transaction: it must be
+    // rolled back, or B's process holds SQLite's write lock for good and every other
+    // writer of the file times out.
+    let dir = tempfile::tempdir().unwrap();
+    let url = convene_store::sqlite_url(&dir.path().join("shared.db"));
+    let a = Database::connect(&url).await.unwrap();
+    let b = Database::connect(&url).await.unwrap();
+    let revoke = |id: &str| {
+        sql(
+            "INSERT INTO revocations (kind, target_id, reason, revoked_at) \
+             VALUES ('run', $1, 'r', 0)",
+        )
+        .bind(id)
+    };
+    let mut held = a.begin().await.unwrap();
+    held.execute(revoke("by-a")).await.unwrap();
+    let gave_up = tokio::time::timeout(Duration::from_millis(300), b.execute(revoke("by-b"))).await;
+    assert!(gave_up.is_err(), "B cannot write while A holds the lock");
+    held.commit().await.unwrap();
+    // B's wait ends within its busy handler's back-off (at most 100 ms a try).
+    tokio::time::sleep(Duration::from_millis(500)).await;
+
+    // A writes again: it must not wait out the busy timeout (30 s) on B's leftover.
+    let again = tokio::time::timeout(Duration::from_secs(10), a.execute(revoke("again")))
+        .await
+        .expect("the write lock is free again")
+        .unwrap();
+    assert_eq!(again, 1);
+    let rows = a
+        .fetch_all(sql("SELECT target_id FROM revocations ORDER BY target_id"))
+        .await
+        .unwrap();
+    let ids: Vec<String> = rows.iter().map(|r| r.get("target_id").unwrap()).collect();
+    assert_eq!(ids, ["again", "by-a"], "B's abandoned write left nothing");
+}
