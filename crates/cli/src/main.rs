@@ -11,6 +11,11 @@ use convene_proto::v1;
 use convene_server::cli::{LogFormat, ServiceArgs};
 use convene_server::{Shutdown, dump};
 
+/// Allocation-heavy request handling on many threads: mimalloc costs far less CPU per
+/// allocation than the system allocator here.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// convene: a control plane for supervised multi-agent work.
 ///
 /// Start everything in one process with `convene up`, then submit a run from another

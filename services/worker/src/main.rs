@@ -12,6 +12,11 @@ use convene_server::{Shutdown, dump};
 use convene_worker::Config;
 use convene_worker::config::{DEFAULT_DATA_DIR, DEFAULT_TOOLS_DATA_DIR};
 
+/// Allocation-heavy request handling on many threads: mimalloc costs far less CPU per
+/// allocation than the system allocator here.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// A convene worker: serves worker profiles (logs, metrics, change-audit specialists)
 /// and runs the delegations the supervisor sends it. Every tool call is authorized by
 /// the policy service and its output stored as evidence in the evidence store.
