@@ -13,12 +13,19 @@
 //! PostgreSQL transactions sit idle for longer than the lease, so a replica that stalls
 //! mid-write never holds the other replicas up for longer than its runs stay its own.
 //!
+//! A commit needs the run as it was last committed, to know which delegations changed
+//! state and which decisions are new. The store remembers that much of each unfinished
+//! run it committed itself ([`Last`]), so a commit is one conditional `UPDATE` plus the
+//! appends; only a run it has not committed yet (or whose remembered version is not
+//! the one being replaced) is read first. The `UPDATE` checks the version and the lease
+//! either way, so a stale memory can only cost a refused commit, never a wrong one.
+//!
 //! Subscribers hear of commits made through this store at once; a background poll of
 //! the event tables every [`POLL_INTERVAL`] tells them about commits of other processes
 //! sharing the database (other supervisor replicas).
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
@@ -38,6 +45,11 @@ pub const POLL_INTERVAL: Duration = Duration::from_millis(150);
 /// Rows one poll reads at most; the rest wait for the next one.
 const POLL_BATCH: i64 = 1000;
 
+/// Unfinished runs whose [`Last`] a store remembers at most; past that it forgets them
+/// all (their next commits read the run first), so runs abandoned mid-way (a lost
+/// lease) cannot grow it without bound.
+const REMEMBERED_RUNS: usize = 200_000;
+
 /// The advisory lock that orders writers on PostgreSQL ("convene" in ASCII).
 const APPEND_LOCK: i64 = 0x0063_6f6e_7665_6e65;
 
@@ -54,6 +66,33 @@ pub struct SqlRunStore {
     /// Runs this store creates are leased to this replica, for this long.
     creator: Option<(String, Duration)>,
     poller: tokio::task::JoinHandle<()>,
+    /// What the next commit of each unfinished run needs of its last commit through
+    /// this store.
+    last: Mutex<HashMap<String, Last>>,
+}
+
+/// Of a run as committed: what the next commit compares against.
+#[derive(Debug, Clone)]
+struct Last {
+    version: u64,
+    /// Each delegation's state, by delegation id.
+    states: HashMap<String, i32>,
+    /// The latest join decision revision (0: none).
+    revision: u32,
+}
+
+impl Last {
+    fn of(run: &v1::Run) -> Self {
+        Self {
+            version: run.version,
+            states: run
+                .delegations
+                .iter()
+                .filter_map(|d| Some((d.task.as_ref()?.delegation_id.clone(), d.state)))
+                .collect(),
+            revision: latest_revision(run),
+        }
+    }
 }
 
 impl std::fmt::Debug for SqlRunStore {
@@ -109,6 +148,7 @@ impl SqlRunStore {
             notify,
             creator: None,
             poller,
+            last: Mutex::new(HashMap::new()),
         })
     }
 
@@ -210,6 +250,55 @@ impl SqlRunStore {
             }
         }
         Ok(tx)
+    }
+
+    /// Remembers `run` as committed (forgets it once finished).
+    fn remember(&self, run: &v1::Run) {
+        let mut last = self.last.lock().unwrap_or_else(PoisonError::into_inner);
+        if is_terminal(run.state) {
+            last.remove(&run.run_id);
+            return;
+        }
+        if last.len() >= REMEMBERED_RUNS {
+            last.clear();
+        }
+        last.insert(run.run_id.clone(), Last::of(run));
+    }
+
+    /// Takes what is remembered of `run_id`, if it is the commit of `version`.
+    fn recall(&self, run_id: &str, version: u64) -> Option<Last> {
+        self.last
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(run_id)
+            .filter(|l| l.version == version)
+    }
+
+    /// Why the commit of `run` over `expected` may not go ahead, from the stored row:
+    /// no such run, another version, or another replica's lease.
+    fn refusal(&self, row: Option<&Row>, run: &v1::Run, expected: u64) -> Result<(), StoreError> {
+        let row = row.ok_or_else(|| StoreError::NotFound(run.run_id.clone()))?;
+        let found = row.get_u64("version")?;
+        if found != expected {
+            return Err(StoreError::Conflict {
+                run_id: run.run_id.clone(),
+                expected,
+                found,
+            });
+        }
+        // Lease fencing: once another replica claimed the run, this one never writes it
+        // again, even where its version still matches. A lease that merely expired with
+        // nobody claiming it still names this replica, which may go on.
+        if let Some((me, _)) = &self.creator {
+            let holder: Option<String> = row.get("owner")?;
+            if let Some(holder) = holder.filter(|h| h != me) {
+                return Err(StoreError::LeaseLost {
+                    run_id: run.run_id.clone(),
+                    owner: holder,
+                });
+            }
+        }
+        Ok(())
     }
 
     fn announce(&self, run_id: &str, events: &Events) {
@@ -341,23 +430,16 @@ fn ts_micros(ts: Option<&prost_types::Timestamp>) -> i64 {
 async fn append(
     tx: &mut Tx,
     run: &v1::Run,
-    before: Option<&v1::Run>,
+    before: Option<&Last>,
     events: &Events,
 ) -> Result<(), StoreError> {
-    let previous: HashMap<&str, i32> = before
-        .map(|b| {
-            b.delegations
-                .iter()
-                .filter_map(|d| Some((d.task.as_ref()?.delegation_id.as_str(), d.state)))
-                .collect()
-        })
-        .unwrap_or_default();
+    let previous = before.map(|b| &b.states);
     let updated_at = ts_micros(run.updated_at.as_ref());
     for d in &run.delegations {
         let Some(task) = d.task.as_ref() else {
             continue;
         };
-        if previous.get(task.delegation_id.as_str()) == Some(&d.state) {
+        if previous.and_then(|p| p.get(&task.delegation_id)) == Some(&d.state) {
             continue;
         }
         tx.execute(
@@ -379,7 +461,7 @@ async fn append(
         .await?;
     }
 
-    let decided_before = before.map_or(0, latest_revision);
+    let decided_before = before.map_or(0, |b| b.revision);
     let mut revisions: BTreeMap<u32, &v1::JoinDecision> = run
         .revisions
         .iter()
@@ -512,12 +594,14 @@ impl RunStore for SqlRunStore {
         .await?;
         append(&mut tx, run, None, events).await?;
         tx.commit().await?;
+        self.remember(run);
         self.announce(&run.run_id, events);
         Ok(Created::New)
     }
 
     async fn commit(&self, run: &v1::Run, events: &Events) -> Result<(), StoreError> {
         let expected = run.version.saturating_sub(1);
+        let remembered = self.recall(&run.run_id, expected);
         let mut tx = self.begin(true).await?;
         let read = match tx.backend() {
             Backend::Sqlite => sql("SELECT version, owner, body FROM runs WHERE run_id = $1"),
@@ -525,58 +609,60 @@ impl RunStore for SqlRunStore {
                 sql("SELECT version, owner, body FROM runs WHERE run_id = $1 FOR UPDATE")
             }
         };
-        let row = tx
-            .fetch_optional(read.bind(&run.run_id))
-            .await?
-            .ok_or_else(|| StoreError::NotFound(run.run_id.clone()))?;
-        let found = row.get_u64("version")?;
-        if found != expected {
-            return Err(StoreError::Conflict {
-                run_id: run.run_id.clone(),
-                expected,
-                found,
-            });
-        }
-        // Lease fencing: once another replica claimed the run, this one never writes it
-        // again, even where its version still matches. A lease that merely expired with
-        // nobody claiming it still names this replica, which may go on.
-        if let Some((me, _)) = &self.creator {
-            let holder: Option<String> = row.get("owner")?;
-            if let Some(holder) = holder.filter(|h| h != me) {
-                return Err(StoreError::LeaseLost {
-                    run_id: run.run_id.clone(),
-                    owner: holder,
-                });
+        let before = match remembered {
+            Some(last) => last,
+            None => {
+                let row = tx.fetch_optional(read.clone().bind(&run.run_id)).await?;
+                self.refusal(row.as_ref(), run, expected)?;
+                let stored: v1::Run = decode(row.as_ref().expect("checked above"), "runs")?;
+                Last::of(&stored)
             }
-        }
-        let before: v1::Run = decode(&row, "runs")?;
-        let updated = tx
-            .execute(
-                sql(
-                    "UPDATE runs SET state = $3, terminal = $4, version = $5, updated_at = $6, \
-                     trace_id = $7, body = $8 WHERE run_id = $1 AND version = $2",
-                )
-                .bind(&run.run_id)
-                .bind(expected)
-                .bind(run.state)
-                .bind(is_terminal(run.state))
-                .bind(run.version)
-                .bind(ts_micros(run.updated_at.as_ref()))
-                .bind(&run.trace_id)
-                .bind(run.encode_to_vec()),
+        };
+        // The version and lease checks again, in the write itself: they hold for the row
+        // as it is now (SQLite has one writer; PostgreSQL locks the row it updates).
+        let update = match &self.creator {
+            Some((me, _)) => sql(
+                "UPDATE runs SET state = $3, terminal = $4, version = $5, updated_at = $6, \
+                 trace_id = $7, body = $8 \
+                 WHERE run_id = $1 AND version = $2 AND (owner IS NULL OR owner = $9)",
             )
-            .await?;
-        if updated != 1 {
+            .bind(&run.run_id)
+            .bind(expected)
+            .bind(run.state)
+            .bind(is_terminal(run.state))
+            .bind(run.version)
+            .bind(ts_micros(run.updated_at.as_ref()))
+            .bind(&run.trace_id)
+            .bind(run.encode_to_vec())
+            .bind(me),
+            None => sql(
+                "UPDATE runs SET state = $3, terminal = $4, version = $5, updated_at = $6, \
+                 trace_id = $7, body = $8 WHERE run_id = $1 AND version = $2",
+            )
+            .bind(&run.run_id)
+            .bind(expected)
+            .bind(run.state)
+            .bind(is_terminal(run.state))
+            .bind(run.version)
+            .bind(ts_micros(run.updated_at.as_ref()))
+            .bind(&run.trace_id)
+            .bind(run.encode_to_vec()),
+        };
+        if tx.execute(update).await? != 1 {
+            // Changed since this store last committed it: say how.
+            let row = tx.fetch_optional(read.bind(&run.run_id)).await?;
+            self.refusal(row.as_ref(), run, expected)?;
             // The row is locked (or the database has one writer), so this is a bug
             // elsewhere; refuse rather than commit half a change.
             return Err(StoreError::Conflict {
                 run_id: run.run_id.clone(),
                 expected,
-                found,
+                found: expected,
             });
         }
         append(&mut tx, run, Some(&before), events).await?;
         tx.commit().await?;
+        self.remember(run);
         self.announce(&run.run_id, events);
         Ok(())
     }

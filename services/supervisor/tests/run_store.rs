@@ -589,6 +589,78 @@ async fn runs_created_by_an_owner_are_leased_to_it() {
 }
 
 #[tokio::test]
+async fn a_replica_whose_run_was_taken_over_can_no_longer_commit_it() {
+    for t in test_databases().await {
+        // A creates the run and commits it (so it remembers it); its lease runs out, B
+        // claims the run and commits it. A's next commit must be refused: the write
+        // itself checks lease and version, whatever A remembers.
+        let a = SqlRunStore::open(t.db.clone())
+            .await
+            .unwrap()
+            .with_owner("replica-a", Duration::from_millis(200));
+        let b = SqlRunStore::open(t.db.clone())
+            .await
+            .unwrap()
+            .with_owner("replica-b", Duration::from_secs(3600));
+        let run = new_run("acme");
+        create(&a, &run).await;
+        let v2 = next(&run, v1::RunState::Running);
+        a.commit(&v2, &events(&v2, 2, "running")).await.unwrap();
+
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let claimed = b
+            .claim_runs("replica-b", Duration::from_secs(3600), 10)
+            .await
+            .unwrap();
+        assert_eq!(claimed.len(), 1, "{}", t.label);
+        assert_eq!(claimed[0].version, 2, "{}", t.label);
+
+        // Same version as B has: refused for the lease.
+        let a3 = next(&v2, v1::RunState::Cancelled);
+        let err = a
+            .commit(&a3, &events(&a3, 3, "cancelled"))
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&err, StoreError::LeaseLost { owner, .. } if owner == "replica-b"),
+            "{}: {err}",
+            t.label
+        );
+        // B goes on from what it read; A, now behind, is refused for the version.
+        let b3 = next(&claimed[0], v1::RunState::Succeeded);
+        b.commit(&b3, &events(&b3, 3, "succeeded")).await.unwrap();
+        let a4 = next(&a3, v1::RunState::Cancelled);
+        let err = a
+            .commit(&a4, &events(&a4, 4, "cancelled"))
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(
+                &err,
+                StoreError::Conflict { found: 3, .. } | StoreError::LeaseLost { .. }
+            ),
+            "{}: {err}",
+            t.label
+        );
+        let stored = a.get(&run.run_id).await.unwrap().unwrap();
+        assert_eq!(stored.state, v1::RunState::Succeeded as i32, "{}", t.label);
+        assert_eq!(stored.version, 3, "{}", t.label);
+        let ledger_versions: BTreeSet<u64> = a
+            .ledger(&run.run_id)
+            .await
+            .unwrap()
+            .iter()
+            .map(|e| e.run_version)
+            .collect();
+        assert!(
+            ledger_versions.iter().all(|v| *v <= 3),
+            "{}: refused commits left ledger rows: {ledger_versions:?}",
+            t.label
+        );
+    }
+}
+
+#[tokio::test]
 async fn the_ledger_records_every_delegation_transition_and_every_decision() {
     for t in test_databases().await {
         let store = SqlRunStore::open(t.db.clone()).await.unwrap();
