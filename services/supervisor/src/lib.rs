@@ -27,6 +27,7 @@ mod service;
 pub mod sql;
 pub mod store;
 mod trace;
+mod watchers;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;

@@ -18,6 +18,7 @@ use tonic::{Request, Response, Status};
 use crate::plan::{self, Placement};
 use crate::run::{Msg, RunActor};
 use crate::store::{Created, Events, IdempotencyKey, StoreError, is_terminal};
+use crate::watchers::RunWatchers;
 use crate::{Deps, events, trace};
 
 /// The Supervisor service (also its own in-process handle).
@@ -26,6 +27,7 @@ pub struct SupervisorService {
     deps: Arc<Deps>,
     auth: Authenticator,
     shutdown: Shutdown,
+    watchers: Arc<RunWatchers>,
 }
 
 impl std::fmt::Debug for SupervisorService {
@@ -47,6 +49,7 @@ fn store_status(e: StoreError) -> Status {
 impl SupervisorService {
     pub(crate) fn new(deps: Arc<Deps>, auth: Authenticator, shutdown: Shutdown) -> Self {
         Self {
+            watchers: Arc::new(RunWatchers::new(deps.store.clone())),
             deps,
             auth,
             shutdown,
@@ -388,8 +391,9 @@ impl Supervisor for SupervisorService {
         let shutdown = self.shutdown.clone();
         let (tx, rx) = mpsc::channel(64);
         // Subscribe before reading the backlog so nothing committed in between is missed.
-        let mut notes = store.subscribe();
+        let mut watch = self.watchers.watch(&run.run_id);
         tokio::spawn(async move {
+            let mut lost = watch.receiver().borrow_and_update().lost;
             let mut last = req.after_sequence;
             let mut done = false;
             loop {
@@ -415,15 +419,20 @@ impl Supervisor for SupervisorService {
                 if done {
                     return;
                 }
-                // Read the store again only for a commit of this run past `last`: other
-                // runs' commits would cost every watcher a query each.
+                // Read the store again only for a commit of this run past `last` (or
+                // after notes were lost).
                 loop {
                     tokio::select! {
-                        note = notes.recv() => match note {
-                            Ok(c) if c.run_id != run.run_id || c.last_sequence <= last => {}
-                            Ok(_) | Err(broadcast::error::RecvError::Lagged(_)) => break,
-                            Err(broadcast::error::RecvError::Closed) => return,
-                        },
+                        changed = watch.receiver().changed() => {
+                            if changed.is_err() {
+                                return;
+                            }
+                            let note = *watch.receiver().borrow_and_update();
+                            if note.sequence > last || note.lost != lost {
+                                lost = note.lost;
+                                break;
+                            }
+                        }
                         () = shutdown.wait() => {
                             let _ = tx.send(Err(Status::unavailable("the supervisor is shutting down; watch again after it is back"))).await;
                             return;

@@ -226,6 +226,14 @@ pub struct MemoryStore {
     creator: Option<(String, Duration)>,
 }
 
+impl MemoryStore {
+    /// Sends `note` to subscribers as if a commit had made it.
+    #[cfg(test)]
+    pub(crate) fn announce_for_test(&self, note: Committed) {
+        let _ = self.notify.send(note);
+    }
+}
+
 impl Default for MemoryStore {
     fn default() -> Self {
         Self {
