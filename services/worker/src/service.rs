@@ -421,14 +421,18 @@ impl WorkerService {
     fn finish(&self, id: &str, attempt: u32, result: &v1::TaskResult) {
         let mut tasks = lock(&self.inner.tasks);
         tasks.running.remove(id);
-        tasks.done.insert(
+        let replaced = tasks.done.insert(
             id.to_owned(),
             Done {
                 result: result.clone(),
                 attempt,
             },
         );
-        tasks.order.retain(|d| d != id);
+        // `order` holds exactly the keys of `done`: only a replaced result has an entry
+        // to move (searching it for every result cost a string compare per cached one).
+        if replaced.is_some() {
+            tasks.order.retain(|d| d != id);
+        }
         tasks.order.push_back(id.to_owned());
         while tasks.order.len() > RESULT_CACHE {
             if let Some(old) = tasks.order.pop_front() {
