@@ -95,6 +95,10 @@ pub const REFLECTION_SERVICES: [&str; 2] = [
 /// answers to be written and the connections to close before `serve` returns anyway.
 const CUT_OFF_FLUSH: Duration = Duration::from_secs(1);
 
+/// The HTTP/2 connection window a server grants each client (bytes in flight over a
+/// connection that it has not read yet).
+const CONNECTION_WINDOW: u32 = 32 << 20;
+
 /// Why a server could not start or stopped with an error.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -330,6 +334,13 @@ impl GrpcServer {
 
         tracing::info!(%local_addr, services = ?self.names, "gRPC server listening");
         let server = Server::builder()
+            // h2 hangs up (GOAWAY ENHANCE_YOUR_CALM "too_many_data_frames") on a client
+            // whose small DATA frames not yet read by the server exceed a budget of half
+            // the connection window. A burst of thousands of small calls queued behind
+            // busy handlers (10,000 runs finishing at once) exceeded the default, and the
+            // GOAWAY failed every call on the connection. A larger window raises the
+            // budget; callers here are the mesh's own services.
+            .initial_connection_window_size(Some(CONNECTION_WINDOW))
             .add_routes(routes.routes())
             .serve_with_incoming_shutdown(incoming, begin_drain);
         let mut server = std::pin::pin!(server);
