@@ -166,6 +166,14 @@ impl Database {
                     url: shown.clone(),
                     source: source.into(),
                 })?;
+            sqlx::migrate!("./migrations/postgres")
+                .run(&pool)
+                .await
+                .map_err(|source| Error::Migration {
+                    backend: Backend::Postgres,
+                    url: shown.clone(),
+                    source,
+                })?;
             Self::new(Pool::Postgres(pool), &shown)
         } else {
             let options = sqlite_options(url).map_err(bad)?;
@@ -193,16 +201,6 @@ impl Database {
                 })?;
             Self::new(Pool::Sqlite(Arc::new(sqlite)), &shown)
         };
-        if let Pool::Postgres(pool) = &db.pool {
-            sqlx::migrate!("./migrations/postgres")
-                .run(pool)
-                .await
-                .map_err(|source| Error::Migration {
-                    backend: Backend::Postgres,
-                    url: shown.clone(),
-                    source,
-                })?;
-        }
         tracing::debug!(backend = %db.backend(), url = %db.shown, "database open and migrated");
         Ok(db)
     }

@@ -120,38 +120,17 @@ impl Sqlite {
     /// one may be open at a time: callers hold [`crate::group`]'s turn.
     pub(crate) async fn begin(&self) -> Result<WriterTx, Error> {
         self.check_open()?;
-        let begun = {
-            let mut guard = lock(&self.writer);
-            let conn = guard.as_mut().ok_or(Error::Closed)?;
-            if !conn.is_autocommit() {
-                // Left open by a begin whose writer went away before it returned: it
-                // holds nothing of anyone's.
-                conn.execute_batch("ROLLBACK")?;
-            }
-            // Try without waiting: in one process the lock is free (writers take turns).
-            conn.busy_timeout(Duration::ZERO)?;
-            let begun = conn.execute_batch("BEGIN IMMEDIATE");
-            conn.busy_timeout(BUSY_TIMEOUT)?;
-            begun
-        };
-        match begun {
+        // Try without waiting: in one process the lock is free (writers take turns).
+        match begin_immediate(&self.writer, Duration::ZERO) {
             Ok(()) => {}
-            Err(e) if e.sqlite_error_code() == Some(ErrorCode::DatabaseBusy) => {
+            Err(Error::Sqlite(e)) if e.sqlite_error_code() == Some(ErrorCode::DatabaseBusy) => {
                 // Another process writes: wait for it on a blocking thread.
                 let writer = self.writer.clone();
-                tokio::task::spawn_blocking(move || {
-                    let mut guard = lock(&writer);
-                    let conn = guard.as_mut().ok_or(Error::Closed)?;
-                    if !conn.is_autocommit() {
-                        conn.execute_batch("ROLLBACK")?;
-                    }
-                    conn.execute_batch("BEGIN IMMEDIATE")?;
-                    Ok::<_, Error>(())
-                })
-                .await
-                .map_err(|e| Error::Commit(format!("taking the write lock failed: {e}")))??;
+                tokio::task::spawn_blocking(move || begin_immediate(&writer, BUSY_TIMEOUT))
+                    .await
+                    .map_err(|e| Error::Commit(format!("taking the write lock failed: {e}")))??;
             }
-            Err(e) => return Err(e.into()),
+            Err(e) => return Err(e),
         }
         Ok(WriterTx {
             writer: self.writer.clone(),
@@ -189,6 +168,21 @@ impl Sqlite {
             let _ = conn.execute_batch("ROLLBACK");
         }
     }
+}
+
+/// `BEGIN IMMEDIATE` on the writer, waiting up to `wait` for another process's lock.
+fn begin_immediate(writer: &Mutex<Option<Connection>>, wait: Duration) -> Result<(), Error> {
+    let mut guard = lock(writer);
+    let conn = guard.as_mut().ok_or(Error::Closed)?;
+    if !conn.is_autocommit() {
+        // Left open by a begin whose writer went away before it returned: it holds
+        // nothing of anyone's.
+        conn.execute_batch("ROLLBACK")?;
+    }
+    conn.busy_timeout(wait)?;
+    let begun = conn.execute_batch("BEGIN IMMEDIATE");
+    conn.busy_timeout(BUSY_TIMEOUT)?;
+    Ok(begun?)
 }
 
 /// The open write transaction. Dropping it without [`commit`](Self::commit) rolls it

@@ -620,34 +620,28 @@ impl RunStore for SqlRunStore {
         };
         // The version and lease checks again, in the write itself: they hold for the row
         // as it is now (SQLite has one writer; PostgreSQL locks the row it updates).
-        let update = match &self.creator {
-            Some((me, _)) => sql(
-                "UPDATE runs SET state = $3, terminal = $4, version = $5, updated_at = $6, \
-                 trace_id = $7, body = $8 \
-                 WHERE run_id = $1 AND version = $2 AND (owner IS NULL OR owner = $9)",
-            )
-            .bind(&run.run_id)
-            .bind(expected)
-            .bind(run.state)
-            .bind(is_terminal(run.state))
-            .bind(run.version)
-            .bind(ts_micros(run.updated_at.as_ref()))
-            .bind(&run.trace_id)
-            .bind(run.encode_to_vec())
-            .bind(me),
-            None => sql(
-                "UPDATE runs SET state = $3, terminal = $4, version = $5, updated_at = $6, \
-                 trace_id = $7, body = $8 WHERE run_id = $1 AND version = $2",
-            )
-            .bind(&run.run_id)
-            .bind(expected)
-            .bind(run.state)
-            .bind(is_terminal(run.state))
-            .bind(run.version)
-            .bind(ts_micros(run.updated_at.as_ref()))
-            .bind(&run.trace_id)
-            .bind(run.encode_to_vec()),
+        // With leases, a run another replica claimed is not this one's to write.
+        let fenced = self.creator.as_ref().map(|(me, _)| me);
+        let text = if fenced.is_some() {
+            "UPDATE runs SET state = $3, terminal = $4, version = $5, updated_at = $6, \
+             trace_id = $7, body = $8 \
+             WHERE run_id = $1 AND version = $2 AND (owner IS NULL OR owner = $9)"
+        } else {
+            "UPDATE runs SET state = $3, terminal = $4, version = $5, updated_at = $6, \
+             trace_id = $7, body = $8 WHERE run_id = $1 AND version = $2"
         };
+        let mut update = sql(text)
+            .bind(&run.run_id)
+            .bind(expected)
+            .bind(run.state)
+            .bind(is_terminal(run.state))
+            .bind(run.version)
+            .bind(ts_micros(run.updated_at.as_ref()))
+            .bind(&run.trace_id)
+            .bind(run.encode_to_vec());
+        if let Some(me) = fenced {
+            update = update.bind(me);
+        }
         if tx.execute(update).await? != 1 {
             // Changed since this store last committed it: say how.
             let row = tx.fetch_optional(read.bind(&run.run_id)).await?;
