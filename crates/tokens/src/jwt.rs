@@ -1,5 +1,5 @@
 //! Signing and verifying task tokens: JWTs signed with EdDSA over Ed25519 (RFC 8037),
-//! encoded, signed and checked by `jsonwebtoken`.
+//! checked by `jsonwebtoken`.
 //!
 //! Only one algorithm exists here, so the verifier refuses every other `alg` before it
 //! looks at a key: there is no way to make it check an HMAC with a public key or accept
@@ -8,15 +8,17 @@
 //! [`Claims::check_audience`]), so callers and tests decide the clock and every refusal
 //! names its exact reason.
 
+use std::collections::HashMap;
+use std::sync::{LazyLock, Mutex, PoisonError};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use base64::Engine;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use convene_proto::v1;
+use ed25519_dalek::Signer as _;
 use ed25519_dalek::VerifyingKey;
-use ed25519_dalek::pkcs8::{EncodePrivateKey, KeypairBytes};
 use jsonwebtoken::errors::ErrorKind;
-use jsonwebtoken::{Algorithm, DecodingKey, EncodingKey, Header, Validation};
+use jsonwebtoken::{Algorithm, DecodingKey, Header, Validation};
 use serde::Deserialize;
 
 use crate::keys::{ALG, CRV, KTY, USE, thumbprint};
@@ -33,35 +35,31 @@ const MAX_HEADER_LEN: usize = 640;
 const SIGNATURE_B64_LEN: usize = 86;
 
 /// Signs task tokens with one key.
+///
+/// The token is the compact JWS `jsonwebtoken::encode` makes (the same header and claims
+/// JSON, base64url without padding), signed with the Ed25519 key directly: its encoder
+/// rebuilds the key from the seed for every token, deriving the public key each time,
+/// which cost as much as the signature itself.
 #[derive(Debug, Clone)]
 pub struct Signer {
     key: SigningKey,
-    /// The key as `jsonwebtoken` takes it, built once rather than per token.
-    encoding_key: EncodingKey,
-    /// `alg` EdDSA, `typ` JWT and the key's `kid`: the same for every token.
-    header: Header,
+    /// The encoded header, `alg` EdDSA, `typ` JWT and the key's `kid`: the same for
+    /// every token.
+    header: Box<str>,
+    public: [u8; 32],
 }
 
 impl Signer {
     /// A signer for `key`; tokens name its kid in the header.
     pub fn new(key: SigningKey) -> Self {
-        // jsonwebtoken's Ed25519 signing key is a PKCS#8 document. Only the seed goes in:
-        // it derives the public key from the seed anyway, and a document that also
-        // carried the public key would be decompressed and compared on every signature.
-        let pkcs8 = KeypairBytes {
-            secret_key: key.dalek().to_bytes(),
-            public_key: None,
-        }
-        .to_pkcs8_der()
-        .expect("a 32-byte Ed25519 seed always encodes as PKCS#8");
-        let encoding_key = EncodingKey::from_ed_der(pkcs8.as_bytes());
         let mut header = Header::new(Algorithm::EdDSA);
         header.typ = Some("JWT".to_owned());
         header.kid = Some(key.kid().to_owned());
+        let json = serde_json::to_vec(&header).expect("a JWT header always encodes as JSON");
         Self {
+            public: key.verifying_key().to_bytes(),
+            header: URL_SAFE_NO_PAD.encode(json).into(),
             key,
-            encoding_key,
-            header,
         }
     }
 
@@ -76,8 +74,22 @@ impl Signer {
     }
 
     /// The compact JWS of `claims`: `header.payload.signature`.
+    ///
+    /// The token is remembered as verified for every [`Verifier`] of this process that
+    /// trusts this key (see [`Verifier::verify`]): presenting it later costs no signature
+    /// check.
     pub fn sign(&self, claims: &Claims) -> Result<String, Error> {
-        jsonwebtoken::encode(&self.header, claims, &self.encoding_key).map_err(Error::Sign)
+        let payload = serde_json::to_vec(claims)
+            .map_err(|e| Error::Sign(jsonwebtoken::errors::Error::from(e)))?;
+        let mut token = String::with_capacity(self.header.len() + payload.len() * 4 / 3 + 90);
+        token.push_str(&self.header);
+        token.push('.');
+        URL_SAFE_NO_PAD.encode_string(&payload, &mut token);
+        let signature = self.key.dalek().sign(token.as_bytes());
+        token.push('.');
+        URL_SAFE_NO_PAD.encode_string(signature.to_bytes(), &mut token);
+        VERIFIED.insert(&token, claims, self.key.kid(), self.public);
+        Ok(token)
     }
 }
 
@@ -90,11 +102,6 @@ pub struct Verifier {
     /// Few keys (one or two, three during a rotation overlap), so a linear scan beats a
     /// hash map. Each is parsed and checked once here rather than per token.
     keys: Vec<TrustedKey>,
-    /// Tokens whose structure and signature were already checked with these keys, with
-    /// their claims. A task token is presented many times (every tool call, every
-    /// evidence write); its bytes cannot change without failing the lookup, so only the
-    /// time checks are repeated. Shared by clones; rebuilt with the keys.
-    verified: std::sync::Arc<VerifiedTokens>,
     /// What `jsonwebtoken` checks: EdDSA only, and none of its own time, audience or
     /// required-claim rules (see [`Verifier::verify`] for why).
     validation: Validation,
@@ -140,7 +147,6 @@ impl Verifier {
         validation.leeway = 0;
         Self {
             keys,
-            verified: std::sync::Arc::default(),
             validation,
             leeway: Duration::ZERO,
         }
@@ -242,12 +248,24 @@ impl Verifier {
     /// `jsonwebtoken` reads the header and checks the signature; its own time checks
     /// are off because they read the system clock, round `now` to whole seconds and
     /// treat the `exp` second itself as still valid.
+    ///
+    /// A task token is presented many times (every tool call, every evidence write), to
+    /// several services, which in one process share what was checked: the process keeps
+    /// the claims of every token it verified or signed ([`Signer::sign`]), with the key
+    /// (kid and public key) whose signature holds. A verifier that trusts that very key
+    /// repeats only the time checks; the token's bytes cannot change without failing
+    /// the lookup, and a verifier that does not trust the key checks it in full.
     pub fn verify(&self, token: &str, now: SystemTime) -> Result<Claims, TokenError> {
-        let claims = match self.verified.get(token) {
+        let remembered = VERIFIED.get(token, |kid, public| {
+            self.keys
+                .iter()
+                .any(|k| *k.kid == *kid && k.public == *public)
+        });
+        let claims = match remembered {
             Some(claims) => claims,
             None => {
-                let claims = self.verify_signature(token)?;
-                self.verified.insert(token, &claims);
+                let (claims, key) = self.verify_signature(token)?;
+                VERIFIED.insert(token, &claims, &key.kid, key.public);
                 claims
             }
         };
@@ -265,15 +283,11 @@ impl Verifier {
         Ok(claims)
     }
 
-    /// Records a token this process signed itself with one of these keys (the issuer),
-    /// so presenting it later costs no signature check. Never call it with a token
-    /// received from elsewhere.
-    pub fn remember_signed(&self, token: &str, claims: &Claims) {
-        self.verified.insert(token, claims);
-    }
-
-    /// Everything but the time checks: structure, algorithm, key, signature, claims.
-    fn verify_signature(&self, token: &str) -> Result<Claims, TokenError> {
+    /// Everything but the time checks: structure, algorithm, key, signature, claims; the
+    /// claims and the key whose signature holds.
+    fn verify_signature(&self, token: &str) -> Result<(Claims, &TrustedKey), TokenError> {
+        #[cfg(test)]
+        cache_tests::FULL_CHECKS.with(|n| n.set(n.get() + 1));
         if token.len() > MAX_TOKEN_LEN {
             return Err(TokenError::malformed(format!(
                 "it is {} bytes long, more than the {MAX_TOKEN_LEN} bytes a task token can have",
@@ -360,15 +374,26 @@ impl Verifier {
             .find(|k| *k.kid == *kid)
             .ok_or_else(|| TokenError::UnknownKey { kid: kid.clone() })?;
         jsonwebtoken::decode::<Claims>(token, &key.decoding, &self.validation)
-            .map(|data| data.claims)
+            .map(|data| (data.claims, key))
             .map_err(|e| refused_token(e, kid))
     }
 }
 
-/// A bounded set of verified tokens (by their exact bytes) and their claims.
+/// The tokens this process verified or signed: see [`Verifier::verify`].
+static VERIFIED: LazyLock<VerifiedTokens> = LazyLock::new(VerifiedTokens::default);
+
+/// A bounded set of tokens (by their exact bytes) whose signature holds, with their
+/// claims and the key that signed them.
 #[derive(Debug, Default)]
 struct VerifiedTokens {
-    map: std::sync::Mutex<std::collections::HashMap<Box<str>, Claims>>,
+    map: Mutex<HashMap<Box<str>, Verified>>,
+}
+
+#[derive(Debug)]
+struct Verified {
+    claims: Claims,
+    kid: Box<str>,
+    public: [u8; 32],
 }
 
 impl VerifiedTokens {
@@ -376,23 +401,24 @@ impl VerifiedTokens {
     /// mostly expired anyway.
     const CAPACITY: usize = 16_384;
 
-    fn get(&self, token: &str) -> Option<Claims> {
-        self.map
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .get(token)
-            .cloned()
+    /// The claims of `token`, if it is here and `trusted` accepts the key that signed it.
+    fn get(&self, token: &str, trusted: impl Fn(&str, &[u8; 32]) -> bool) -> Option<Claims> {
+        let map = self.map.lock().unwrap_or_else(PoisonError::into_inner);
+        let entry = map.get(token)?;
+        trusted(&entry.kid, &entry.public).then(|| entry.claims.clone())
     }
 
-    fn insert(&self, token: &str, claims: &Claims) {
-        let mut map = self
-            .map
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
+    fn insert(&self, token: &str, claims: &Claims, kid: &str, public: [u8; 32]) {
+        let entry = Verified {
+            claims: claims.clone(),
+            kid: kid.into(),
+            public,
+        };
+        let mut map = self.map.lock().unwrap_or_else(PoisonError::into_inner);
         if map.len() >= Self::CAPACITY {
             map.clear();
         }
-        map.insert(token.into(), claims.clone());
+        map.insert(token.into(), entry);
     }
 }
 
@@ -520,6 +546,78 @@ mod cache_tests {
             Err(TokenError::UnknownKey { .. })
         ));
     }
+
+    thread_local! {
+        /// Full checks (structure and signature) made on this thread.
+        pub(super) static FULL_CHECKS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+    }
+
+    fn full_checks() -> usize {
+        FULL_CHECKS.with(std::cell::Cell::get)
+    }
+
+    #[test]
+    fn what_one_verifier_checked_serves_every_verifier_of_the_same_key_only() {
+        let key = SigningKey::generate().expect("key");
+        let now = 2_000_000_000;
+        let at = |s: u64| UNIX_EPOCH + Duration::from_secs(s);
+        // Signed elsewhere (not by a Signer of this process): the first verifier checks it.
+        let mut claims = claims(now);
+        claims.token_id = "shared".into();
+        let token = super::tests::forge_token(
+            &serde_json::json!({"alg": "EdDSA", "typ": "JWT", "kid": key.kid()}),
+            &claims,
+            &key,
+        );
+        let first = Verifier::from_signing_keys([&key]);
+        let before = full_checks();
+        assert_eq!(first.verify(&token, at(now + 1)).expect("valid"), claims);
+        assert_eq!(full_checks(), before + 1);
+        // Another verifier of the same key (another service of the process) does not
+        // check it again, and still applies its own time checks.
+        let second = Verifier::from_jwks(&[key.public_jwk()]).expect("jwks");
+        assert_eq!(second.verify(&token, at(now + 2)).expect("valid"), claims);
+        assert!(matches!(
+            second.verify(&token, at(now + 60)),
+            Err(TokenError::Expired { .. })
+        ));
+        assert_eq!(full_checks(), before + 1);
+        // A verifier trusting another key under the same kid checks it in full and
+        // refuses it: what was checked is bound to the key that checked it.
+        let impostor = SigningKey::generate().expect("key");
+        let mut jwk = impostor.public_jwk();
+        jwk.kid = key.kid().to_owned();
+        let third = Verifier::from_jwks(&[jwk]).expect("jwks");
+        assert!(matches!(
+            third.verify(&token, at(now + 1)),
+            Err(TokenError::BadSignature { .. })
+        ));
+        assert_eq!(full_checks(), before + 2);
+        // A token this process signs needs no check by any verifier of its key.
+        // The very token jsonwebtoken's encoder makes (Ed25519 signatures are
+        // deterministic).
+        let signed = Signer::new(key.clone()).sign(&claims).expect("signed");
+        let mut header = Header::new(Algorithm::EdDSA);
+        header.typ = Some("JWT".to_owned());
+        header.kid = Some(key.kid().to_owned());
+        let der = {
+            use ed25519_dalek::pkcs8::EncodePrivateKey as _;
+            key.dalek().to_pkcs8_der().expect("pkcs8")
+        };
+        let encoding = jsonwebtoken::EncodingKey::from_ed_der(der.as_bytes());
+        assert_eq!(
+            signed,
+            jsonwebtoken::encode(&header, &claims, &encoding).expect("encoded")
+        );
+        let mut other_claims = claims.clone();
+        other_claims.token_id = "fresh".into();
+        let fresh = Signer::new(key).sign(&other_claims).expect("signed");
+        assert_eq!(
+            first.verify(&fresh, at(now + 1)).expect("valid"),
+            other_claims
+        );
+        assert_eq!(full_checks(), before + 2);
+    }
 }
 
 #[cfg(test)]
@@ -538,6 +636,14 @@ mod tests {
     }
 
     /// A token with any header, signed by `key` whatever the header says.
+    pub(super) fn forge_token(
+        header: &serde_json::Value,
+        claims: &Claims,
+        key: &SigningKey,
+    ) -> String {
+        forge(header, claims, key)
+    }
+
     fn forge(header: &serde_json::Value, claims: &Claims, key: &SigningKey) -> String {
         let mut token = URL_SAFE_NO_PAD.encode(header.to_string());
         token.push('.');
@@ -989,7 +1095,9 @@ mod tests {
         let verifier = Verifier::from_jwks(&[key.public_jwk()]).unwrap();
         let claims = current_claims();
         // Encoded the way any jsonwebtoken user would: the key's own PKCS#8 document
-        // (with its public key, unlike the one `Signer` builds) and a default header.
+        // (with its public key) and a default header.
+        use ed25519_dalek::pkcs8::EncodePrivateKey as _;
+        use jsonwebtoken::EncodingKey;
         let der = key.dalek().to_pkcs8_der().unwrap();
         let encoding = EncodingKey::from_ed_der(der.as_bytes());
         let mut header = Header::new(Algorithm::EdDSA);

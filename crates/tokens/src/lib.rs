@@ -4,9 +4,9 @@
 //! token carrying them ([`Claims`]): tenant, run, delegation, profile, audience, scopes,
 //! tools, call limit, whether it may redelegate, and its validity window. The token is a
 //! JWT (compact JWS) signed with EdDSA over Ed25519, the signing key named by `kid` in the
-//! header. Encoding, signing and signature verification go through the `jsonwebtoken`
-//! crate (its RustCrypto backend), so any JWT library that takes an Ed25519 JWK can check
-//! our tokens; this crate adds what a task token needs on top: one algorithm only, keys
+//! header. Tokens are encoded exactly as the `jsonwebtoken` crate encodes them, signed with
+//! `ed25519-dalek`, and verified through `jsonwebtoken` (its RustCrypto backend), so any
+//! JWT library that takes an Ed25519 JWK can check our tokens; this crate adds what a task token needs on top: one algorithm only, keys
 //! chosen by `kid`, a validity window checked at an explicit `now`, and a precise reason
 //! for every refusal.
 //!
