@@ -232,6 +232,12 @@ impl Database {
         }
     }
 
+    /// Whether `other` is a handle on this very database (a clone of this handle), whose
+    /// writes can share this one's transactions.
+    pub fn same_as(&self, other: &Database) -> bool {
+        Arc::ptr_eq(&self.group, &other.group)
+    }
+
     /// Where the database is, with any password hidden.
     pub fn url(&self) -> &str {
         &self.shown

@@ -21,21 +21,76 @@ use crate::Error;
 use crate::decision_log::{AuthorizeRecord, LogEntry};
 use crate::issue::{describe, describe_data, list};
 use crate::service::Inner;
-use crate::state::{CallError, RevokeTarget};
+use crate::state::{Call, Counted, RevokeTarget};
 
 /// A decision before it is logged.
-struct Outcome {
-    /// The verified claims, when the token verified.
-    claims: Option<Claims>,
-    /// `Ok(calls used)` when allowed, else the reason and what would have to change.
-    verdict: Result<u32, (AuthorizeReason, String)>,
+enum Outcome {
+    /// Every check passed: the call is to be counted.
+    Pass(Claims),
+    /// Refused.
+    Deny {
+        /// The verified claims, when the token verified.
+        claims: Option<Claims>,
+        reason: AuthorizeReason,
+        /// What would have to change.
+        detail: String,
+    },
 }
 
 impl Outcome {
     fn deny(claims: Option<Claims>, reason: AuthorizeReason, detail: String) -> Self {
-        Self {
+        Self::Deny {
             claims,
-            verdict: Err((reason, detail)),
+            reason,
+            detail,
+        }
+    }
+
+    fn claims(&self) -> Option<&Claims> {
+        match self {
+            Outcome::Pass(claims) => Some(claims),
+            Outcome::Deny { claims, .. } => claims.as_ref(),
+        }
+    }
+}
+
+/// A decision as it is logged and answered.
+struct Verdict {
+    allowed: bool,
+    reason: AuthorizeReason,
+    detail: String,
+    calls_used: u32,
+}
+
+impl Verdict {
+    /// The decision on a call that passed every check, once counted.
+    fn of_count(
+        counted: Counted,
+        max_calls: u32,
+        request: &v1::AuthorizeRequest,
+        tool: Option<&Tool>,
+    ) -> Self {
+        match counted {
+            Counted::Allowed { used } => Verdict {
+                allowed: true,
+                reason: AuthorizeReason::Allowed,
+                detail: format!(
+                    "allowed: `{}` on `{}` with tool `{}` (call {used} of {max_calls})",
+                    effective_action(request, tool),
+                    request.resource,
+                    request.tool
+                ),
+                calls_used: used,
+            },
+            Counted::LimitExceeded { used, max } => Verdict {
+                allowed: false,
+                reason: AuthorizeReason::CallLimitExceeded,
+                detail: format!(
+                    "the token's {max} authorized calls are used up (max_calls); ask the \
+                     supervisor for a new task token"
+                ),
+                calls_used: used,
+            },
         }
     }
 }
@@ -51,51 +106,77 @@ impl Inner {
         let tool = self.policy.tools.get(&request.tool);
         let outcome = self.decide(request, tool, &data, now).await?;
 
-        let (allowed, reason, detail, calls_used) = match outcome.verdict {
-            Ok(used) => {
-                let max = outcome.claims.as_ref().map_or(0, |c| c.max_calls);
-                let detail = format!(
-                    "allowed: `{}` on `{}` with tool `{}` (call {used} of {max})",
-                    effective_action(request, tool),
-                    request.resource,
-                    request.tool
-                );
-                (true, AuthorizeReason::Allowed, detail, used)
+        let decision_id = uuid::Uuid::now_v7().to_string();
+        let time = humantime::format_rfc3339_millis(now).to_string();
+        let claims = outcome.claims();
+        let field = |f: fn(&Claims) -> &String| claims.map(f).cloned().unwrap_or_default();
+        let record = |verdict: &Verdict| {
+            LogEntry::Authorize(AuthorizeRecord {
+                decision_id: decision_id.clone(),
+                time: time.clone(),
+                token_id: field(|c| &c.token_id),
+                run_id: field(|c| &c.run_id),
+                delegation_id: field(|c| &c.delegation_id),
+                tenant: field(|c| &c.tenant),
+                principal: field(|c| &c.subject),
+                profile_id: field(|c| &c.profile_id),
+                audience: request.audience.clone(),
+                tool: request.tool.clone(),
+                action: request.action.clone(),
+                resource: request.resource.clone(),
+                tool_call_id: request.tool_call_id.clone(),
+                allowed: verdict.allowed,
+                reason: verdict.reason.as_str_name().to_owned(),
+                detail: verdict.detail.clone(),
+                calls_used: verdict.calls_used,
+            })
+        };
+
+        // A decision is answered only once it is logged: an allow that the log lost would
+        // be a tool call nobody can account for.
+        let verdict = match &outcome {
+            Outcome::Pass(claims) => {
+                // The last step: count the call, and log the decision with the count (in
+                // one transaction when the log is in the state's database).
+                let call = Call {
+                    token_id: &claims.token_id,
+                    max_calls: claims.max_calls,
+                    expires_at: claims.expiry().unwrap_or(now),
+                    now,
+                };
+                let verdict_of =
+                    |counted| Verdict::of_count(counted, claims.max_calls, request, tool);
+                let counted = self
+                    .state
+                    .record_call_logged(call, &*self.log, &|counted| record(&verdict_of(counted)))
+                    .await?;
+                verdict_of(counted)
             }
-            Err((reason, detail)) => {
-                let used = match &outcome.claims {
+            Outcome::Deny {
+                claims,
+                reason,
+                detail,
+            } => {
+                let calls_used = match claims {
                     Some(c) => self.state.calls_used(&c.token_id).await?,
                     None => 0,
                 };
-                (false, reason, detail, used)
+                let verdict = Verdict {
+                    allowed: false,
+                    reason: *reason,
+                    detail: detail.clone(),
+                    calls_used,
+                };
+                self.log.append(record(&verdict)).await?;
+                verdict
             }
         };
-
-        let decision_id = uuid::Uuid::now_v7().to_string();
-        let claims = outcome.claims.as_ref();
-        let field = |f: fn(&Claims) -> &String| claims.map(f).cloned().unwrap_or_default();
-        let record = AuthorizeRecord {
-            decision_id: decision_id.clone(),
-            time: humantime::format_rfc3339_millis(now).to_string(),
-            token_id: field(|c| &c.token_id),
-            run_id: field(|c| &c.run_id),
-            delegation_id: field(|c| &c.delegation_id),
-            tenant: field(|c| &c.tenant),
-            principal: field(|c| &c.subject),
-            profile_id: field(|c| &c.profile_id),
-            audience: request.audience.clone(),
-            tool: request.tool.clone(),
-            action: request.action.clone(),
-            resource: request.resource.clone(),
-            tool_call_id: request.tool_call_id.clone(),
+        let Verdict {
             allowed,
-            reason: reason.as_str_name().to_owned(),
-            detail: detail.clone(),
+            reason,
+            detail,
             calls_used,
-        };
-        // A decision is answered only once it is logged: an allow that the log lost would
-        // be a tool call nobody can account for.
-        self.log.append(LogEntry::Authorize(record)).await?;
+        } = verdict;
         tracing::debug!(
             %decision_id,
             allowed,
@@ -278,29 +359,8 @@ impl Inner {
                 ));
             }
         }
-        let expiry = claims.expiry().unwrap_or(now);
-        match self
-            .state
-            .record_call(&claims.token_id, claims.max_calls, expiry, now)
-            .await
-        {
-            Ok(used) => Ok(Outcome {
-                claims: Some(claims),
-                verdict: Ok(used),
-            }),
-            Err(CallError::LimitExceeded { max, .. }) => {
-                let detail = format!(
-                    "the token's {max} authorized calls are used up (max_calls); ask the \
-                     supervisor for a new task token"
-                );
-                Ok(Outcome::deny(
-                    Some(claims),
-                    AuthorizeReason::CallLimitExceeded,
-                    detail,
-                ))
-            }
-            Err(CallError::State(e)) => Err(e.into()),
-        }
+        // Counting the call is the caller's last step, together with logging it.
+        Ok(Outcome::Pass(claims))
     }
 }
 

@@ -123,6 +123,12 @@ pub enum LogEntry {
 pub trait DecisionLog: Send + Sync + fmt::Debug {
     /// Appends `entry`; returns once it is durable (as durable as the store is).
     async fn append(&self, entry: LogEntry) -> Result<(), LogError>;
+
+    /// The database the records are rows of, if they are: a policy state in the same
+    /// database writes a decision in the transaction that counts its call.
+    fn database(&self) -> Option<&convene_store::Database> {
+        None
+    }
 }
 
 /// Decisions kept in memory, in append order.

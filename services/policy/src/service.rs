@@ -312,21 +312,27 @@ impl Inner {
             .first()
             .map(|p| p.claims.run_id.clone())
             .unwrap_or_default();
-        let mut tokens = Vec::with_capacity(planned.len());
-        for Planned { claims, narrowed } in planned {
-            let token = keys.signer.sign(&claims)?;
-            // Authorize will see this token on every tool call; it was signed here, so
-            // its signature needs no checking when it comes back.
-            keys.verifier.remember_signed(&token, &claims);
+        // Authorize (and, in one process, every service) will see these tokens on every
+        // tool call; they are signed here, so their signatures need no checking when they
+        // come back (see `Signer::sign`).
+        let mut signed = Vec::with_capacity(planned.len());
+        for planned in planned {
+            signed.push((keys.signer.sign(&planned.claims)?, planned));
+        }
+        let issued: Vec<IssuedToken> = signed
+            .iter()
+            .map(|(_, Planned { claims, .. })| IssuedToken {
+                token_id: claims.token_id.clone(),
+                run_id: claims.run_id.clone(),
+                tenant: claims.tenant.clone(),
+                expires_at: from_unix_seconds(claims.expires_at).unwrap_or(now),
+            })
+            .collect();
+        // Recorded before any token is handed out, in one commit for the request.
+        self.state.record_issued(&issued).await?;
+        let mut tokens = Vec::with_capacity(signed.len());
+        for (token, Planned { claims, narrowed }) in signed {
             let expires_at = from_unix_seconds(claims.expires_at).unwrap_or(now);
-            self.state
-                .record_issued(&IssuedToken {
-                    token_id: claims.token_id.clone(),
-                    run_id: claims.run_id.clone(),
-                    tenant: claims.tenant.clone(),
-                    expires_at,
-                })
-                .await?;
             // The scopes as the token carries them (whole-second windows), which is what
             // Authorize will check.
             let scopes = convene_core::permissions::PermissionSet::from_permissions(
@@ -460,25 +466,20 @@ impl Inner {
             request.reason.as_str()
         };
         let (kind, id) = match &target {
-            RevokeTarget::Token(id) => {
-                self.state.revoke_token(id, reason).await?;
-                ("token", id)
-            }
-            RevokeTarget::Run(id) => {
-                self.state.revoke_run(id, reason).await?;
-                ("run", id)
-            }
+            RevokeTarget::Token(id) => ("token", id),
+            RevokeTarget::Run(id) => ("run", id),
         };
         let now = (self.clock)();
-        self.log
-            .append(LogEntry::Revoke(RevokeRecord {
-                decision_id: uuid::Uuid::now_v7().to_string(),
-                time: humantime::format_rfc3339_millis(now).to_string(),
-                principal: principal.id.clone(),
-                target: kind.to_owned(),
-                id: id.clone(),
-                reason: reason.to_owned(),
-            }))
+        let entry = LogEntry::Revoke(RevokeRecord {
+            decision_id: uuid::Uuid::now_v7().to_string(),
+            time: humantime::format_rfc3339_millis(now).to_string(),
+            principal: principal.id.clone(),
+            target: kind.to_owned(),
+            id: id.clone(),
+            reason: reason.to_owned(),
+        });
+        self.state
+            .revoke_logged(&target, reason, &*self.log, entry)
             .await?;
         tracing::info!(principal = %principal.id, target = kind, id = %id, reason, "revoked");
         Ok(v1::RevokeResponse { revoked: true })

@@ -8,10 +8,41 @@ use std::time::SystemTime;
 
 use async_trait::async_trait;
 use convene_store::time::micros;
-use convene_store::{Database, sql};
+use convene_store::{Database, Statement, sql};
 
 use crate::decision_log::{DecisionLog, LogEntry, LogError};
-use crate::state::{CallError, IssuedToken, PolicyState, Revocation, RevokeTarget, StateError};
+use crate::state::{
+    Call, CallError, Counted, DecisionOf, IssuedToken, PolicyState, Revocation, RevokeTarget,
+    StateError, count_then_log, revoke_then_log,
+};
+
+/// The statement that counts one call: the first call inserts the counter at 1; later
+/// calls increment it only while it is below the limit. A refused increment returns no
+/// row.
+fn count_call(token_id: &str, max_calls: u32, expires_at: SystemTime) -> Statement {
+    sql(
+        "INSERT INTO call_counters (token_id, used, max_calls, expires_at) \
+         VALUES ($1, 1, $2, $3) \
+         ON CONFLICT (token_id) DO UPDATE SET used = call_counters.used + 1 \
+         WHERE call_counters.used < $2 \
+         RETURNING used",
+    )
+    .bind(token_id)
+    .bind(i64::from(max_calls))
+    .bind(micros(expires_at))
+}
+
+fn calls_used(token_id: &str) -> Statement {
+    sql("SELECT used FROM call_counters WHERE token_id = $1").bind(token_id)
+}
+
+fn used_of(row: Option<convene_store::Row>) -> Result<u32, convene_store::Error> {
+    let used: i64 = match row {
+        Some(r) => r.get("used")?,
+        None => 0,
+    };
+    Ok(u32::try_from(used).unwrap_or(u32::MAX))
+}
 
 /// Expired counters and token owners are deleted once per this many new tokens.
 const PRUNE_EVERY: u64 = 1024;
@@ -76,9 +107,11 @@ fn target_key(target: &RevokeTarget) -> (&'static str, &str) {
 
 #[async_trait]
 impl PolicyState for SqlPolicyState {
-    async fn record_issued(&self, token: &IssuedToken) -> Result<(), StateError> {
-        self.db
-            .execute(
+    async fn record_issued(&self, tokens: &[IssuedToken]) -> Result<(), StateError> {
+        // One transaction (one commit) for the tokens of a request.
+        let mut tx = self.db.begin().await?;
+        for token in tokens {
+            tx.execute(
                 sql(
                     "INSERT INTO issued_tokens (token_id, run_id, tenant, expires_at) \
                      VALUES ($1, $2, $3, $4) ON CONFLICT (token_id) DO NOTHING",
@@ -89,7 +122,11 @@ impl PolicyState for SqlPolicyState {
                 .bind(micros(token.expires_at)),
             )
             .await?;
-        if self.issued.fetch_add(1, Ordering::Relaxed) % PRUNE_EVERY == PRUNE_EVERY - 1 {
+        }
+        tx.commit().await?;
+        let n = tokens.len() as u64;
+        let before = self.issued.fetch_add(n, Ordering::Relaxed);
+        if before / PRUNE_EVERY != (before + n) / PRUNE_EVERY {
             // Tokens expire within hours; nothing older is worth keeping a row for.
             self.prune(SystemTime::now()).await?;
         }
@@ -117,32 +154,15 @@ impl PolicyState for SqlPolicyState {
         expires_at: SystemTime,
         _now: SystemTime,
     ) -> Result<u32, CallError> {
-        let max = i64::from(max_calls);
-        // The first call inserts the counter at 1; later calls increment it only while
-        // it is below the limit. A refused increment returns no row.
         let row = if max_calls == 0 {
             None
         } else {
             self.db
-                .write_returning(
-                    sql(
-                        "INSERT INTO call_counters (token_id, used, max_calls, expires_at) \
-                         VALUES ($1, 1, $2, $3) \
-                         ON CONFLICT (token_id) DO UPDATE SET used = call_counters.used + 1 \
-                         WHERE call_counters.used < $2 \
-                         RETURNING used",
-                    )
-                    .bind(token_id)
-                    .bind(max)
-                    .bind(micros(expires_at)),
-                )
+                .write_returning(count_call(token_id, max_calls, expires_at))
                 .await?
         };
         match row {
-            Some(row) => {
-                let used: i64 = row.get("used")?;
-                Ok(u32::try_from(used).unwrap_or(u32::MAX))
-            }
+            Some(row) => Ok(used_of(Some(row))?),
             None => Err(CallError::LimitExceeded {
                 used: self.calls_used(token_id).await?,
                 max: max_calls,
@@ -151,17 +171,78 @@ impl PolicyState for SqlPolicyState {
     }
 
     async fn calls_used(&self, token_id: &str) -> Result<u32, StateError> {
-        let row = self
-            .db
-            .fetch_optional(
-                sql("SELECT used FROM call_counters WHERE token_id = $1").bind(token_id),
-            )
-            .await?;
-        let used: i64 = match row {
-            Some(r) => r.get("used")?,
-            None => 0,
+        Ok(used_of(
+            self.db.fetch_optional(calls_used(token_id)).await?,
+        )?)
+    }
+
+    async fn revoke_logged(
+        &self,
+        target: &RevokeTarget,
+        reason: &str,
+        log: &dyn DecisionLog,
+        entry: LogEntry,
+    ) -> Result<(), crate::Error> {
+        if !log.database().is_some_and(|db| db.same_as(&self.db)) {
+            return revoke_then_log(self, target, reason, log, entry).await;
+        }
+        // The revocation and its record commit together.
+        let append =
+            log_statement(&entry).map_err(|e| log_error(&self.db, "encode a record", e))?;
+        let mut tx = self.db.begin().await.map_err(StateError::from)?;
+        tx.execute(revocation(target, reason))
+            .await
+            .map_err(StateError::from)?;
+        let appended = match tx.execute(append).await {
+            Ok(_) => tx.commit().await,
+            Err(e) => Err(e),
         };
-        Ok(u32::try_from(used).unwrap_or(u32::MAX))
+        appended.map_err(|e| log_error(&self.db, "append a record", e))?;
+        Ok(())
+    }
+
+    async fn record_call_logged(
+        &self,
+        call: Call<'_>,
+        log: &dyn DecisionLog,
+        decision: DecisionOf<'_>,
+    ) -> Result<Counted, crate::Error> {
+        if !log.database().is_some_and(|db| db.same_as(&self.db)) {
+            return count_then_log(self, call, log, decision).await;
+        }
+        // The count and its decision commit together: no call is counted without its
+        // record, and the pair costs one commit.
+        let mut tx = self.db.begin().await.map_err(StateError::from)?;
+        let row = if call.max_calls == 0 {
+            None
+        } else {
+            tx.fetch_optional(count_call(call.token_id, call.max_calls, call.expires_at))
+                .await
+                .map_err(StateError::from)?
+        };
+        let counted = match row {
+            Some(row) => Counted::Allowed {
+                used: used_of(Some(row)).map_err(StateError::from)?,
+            },
+            None => {
+                let row = tx
+                    .fetch_optional(calls_used(call.token_id))
+                    .await
+                    .map_err(StateError::from)?;
+                Counted::LimitExceeded {
+                    used: used_of(row).map_err(StateError::from)?,
+                    max: call.max_calls,
+                }
+            }
+        };
+        let append = log_statement(&decision(counted))
+            .map_err(|e| log_error(&self.db, "encode a record", e))?;
+        let appended = match tx.execute(append).await {
+            Ok(_) => tx.commit().await,
+            Err(e) => Err(e),
+        };
+        appended.map_err(|e| log_error(&self.db, "append a record", e))?;
+        Ok(counted)
     }
 
     async fn revoke_token(&self, token_id: &str, reason: &str) -> Result<(), StateError> {
@@ -211,22 +292,22 @@ impl PolicyState for SqlPolicyState {
 
 impl SqlPolicyState {
     async fn revoke(&self, target: &RevokeTarget, reason: &str) -> Result<(), StateError> {
-        let (kind, id) = target_key(target);
-        // Revoking twice keeps the first reason.
-        self.db
-            .execute(
-                sql(
-                    "INSERT INTO revocations (kind, target_id, reason, revoked_at) \
-                     VALUES ($1, $2, $3, $4) ON CONFLICT (kind, target_id) DO NOTHING",
-                )
-                .bind(kind)
-                .bind(id)
-                .bind(reason)
-                .bind(micros(SystemTime::now())),
-            )
-            .await?;
+        self.db.execute(revocation(target, reason)).await?;
         Ok(())
     }
+}
+
+/// The insert that revokes `target`; revoking twice keeps the first reason.
+fn revocation(target: &RevokeTarget, reason: &str) -> Statement {
+    let (kind, id) = target_key(target);
+    sql(
+        "INSERT INTO revocations (kind, target_id, reason, revoked_at) \
+         VALUES ($1, $2, $3, $4) ON CONFLICT (kind, target_id) DO NOTHING",
+    )
+    .bind(kind)
+    .bind(id)
+    .bind(reason)
+    .bind(micros(SystemTime::now()))
 }
 
 /// [`DecisionLog`] as rows of the `decision_log` table: an append is one committed
@@ -245,11 +326,7 @@ impl SqlDecisionLog {
     }
 
     fn error(&self, action: &'static str, detail: impl ToString) -> LogError {
-        LogError::Io {
-            path: format!("database {}", self.db.url()),
-            action,
-            detail: detail.to_string(),
-        }
+        log_error(&self.db, action, detail)
     }
 
     /// Every record, in append order.
@@ -288,42 +365,59 @@ impl SqlDecisionLog {
 #[async_trait]
 impl DecisionLog for SqlDecisionLog {
     async fn append(&self, entry: LogEntry) -> Result<(), LogError> {
-        let record = serde_json::to_string(&entry).map_err(|e| self.error("encode a record", e))?;
-        let statement = match &entry {
-            LogEntry::Authorize(r) => sql(
-                "INSERT INTO decision_log (decision_id, kind, time, tenant, run_id, token_id, \
-                 allowed, record) VALUES ($1, 'authorize', $2, $3, $4, $5, $6, $7)",
-            )
-            .bind(&r.decision_id)
-            .bind(&r.time)
-            .bind(&r.tenant)
-            .bind(&r.run_id)
-            .bind(&r.token_id)
-            .bind(r.allowed)
-            .bind(record),
-            LogEntry::Revoke(r) => {
-                let (run_id, token_id) = if r.target == "run" {
-                    (Some(r.id.as_str()), None)
-                } else {
-                    (None, Some(r.id.as_str()))
-                };
-                sql(
-                    "INSERT INTO decision_log (decision_id, kind, time, tenant, run_id, \
-                     token_id, allowed, record) VALUES ($1, 'revoke', $2, NULL, $3, $4, NULL, $5)",
-                )
-                .bind(&r.decision_id)
-                .bind(&r.time)
-                .bind(run_id)
-                .bind(token_id)
-                .bind(record)
-            }
-        };
+        let statement = log_statement(&entry).map_err(|e| self.error("encode a record", e))?;
         self.db
             .execute(statement)
             .await
             .map_err(|e| self.error("append a record", e))?;
         Ok(())
     }
+
+    fn database(&self) -> Option<&Database> {
+        Some(&self.db)
+    }
+}
+
+fn log_error(db: &Database, action: &'static str, detail: impl ToString) -> LogError {
+    LogError::Io {
+        path: format!("database {}", db.url()),
+        action,
+        detail: detail.to_string(),
+    }
+}
+
+/// The insert that appends `entry` to the decision log.
+fn log_statement(entry: &LogEntry) -> Result<Statement, serde_json::Error> {
+    let record = serde_json::to_string(entry)?;
+    Ok(match entry {
+        LogEntry::Authorize(r) => sql(
+            "INSERT INTO decision_log (decision_id, kind, time, tenant, run_id, token_id, \
+                 allowed, record) VALUES ($1, 'authorize', $2, $3, $4, $5, $6, $7)",
+        )
+        .bind(&r.decision_id)
+        .bind(&r.time)
+        .bind(&r.tenant)
+        .bind(&r.run_id)
+        .bind(&r.token_id)
+        .bind(r.allowed)
+        .bind(record),
+        LogEntry::Revoke(r) => {
+            let (run_id, token_id) = if r.target == "run" {
+                (Some(r.id.as_str()), None)
+            } else {
+                (None, Some(r.id.as_str()))
+            };
+            sql(
+                "INSERT INTO decision_log (decision_id, kind, time, tenant, run_id, \
+                     token_id, allowed, record) VALUES ($1, 'revoke', $2, NULL, $3, $4, NULL, $5)",
+            )
+            .bind(&r.decision_id)
+            .bind(&r.time)
+            .bind(run_id)
+            .bind(token_id)
+            .bind(record)
+        }
+    })
 }
 
 impl crate::PolicyService {

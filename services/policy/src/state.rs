@@ -13,6 +13,8 @@ use std::time::SystemTime;
 use async_trait::async_trait;
 use dashmap::DashMap;
 
+use crate::decision_log::{DecisionLog, LogEntry};
+
 /// The state store cannot answer (only durable implementations can fail).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum StateError {
@@ -36,6 +38,39 @@ pub enum CallError {
     #[error(transparent)]
     State(#[from] StateError),
 }
+
+/// One call of a token to count.
+#[derive(Debug, Clone, Copy)]
+pub struct Call<'a> {
+    /// The token's `jti`.
+    pub token_id: &'a str,
+    /// The token's `max_calls`.
+    pub max_calls: u32,
+    /// The token's expiry: its counter may be dropped after it.
+    pub expires_at: SystemTime,
+    /// The caller's clock.
+    pub now: SystemTime,
+}
+
+/// How counting a call ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Counted {
+    /// Counted; `used` includes this call.
+    Allowed {
+        /// Calls counted so far.
+        used: u32,
+    },
+    /// The token's calls are used up; the call was not counted.
+    LimitExceeded {
+        /// Calls counted so far (equal to `max`).
+        used: u32,
+        /// The token's `max_calls`.
+        max: u32,
+    },
+}
+
+/// The decision to log for a counted call, made from how the count ended.
+pub type DecisionOf<'a> = &'a (dyn Fn(Counted) -> LogEntry + Send + Sync);
 
 /// What a revocation names.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -80,9 +115,9 @@ pub struct IssuedToken {
 /// Counters, revocations and token ownership.
 #[async_trait]
 pub trait PolicyState: Send + Sync + fmt::Debug {
-    /// Remembers an issued token's run and tenant, so a human of that tenant may revoke
-    /// it (or its run) later.
-    async fn record_issued(&self, token: &IssuedToken) -> Result<(), StateError>;
+    /// Remembers the run and tenant of issued tokens (those of one request, recorded
+    /// together), so a human of that tenant may revoke them (or their run) later.
+    async fn record_issued(&self, tokens: &[IssuedToken]) -> Result<(), StateError>;
 
     /// The tenant a token or run belongs to, if a token of it was issued and has not
     /// been forgotten.
@@ -102,11 +137,38 @@ pub trait PolicyState: Send + Sync + fmt::Debug {
     /// Calls counted so far for a token (0 when none).
     async fn calls_used(&self, token_id: &str) -> Result<u32, StateError>;
 
+    /// Counts `call` as [`record_call`](Self::record_call) does and appends the decision
+    /// `decision` makes of the result to `log`; returns once both are durable. A state
+    /// kept in the same database as `log` does both in one transaction; any other counts
+    /// first, then logs.
+    async fn record_call_logged(
+        &self,
+        call: Call<'_>,
+        log: &dyn DecisionLog,
+        decision: DecisionOf<'_>,
+    ) -> Result<Counted, crate::Error> {
+        count_then_log(self, call, log, decision).await
+    }
+
     /// Revokes one token. Revoking twice keeps the first reason.
     async fn revoke_token(&self, token_id: &str, reason: &str) -> Result<(), StateError>;
 
     /// Revokes every token of a run, including tokens issued for it later.
     async fn revoke_run(&self, run_id: &str, reason: &str) -> Result<(), StateError>;
+
+    /// Revokes `target` as [`revoke_token`](Self::revoke_token) or
+    /// [`revoke_run`](Self::revoke_run) does and appends `entry` to `log`; returns once
+    /// both are durable. A state kept in the same database as `log` does both in one
+    /// transaction; any other revokes first, then logs.
+    async fn revoke_logged(
+        &self,
+        target: &RevokeTarget,
+        reason: &str,
+        log: &dyn DecisionLog,
+        entry: LogEntry,
+    ) -> Result<(), crate::Error> {
+        revoke_then_log(self, target, reason, log, entry).await
+    }
 
     /// The revocation that applies to a token with this `jti` and run, if any (the token's
     /// own revocation first).
@@ -115,6 +177,41 @@ pub trait PolicyState: Send + Sync + fmt::Debug {
         token_id: &str,
         run_id: &str,
     ) -> Result<Option<Revocation>, StateError>;
+}
+
+/// [`PolicyState::record_call_logged`] in two steps: the count, then the record.
+pub(crate) async fn count_then_log<S: PolicyState + ?Sized>(
+    state: &S,
+    call: Call<'_>,
+    log: &dyn DecisionLog,
+    decision: DecisionOf<'_>,
+) -> Result<Counted, crate::Error> {
+    let counted = match state
+        .record_call(call.token_id, call.max_calls, call.expires_at, call.now)
+        .await
+    {
+        Ok(used) => Counted::Allowed { used },
+        Err(CallError::LimitExceeded { used, max }) => Counted::LimitExceeded { used, max },
+        Err(CallError::State(e)) => return Err(e.into()),
+    };
+    log.append(decision(counted)).await?;
+    Ok(counted)
+}
+
+/// [`PolicyState::revoke_logged`] in two steps: the revocation, then the record.
+pub(crate) async fn revoke_then_log<S: PolicyState + ?Sized>(
+    state: &S,
+    target: &RevokeTarget,
+    reason: &str,
+    log: &dyn DecisionLog,
+    entry: LogEntry,
+) -> Result<(), crate::Error> {
+    match target {
+        RevokeTarget::Token(id) => state.revoke_token(id, reason).await?,
+        RevokeTarget::Run(id) => state.revoke_run(id, reason).await?,
+    }
+    log.append(entry).await?;
+    Ok(())
 }
 
 /// Counters below this many entries are never pruned.
@@ -182,9 +279,8 @@ impl MemoryState {
     }
 }
 
-#[async_trait]
-impl PolicyState for MemoryState {
-    async fn record_issued(&self, token: &IssuedToken) -> Result<(), StateError> {
+impl MemoryState {
+    fn record_one(&self, token: &IssuedToken) {
         self.token_owners.insert(
             token.token_id.clone(),
             Owner {
@@ -201,6 +297,15 @@ impl PolicyState for MemoryState {
             });
         // A run lives as long as its longest-lived token.
         run.expires_at = run.expires_at.max(token.expires_at);
+    }
+}
+
+#[async_trait]
+impl PolicyState for MemoryState {
+    async fn record_issued(&self, tokens: &[IssuedToken]) -> Result<(), StateError> {
+        for token in tokens {
+            self.record_one(token);
+        }
         Ok(())
     }
 
@@ -357,12 +462,12 @@ mod tests {
     async fn owners_are_known_for_issued_tokens_and_runs() {
         let state = MemoryState::new();
         state
-            .record_issued(&IssuedToken {
+            .record_issued(&[IssuedToken {
                 token_id: "t1".into(),
                 run_id: "r1".into(),
                 tenant: "acme".into(),
                 expires_at: at(100),
-            })
+            }])
             .await
             .unwrap();
         let state = &state;

@@ -11,7 +11,9 @@ use std::time::{Duration, SystemTime};
 use convene_mesh::auth::request;
 use convene_policy::decision_log::{AuthorizeRecord, DecisionLog, LogEntry, RevokeRecord};
 use convene_policy::sql::{SqlDecisionLog, SqlPolicyState};
-use convene_policy::state::{CallError, IssuedToken, MemoryState, PolicyState, RevokeTarget};
+use convene_policy::state::{
+    Call, CallError, Counted, IssuedToken, MemoryState, PolicyState, RevokeTarget,
+};
 use convene_policy::{Config, DecisionLogTarget, PolicyService};
 use convene_proto::v1::{self, AuthorizeReason, revoke_request::Target};
 use convene_server::GrpcServer;
@@ -122,21 +124,21 @@ async fn revocations_keep_the_first_reason_and_the_token_wins() {
 async fn owners_are_known_for_issued_tokens_and_their_runs() {
     for s in subjects().await {
         let state = &*s.state;
-        for (token, run, tenant) in [
-            ("t1", "r1", "acme"),
-            ("t2", "r1", "acme"),
-            ("t3", "r2", "globex"),
-        ] {
-            state
-                .record_issued(&IssuedToken {
-                    token_id: token.into(),
-                    run_id: run.into(),
-                    tenant: tenant.into(),
-                    expires_at: at(100),
-                })
-                .await
-                .unwrap();
-        }
+        let issued = |token: &str, run: &str, tenant: &str| IssuedToken {
+            token_id: token.into(),
+            run_id: run.into(),
+            tenant: tenant.into(),
+            expires_at: at(100),
+        };
+        // Two tokens of one request, recorded together, then one of another.
+        state
+            .record_issued(&[issued("t1", "r1", "acme"), issued("t2", "r1", "acme")])
+            .await
+            .unwrap();
+        state
+            .record_issued(&[issued("t3", "r2", "globex")])
+            .await
+            .unwrap();
         let tenant = |t| async move { state.owner_tenant(&t).await.unwrap() };
         assert_eq!(
             tenant(RevokeTarget::Token("t2".into())).await.as_deref(),
@@ -167,12 +169,12 @@ async fn expired_counters_and_owners_are_pruned() {
         state.record_call("new", 5, at(1000), at(1)).await.unwrap();
         for (token, expires) in [("old", at(10)), ("new", at(1000))] {
             state
-                .record_issued(&IssuedToken {
+                .record_issued(&[IssuedToken {
                     token_id: token.into(),
                     run_id: format!("run-{token}"),
                     tenant: "acme".into(),
                     expires_at: expires,
-                })
+                }])
                 .await
                 .unwrap();
         }
@@ -260,6 +262,166 @@ async fn concurrent_decisions_all_land_in_the_database_log() {
         assert_eq!(ids, (0..100).collect::<Vec<_>>(), "{}", t.label);
         assert!(entries.contains(&authorize_record(7)), "{}", t.label);
     }
+}
+
+fn revoke_record(id: &str) -> LogEntry {
+    LogEntry::Revoke(RevokeRecord {
+        decision_id: format!("d-{id}"),
+        time: "2026-01-01T00:00:01.000Z".into(),
+        principal: "supervisor".into(),
+        target: "run".into(),
+        id: id.into(),
+        reason: "done".into(),
+    })
+}
+
+#[tokio::test]
+async fn a_call_and_its_decision_commit_together_or_not_at_all() {
+    for t in test_databases().await {
+        let state = SqlPolicyState::new(t.db.clone());
+        let log = SqlDecisionLog::new(t.db.clone());
+        let call = Call {
+            token_id: "t1",
+            max_calls: 1,
+            expires_at: at(100),
+            now: at(1),
+        };
+        // The decision is made from the count: allowed, then refused at the limit.
+        let decision = |counted: Counted| {
+            let LogEntry::Authorize(mut r) = authorize_record(0) else {
+                unreachable!()
+            };
+            (r.allowed, r.calls_used) = match counted {
+                Counted::Allowed { used } => (true, used),
+                Counted::LimitExceeded { used, .. } => (false, used),
+            };
+            LogEntry::Authorize(r)
+        };
+        let first = state
+            .record_call_logged(call, &log, &decision)
+            .await
+            .unwrap();
+        assert_eq!(first, Counted::Allowed { used: 1 }, "{}", t.label);
+        let second = state
+            .record_call_logged(call, &log, &decision)
+            .await
+            .unwrap();
+        assert_eq!(
+            second,
+            Counted::LimitExceeded { used: 1, max: 1 },
+            "{}",
+            t.label
+        );
+        let logged: Vec<(bool, u32)> = log
+            .entries()
+            .await
+            .unwrap()
+            .into_iter()
+            .filter_map(|e| match e {
+                LogEntry::Authorize(r) => Some((r.allowed, r.calls_used)),
+                LogEntry::Revoke(_) => None,
+            })
+            .collect();
+        assert_eq!(logged, [(true, 1), (false, 1)], "{}", t.label);
+
+        state
+            .revoke_logged(
+                &RevokeTarget::Run("r".into()),
+                "done",
+                &log,
+                revoke_record("r"),
+            )
+            .await
+            .unwrap();
+        assert!(
+            state.is_revoked("t9", "r").await.unwrap().is_some(),
+            "{}",
+            t.label
+        );
+        assert_eq!(log.entries().await.unwrap().len(), 3, "{}", t.label);
+
+        // When the record cannot be written, the count and the revocation it came with
+        // are rolled back: nothing is counted or revoked that the log does not show.
+        t.db.execute(convene_store::sql("DROP TABLE decision_log"))
+            .await
+            .unwrap();
+        let call = Call {
+            token_id: "t2",
+            ..call
+        };
+        let err = state
+            .record_call_logged(call, &log, &decision)
+            .await
+            .unwrap_err();
+        assert!(
+            err.to_string().contains("decision_log"),
+            "{}: {err}",
+            t.label
+        );
+        assert_eq!(state.calls_used("t2").await.unwrap(), 0, "{}", t.label);
+        let err = state
+            .revoke_logged(
+                &RevokeTarget::Token("t2".into()),
+                "done",
+                &log,
+                revoke_record("t2"),
+            )
+            .await
+            .unwrap_err();
+        assert!(
+            err.to_string().contains("decision_log"),
+            "{}: {err}",
+            t.label
+        );
+        assert_eq!(
+            state.is_revoked("t2", "other").await.unwrap(),
+            None,
+            "{}",
+            t.label
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_log_elsewhere_gets_the_decision_after_the_count() {
+    let state = MemoryState::new();
+    let log = convene_policy::decision_log::MemoryDecisionLog::new();
+    let call = Call {
+        token_id: "t1",
+        max_calls: 2,
+        expires_at: at(100),
+        now: at(1),
+    };
+    let decision = |counted: Counted| {
+        let used = match counted {
+            Counted::Allowed { used } | Counted::LimitExceeded { used, .. } => used,
+        };
+        authorize_record(used)
+    };
+    for expected in [1, 2] {
+        assert_eq!(
+            state
+                .record_call_logged(call, &log, &decision)
+                .await
+                .unwrap(),
+            Counted::Allowed { used: expected }
+        );
+    }
+    assert_eq!(
+        state
+            .record_call_logged(call, &log, &decision)
+            .await
+            .unwrap(),
+        Counted::LimitExceeded { used: 2, max: 2 }
+    );
+    assert_eq!(
+        log.entries(),
+        [
+            authorize_record(1),
+            authorize_record(2),
+            authorize_record(2)
+        ]
+    );
 }
 
 /// The real policy service over `db`, its keys in `dir`, serving on a loopback port.
