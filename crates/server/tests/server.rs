@@ -539,3 +539,36 @@ async fn two_servers_in_one_process_are_independent() {
     authorize(channel, 0).await.unwrap();
     second.stop().await.unwrap();
 }
+
+/// Thousands of small calls over one connection, arriving faster than the server's
+/// handlers get to read them, all succeed: the server's HTTP/2 connection window leaves
+/// room for their unread DATA frames. (With h2's default window, its budget for small
+/// unread frames is about 150 of them; past it, h2 sends GOAWAY `ENHANCE_YOUR_CALM` and
+/// every call on the connection fails.) One thread serves both sides, so the server's
+/// connection task reads a burst of frames before any handler runs.
+#[tokio::test(flavor = "current_thread")]
+async fn a_burst_of_small_calls_on_one_connection_all_succeed() {
+    const CALLS: usize = 2_000;
+    let (server, calls) = start(ServerSettings {
+        concurrency_limit: CALLS,
+        ..ServerSettings::default()
+    })
+    .await;
+    let channel = server.channel().await;
+    let tasks: Vec<_> = (0..CALLS)
+        .map(|_| tokio::spawn(authorize(channel.clone(), 0)))
+        .collect();
+    let mut failed = Vec::new();
+    for task in tasks {
+        if let Err(status) = task.await.unwrap() {
+            failed.push(status);
+        }
+    }
+    assert!(
+        failed.is_empty(),
+        "{} of {CALLS} calls failed, the first with {:?}",
+        failed.len(),
+        failed.first()
+    );
+    assert_eq!(calls.finished.load(Ordering::SeqCst), CALLS);
+}

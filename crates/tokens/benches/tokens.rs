@@ -5,7 +5,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use convene_core::permissions::{DataConstraints, Permission, PermissionSet, TimeWindow};
 use convene_tokens::{Claims, Signer, SigningKey, Verifier};
-use criterion::{Criterion, criterion_group, criterion_main};
+use criterion::{BatchSize, Criterion, criterion_group, criterion_main};
+use ed25519_dalek::pkcs8::EncodePrivateKey as _;
 
 fn claims() -> Claims {
     let window = TimeWindow {
@@ -53,15 +54,38 @@ fn claims() -> Claims {
 }
 
 fn bench_tokens(c: &mut Criterion) {
-    let key = SigningKey::generate().expect("a key");
+    let secret = [7u8; 32];
+    let key = SigningKey::from_secret_bytes(&secret);
     let verifier = Verifier::from_jwks(&[key.public_jwk()]).expect("a verifier");
+    let kid = key.kid().to_owned();
     let signer = Signer::new(key);
     let claims = claims();
     let token = signer.sign(&claims).expect("signed");
     c.bench_function("token.sign", |b| {
         b.iter(|| black_box(signer.sign(black_box(&claims)).expect("signed")))
     });
-    c.bench_function("token.verify", |b| {
+    // A token signed elsewhere (another process) and seen for the first time: the full
+    // check, signature included. Each iteration gets a token of its own, made by plain
+    // jsonwebtoken outside the timing.
+    let der = ed25519_dalek::SigningKey::from_bytes(&secret)
+        .to_pkcs8_der()
+        .expect("pkcs8");
+    let encoding = jsonwebtoken::EncodingKey::from_ed_der(der.as_bytes());
+    let mut header = jsonwebtoken::Header::new(jsonwebtoken::Algorithm::EdDSA);
+    header.kid = Some(kid);
+    c.bench_function("token.verify.first", |b| {
+        b.iter_batched(
+            || {
+                let mut fresh = claims.clone();
+                fresh.token_id = convene_tokens::new_token_id();
+                jsonwebtoken::encode(&header, &fresh, &encoding).expect("encoded")
+            },
+            |token| black_box(verifier.verify(&token, SystemTime::now()).expect("valid")),
+            BatchSize::SmallInput,
+        )
+    });
+    // A token this process signed or checked before: the time checks only.
+    c.bench_function("token.verify.again", |b| {
         b.iter(|| {
             black_box(
                 verifier
