@@ -21,6 +21,7 @@ use convene_mesh::handles::{GrpcApproval, GrpcEvidenceStore, GrpcSupervisor, Sup
 use convene_mesh::policy_file::dev_credential;
 use convene_proto::v1;
 use convene_server::Shutdown;
+use convene_server::test_util::free_port;
 use tempfile::TempDir;
 use tokio::process::{Child, Command};
 
@@ -122,13 +123,6 @@ pub fn convene_bin() -> PathBuf {
         bin.display()
     );
     bin
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free loopback port")
 }
 
 /// The variable that chooses the database of every [`TestMesh`] whose

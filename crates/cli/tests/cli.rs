@@ -4,6 +4,8 @@ use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use convene_server::test_util::free_port;
+
 fn convene() -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_convene"));
     cmd.current_dir(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.."))
@@ -11,13 +13,6 @@ fn convene() -> Command {
         .env_remove("CONVENE_ENDPOINT")
         .env_remove("CONVENE_CREDENTIAL");
     cmd
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
 }
 
 #[test]

@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
+use convene_server::test_util::free_port;
 use convene_store::test_util::TestPostgres;
 
 /// Generous: the machine may be a loaded 2-core one.
@@ -29,13 +30,6 @@ fn convene() -> Command {
         .env_remove("CONVENE_DATABASE_URL")
         .env_remove("CONVENE_NATS_URL");
     cmd
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
 }
 
 /// A fresh PostgreSQL database when `CONVENE_TEST_DATABASE_URL` names a server.

@@ -13,15 +13,56 @@ use crate::{GrpcServer, ServeError, Shutdown};
 /// How long [`wait_ready`] waits for a server to report `SERVING`.
 pub const READY_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// A listener on a free loopback port.
+/// Loopback ports handed out in this process, by [`pick_listener`] or [`free_port`].
+static HANDED_OUT: std::sync::Mutex<std::collections::BTreeSet<u16>> =
+    std::sync::Mutex::new(std::collections::BTreeSet::new());
+
+/// Records `port` as handed out; false if it was before.
+fn hand_out(port: u16) -> bool {
+    HANDED_OUT
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .insert(port)
+}
+
+/// A listener on a free loopback port, never handed out before in this process.
 ///
 /// # Panics
 ///
 /// If no loopback port can be bound.
 pub async fn pick_listener() -> TcpListener {
-    TcpListener::bind(("127.0.0.1", 0))
-        .await
-        .expect("bind a free loopback port")
+    loop {
+        let listener = TcpListener::bind(("127.0.0.1", 0))
+            .await
+            .expect("bind a free loopback port");
+        let port = listener.local_addr().expect("a bound address").port();
+        if hand_out(port) {
+            return listener;
+        }
+    }
+}
+
+/// A loopback port nobody listens on, never handed out before in this process, for a
+/// server in another process to bind.
+///
+/// The port is free when it is picked, not reserved: the process binds it a moment later,
+/// and binds it again when it restarts after a crash. Without the record, a test picking
+/// a port in that moment could be given the same one, and its server would answer the
+/// first test's calls (as `UNIMPLEMENTED`).
+///
+/// # Panics
+///
+/// If no loopback port can be bound.
+pub fn free_port() -> u16 {
+    loop {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .expect("a free loopback port");
+        if hand_out(port) {
+            return port;
+        }
+    }
 }
 
 /// The `http://` URI of `addr`, as tonic clients want it.
