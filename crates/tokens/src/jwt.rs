@@ -564,7 +564,7 @@ mod cache_tests {
         // Signed elsewhere (not by a Signer of this process): the first verifier checks it.
         let mut claims = claims(now);
         claims.token_id = "shared".into();
-        let token = super::tests::forge_token(
+        let token = super::tests::forge(
             &serde_json::json!({"alg": "EdDSA", "typ": "JWT", "kid": key.kid()}),
             &claims,
             &key,
@@ -636,15 +636,7 @@ mod tests {
     }
 
     /// A token with any header, signed by `key` whatever the header says.
-    pub(super) fn forge_token(
-        header: &serde_json::Value,
-        claims: &Claims,
-        key: &SigningKey,
-    ) -> String {
-        forge(header, claims, key)
-    }
-
-    fn forge(header: &serde_json::Value, claims: &Claims, key: &SigningKey) -> String {
+    pub(super) fn forge(header: &serde_json::Value, claims: &Claims, key: &SigningKey) -> String {
         let mut token = URL_SAFE_NO_PAD.encode(header.to_string());
         token.push('.');
         token.push_str(&URL_SAFE_NO_PAD.encode(serde_json::to_vec(claims).unwrap()));
