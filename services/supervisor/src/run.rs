@@ -139,6 +139,9 @@ pub(crate) struct RunActor {
     pending: Vec<PendingDelegate>,
     tx: Mailbox,
     rx: mpsc::UnboundedReceiver<Msg>,
+    /// A message taken from the mailbox early (while gathering dispatches to commit
+    /// together) and not handled yet: the next one handled.
+    held: Option<Msg>,
     /// Cancels the run's dispatches, telling their workers to stop (deadline, cancel,
     /// decision).
     cancel: CancellationToken,
@@ -309,6 +312,7 @@ impl RunActor {
             pending: Vec::new(),
             tx: tx.clone(),
             rx,
+            held: None,
             cancel: CancellationToken::new(),
             abandon: CancellationToken::new(),
             tasks_in_flight: 0,
@@ -395,7 +399,10 @@ impl RunActor {
                 return Exit::Done;
             }
             let timer = self.next_timer();
-            let msg = tokio::select! {
+            let msg = if let Some(msg) = self.held.take() {
+                Some(msg)
+            } else {
+                tokio::select! {
                 msg = self.rx.recv() => msg,
                 () = sleep_until(timer) => {
                     if let Err(e) = self.on_timer().await {
@@ -404,6 +411,7 @@ impl RunActor {
                     continue;
                 }
                 () = shutdown.cancelled() => return Exit::Shutdown,
+                }
             };
             // The actor holds a sender itself, so the mailbox never closes.
             let Some(msg) = msg else { return Exit::Done };
@@ -822,6 +830,29 @@ impl RunActor {
         worker_id: String,
         attempt: u32,
     ) -> Result<(), StoreError> {
+        let mut run = vec![self.dispatched(index, worker_id, attempt)];
+        // Dispatches that reported meanwhile (a run's parallel delegations start
+        // together) are committed with this one: one commit, not one each.
+        while let Ok(next) = self.rx.try_recv() {
+            match next {
+                Msg::Dispatched {
+                    index,
+                    worker_id,
+                    attempt,
+                } => run.push(self.dispatched(index, worker_id, attempt)),
+                other => {
+                    self.held = Some(other);
+                    break;
+                }
+            }
+        }
+        self.commit(Events { run, cloud: vec![] }).await?;
+        self.deps.crash.at(CrashPoint::AfterDispatch);
+        Ok(())
+    }
+
+    /// Records that delegation `index` was dispatched; returns its event.
+    fn dispatched(&mut self, index: usize, worker_id: String, attempt: u32) -> v1::RunEvent {
         if !self.slots[index].workers.contains(&worker_id) {
             self.slots[index].workers.push(worker_id.clone());
         }
@@ -833,21 +864,14 @@ impl RunActor {
             d.dispatched_at = Some(to_timestamp(now()));
         }
         let task = d.task.clone().unwrap_or_default();
-        let e = self.event(Kind::Dispatched(v1::DelegationDispatched {
+        self.event(Kind::Dispatched(v1::DelegationDispatched {
             delegation_id: task.delegation_id,
             name: task.name,
             profile_id: task.profile_id,
             worker_id,
             attempt,
             depth: task.depth,
-        }));
-        self.commit(Events {
-            run: vec![e],
-            cloud: vec![],
-        })
-        .await?;
-        self.deps.crash.at(CrashPoint::AfterDispatch);
-        Ok(())
+        }))
     }
 
     async fn on_outcome(
