@@ -403,14 +403,14 @@ impl RunActor {
                 Some(msg)
             } else {
                 tokio::select! {
-                msg = self.rx.recv() => msg,
-                () = sleep_until(timer) => {
-                    if let Err(e) = self.on_timer().await {
-                        return e.into();
+                    msg = self.rx.recv() => msg,
+                    () = sleep_until(timer) => {
+                        if let Err(e) = self.on_timer().await {
+                            return e.into();
+                        }
+                        continue;
                     }
-                    continue;
-                }
-                () = shutdown.cancelled() => return Exit::Shutdown,
+                    () = shutdown.cancelled() => return Exit::Shutdown,
                 }
             };
             // The actor holds a sender itself, so the mailbox never closes.
