@@ -22,7 +22,8 @@ pub enum CrashPoint {
     /// A dispatch's outcome (a result or a failure) reached the run's actor, which has
     /// not recorded it.
     ResultInFlight,
-    /// A top-level result was committed; the join's decision on it was not.
+    /// The join ran on top-level results the actor took; neither they nor what the
+    /// join decided are committed (approval requests it filed may exist).
     DuringJoin,
     /// The decision (and the run's terminal state) was committed; the relay has not
     /// delivered its events.

@@ -2,7 +2,10 @@
 //!
 //! Every change to a run — a dispatch, a result, a decision, a cancellation, a nested
 //! delegation — arrives as a message to the run's one task, which applies it to its copy
-//! of the run and commits the new version with the events it produced. Dispatches run
+//! of the run and commits the new version with the events it produced; dispatch reports
+//! and results already waiting in the mailbox are applied with the one at hand and
+//! committed with it, so a run's parallel results and the join's decision on them are
+//! usually one version. Dispatches run
 //! as their own tasks and report back by message, so one slow worker never holds up the
 //! rest, and a worker's failure only ever touches its own delegation.
 //!
@@ -139,9 +142,20 @@ pub(crate) struct RunActor {
     pending: Vec<PendingDelegate>,
     tx: Mailbox,
     rx: mpsc::UnboundedReceiver<Msg>,
-    /// A message taken from the mailbox early (while gathering dispatches to commit
-    /// together) and not handled yet: the next one handled.
+    /// A message taken from the mailbox early (while gathering dispatches and outcomes
+    /// to commit together) and not handled yet: the next one handled.
     held: Option<Msg>,
+    /// Events of dispatches and results taken from the mailbox but not committed yet:
+    /// the next commit carries them, before its own.
+    staged: Events,
+    /// The new run's task tokens (or why they were refused), asked for by StartRun
+    /// while it stored the run; taken when the actor begins.
+    issued: Option<Result<Vec<String>, Status>>,
+    /// Top-level results are staged that the join has not seen.
+    unjoined: bool,
+    /// The join ran on staged results; the commit carrying them (and its decision, if
+    /// any) has not happened.
+    joined: bool,
     /// Cancels the run's dispatches, telling their workers to stop (deadline, cancel,
     /// decision).
     cancel: CancellationToken,
@@ -219,15 +233,21 @@ impl RunActor {
     /// Spawns the actor for a freshly created run (version 1, delegations planned) and
     /// returns its mailbox. `span` is the run's root span; `None` continues the trace
     /// stored on the run (`trace_parent`), as for a run picked up again after a restart.
+    /// `issued` are the tokens for its [`startable`] delegations, when asked for already
+    /// ([`issue_tokens`]); `None`: the actor asks.
     pub(crate) fn spawn(
         deps: Arc<Deps>,
         run: v1::Run,
         spec: RunSpec,
         span: Option<Span>,
+        issued: Option<Result<Vec<String>, Status>>,
     ) -> Mailbox {
         let (mailbox, actor) = Self::new(deps, run, spec, span, false);
         match actor {
-            Some(actor) => actor.start(),
+            Some(mut actor) => {
+                actor.issued = issued;
+                actor.start();
+            }
             None => tracing::warn!("a new run's actor exists already"),
         }
         mailbox
@@ -313,6 +333,10 @@ impl RunActor {
             tx: tx.clone(),
             rx,
             held: None,
+            staged: Events::default(),
+            issued: None,
+            unjoined: false,
+            joined: false,
             cancel: CancellationToken::new(),
             abandon: CancellationToken::new(),
             tasks_in_flight: 0,
@@ -456,23 +480,32 @@ impl RunActor {
         e
     }
 
+    /// Commits the run as it is now with the staged events and then `events`, as one
+    /// new version.
     async fn commit(&mut self, events: Events) -> Result<(), StoreError> {
+        let mut all = std::mem::take(&mut self.staged);
+        all.run.extend(events.run);
+        all.cloud.extend(events.cloud);
+        let dispatches = all
+            .run
+            .iter()
+            .any(|e| matches!(e.kind, Some(Kind::Dispatched(_))));
+        if std::mem::take(&mut self.joined) {
+            self.deps.crash.at(CrashPoint::DuringJoin);
+        }
         self.run.version += 1;
         self.run.updated_at = Some(to_timestamp(now()));
-        self.deps.store.commit(&self.run, &events).await
+        self.deps.store.commit(&self.run, &all).await?;
+        if dispatches {
+            self.deps.crash.at(CrashPoint::AfterDispatch);
+        }
+        Ok(())
     }
 
     // ---- start ----------------------------------------------------------------------
 
     async fn begin(&mut self) -> Result<(), StoreError> {
-        let live: Vec<usize> = self
-            .run
-            .delegations
-            .iter()
-            .enumerate()
-            .filter(|(_, d)| d.state == v1::DelegationState::Pending as i32)
-            .map(|(i, _)| i)
-            .collect();
+        let (live, tasks) = startable(&self.run);
         let no_task = v1::DelegationTask::default();
         for (i, d) in self.run.delegations.iter().enumerate() {
             let task = d.task.as_ref().unwrap_or(&no_task);
@@ -498,11 +531,13 @@ impl RunActor {
                 self.end_delegation_span(i);
             }
         }
-        let tasks: Vec<v1::DelegationTask> = live
-            .iter()
-            .filter_map(|i| self.run.delegations[*i].task.clone())
-            .collect();
-        match self.issue_tokens(&tasks, None).await {
+        // StartRun asked for the tokens while it stored the run; a run started another
+        // way asks now.
+        let issued = match self.issued.take() {
+            Some(issued) => issued,
+            None => self.issue_tokens(&tasks, None).await,
+        };
+        match issued {
             Ok(tokens) => {
                 for (i, token) in live.iter().zip(tokens) {
                     self.slots[*i].token = token;
@@ -514,8 +549,8 @@ impl RunActor {
                 return self.finish(None, v1::RunState::Failed, reason).await;
             }
         }
-        self.run.state = v1::RunState::Running as i32;
-        self.commit(Events::default()).await?;
+        // The run turns RUNNING with its first dispatch, in that dispatch's commit:
+        // until a worker takes a delegation it is PENDING, accepted and not dispatched.
         self.pump(0);
         if live.is_empty() {
             self.join_step("plan").await?;
@@ -657,50 +692,14 @@ impl RunActor {
         tasks: &[v1::DelegationTask],
         parent_token: Option<&str>,
     ) -> Result<Vec<String>, Status> {
-        if tasks.is_empty() {
-            return Ok(Vec::new());
-        }
-        let t = now();
-        let req = v1::IssueTaskTokenRequest {
-            principal: self.run.principal.clone(),
-            run_id: self.run.run_id.clone(),
-            parent_token: parent_token.unwrap_or_default().to_owned(),
-            grants: tasks
-                .iter()
-                .map(|task| plan::grant(task, self.spec.limits.max_depth, t))
-                .collect(),
-        };
-        // The policy service may be restarting (a resumed run meets it right after a
-        // crash of the mesh): transient failures are retried a few times, so they do not
-        // fail the run.
-        let mut attempt = 0;
-        let tokens = loop {
-            attempt += 1;
-            match self
-                .deps
-                .policy
-                .issue_task_token(request(req.clone(), &self.deps.credential))
-                .await
-            {
-                Ok(r) => break r.into_inner().tokens,
-                Err(s) if status_is_transient(s.code()) && attempt < TOKEN_ATTEMPTS => {
-                    tracing::warn!(run_id = %self.run.run_id, attempt, error = %s.message(), "task tokens could not be issued; retrying");
-                    tokio::time::sleep(
-                        backoff(&self.deps.settings, attempt).max(Duration::from_millis(200)),
-                    )
-                    .await;
-                }
-                Err(s) => return Err(s),
-            }
-        };
-        if tokens.len() != tasks.len() {
-            return Err(Status::internal(format!(
-                "policy returned {} tokens for {} delegations",
-                tokens.len(),
-                tasks.len()
-            )));
-        }
-        Ok(tokens.into_iter().map(|t| t.token).collect())
+        issue_tokens(
+            &self.deps,
+            &self.run,
+            self.spec.limits.max_depth,
+            tasks,
+            parent_token,
+        )
+        .await
     }
 
     /// Starts queued delegations of a batch while it has free slots.
@@ -764,20 +763,21 @@ impl RunActor {
 
     async fn handle(&mut self, msg: Msg) -> Result<(), StoreError> {
         match msg {
-            Msg::Dispatched {
-                index,
-                worker_id,
-                attempt,
-            } => self.on_dispatched(index, worker_id, attempt).await,
-            Msg::Outcome {
-                index,
-                attempt,
-                worker_id,
-                outcome,
-            } => {
-                self.deps.crash.at(CrashPoint::ResultInFlight);
-                self.tasks_in_flight = self.tasks_in_flight.saturating_sub(1);
-                self.on_outcome(index, attempt, worker_id, outcome).await
+            msg @ (Msg::Dispatched { .. } | Msg::Outcome { .. }) => {
+                // Dispatches and outcomes that reported meanwhile (a run's parallel
+                // delegations start, and often finish, together) are taken with this
+                // one: the join runs once on every result taken, and one commit
+                // carries them all, with the decision when the join decides.
+                self.take(msg).await?;
+                while let Ok(next) = self.rx.try_recv() {
+                    if matches!(next, Msg::Dispatched { .. } | Msg::Outcome { .. }) {
+                        self.take(next).await?;
+                    } else {
+                        self.held = Some(next);
+                        break;
+                    }
+                }
+                self.settle().await
             }
             Msg::Cancel { reason, reply } => {
                 if !self.terminal() {
@@ -803,7 +803,10 @@ impl RunActor {
                         .as_ref()
                         .is_some_and(|t| t.delegation_id == result.delegation_id)
                 }) {
-                    Some(index) => self.record(index, result, false, false).await,
+                    Some(index) => {
+                        self.record(index, result, false, false).await?;
+                        self.settle().await
+                    }
                     None => {
                         // A result for a delegation this run does not have: the join
                         // rejects it as UNKNOWN_DELEGATION, visibly.
@@ -824,30 +827,43 @@ impl RunActor {
         }
     }
 
-    async fn on_dispatched(
-        &mut self,
-        index: usize,
-        worker_id: String,
-        attempt: u32,
-    ) -> Result<(), StoreError> {
-        let mut run = vec![self.dispatched(index, worker_id, attempt)];
-        // Dispatches that reported meanwhile (a run's parallel delegations start
-        // together) are committed with this one: one commit, not one each.
-        while let Ok(next) = self.rx.try_recv() {
-            match next {
-                Msg::Dispatched {
-                    index,
-                    worker_id,
-                    attempt,
-                } => run.push(self.dispatched(index, worker_id, attempt)),
-                other => {
-                    self.held = Some(other);
-                    break;
-                }
+    /// Takes a dispatch's report or a dispatch's outcome, staging what it changes for
+    /// the next commit ([`RunActor::settle`]).
+    async fn take(&mut self, msg: Msg) -> Result<(), StoreError> {
+        match msg {
+            Msg::Dispatched {
+                index,
+                worker_id,
+                attempt,
+            } => {
+                let e = self.dispatched(index, worker_id, attempt);
+                self.staged.run.push(e);
+                Ok(())
             }
+            Msg::Outcome {
+                index,
+                attempt,
+                worker_id,
+                outcome,
+            } => {
+                self.deps.crash.at(CrashPoint::ResultInFlight);
+                self.tasks_in_flight = self.tasks_in_flight.saturating_sub(1);
+                self.on_outcome(index, attempt, worker_id, outcome).await
+            }
+            _ => unreachable!("only dispatches and outcomes are taken"),
         }
-        self.commit(Events { run, cloud: vec![] }).await?;
-        self.deps.crash.at(CrashPoint::AfterDispatch);
+    }
+
+    /// Runs the join on the staged results (if any) and commits what is staged.
+    async fn settle(&mut self) -> Result<(), StoreError> {
+        if std::mem::take(&mut self.unjoined) {
+            self.joined = true;
+            self.join_step("result").await?;
+        }
+        if !self.staged.is_empty() {
+            self.commit(Events::default()).await?;
+        }
+        self.joined = false;
         Ok(())
     }
 
@@ -855,6 +871,9 @@ impl RunActor {
     fn dispatched(&mut self, index: usize, worker_id: String, attempt: u32) -> v1::RunEvent {
         if !self.slots[index].workers.contains(&worker_id) {
             self.slots[index].workers.push(worker_id.clone());
+        }
+        if self.run.state == v1::RunState::Pending as i32 {
+            self.run.state = v1::RunState::Running as i32;
         }
         let d = &mut self.run.delegations[index];
         d.state = v1::DelegationState::Dispatched as i32;
@@ -1009,7 +1028,8 @@ impl RunActor {
     }
 
     /// Records a result (or a synthesized failure) of delegation `index`; `accounted`
-    /// when its usage was already charged.
+    /// when its usage was already charged. A top-level result that is not late is
+    /// staged for the join: the caller settles ([`RunActor::settle`]).
     async fn record(
         &mut self,
         index: usize,
@@ -1076,9 +1096,11 @@ impl RunActor {
                 );
                 return self.commit(ev).await;
             }
-            self.commit(ev).await?;
-            self.deps.crash.at(CrashPoint::DuringJoin);
-            self.join_step("result").await
+            // Committed with the join's decision on it, or when the join waits for more.
+            self.staged.run.extend(ev.run);
+            self.staged.cloud.extend(ev.cloud);
+            self.unjoined = true;
+            Ok(())
         } else {
             self.commit(ev).await?;
             self.children_step();
@@ -1847,6 +1869,70 @@ impl RunActor {
         }
         self.children_step();
     }
+}
+
+/// The top-level delegations a new run starts with: those still pending (not dropped),
+/// by index, with their tasks.
+pub(crate) fn startable(run: &v1::Run) -> (Vec<usize>, Vec<v1::DelegationTask>) {
+    run.delegations
+        .iter()
+        .enumerate()
+        .filter(|(_, d)| d.state == v1::DelegationState::Pending as i32)
+        .filter_map(|(i, d)| Some((i, d.task.clone()?)))
+        .unzip()
+}
+
+/// Asks the policy service for one task token per task of `run`, in one call.
+pub(crate) async fn issue_tokens(
+    deps: &Deps,
+    run: &v1::Run,
+    max_depth: u32,
+    tasks: &[v1::DelegationTask],
+    parent_token: Option<&str>,
+) -> Result<Vec<String>, Status> {
+    if tasks.is_empty() {
+        return Ok(Vec::new());
+    }
+    let t = now();
+    let req = v1::IssueTaskTokenRequest {
+        principal: run.principal.clone(),
+        run_id: run.run_id.clone(),
+        parent_token: parent_token.unwrap_or_default().to_owned(),
+        grants: tasks
+            .iter()
+            .map(|task| plan::grant(task, max_depth, t))
+            .collect(),
+    };
+    // The policy service may be restarting (a resumed run meets it right after a crash
+    // of the mesh): transient failures are retried a few times, so they do not fail the
+    // run.
+    let mut attempt = 0;
+    let tokens = loop {
+        attempt += 1;
+        match deps
+            .policy
+            .issue_task_token(request(req.clone(), &deps.credential))
+            .await
+        {
+            Ok(r) => break r.into_inner().tokens,
+            Err(s) if status_is_transient(s.code()) && attempt < TOKEN_ATTEMPTS => {
+                tracing::warn!(run_id = %run.run_id, attempt, error = %s.message(), "task tokens could not be issued; retrying");
+                tokio::time::sleep(
+                    backoff(&deps.settings, attempt).max(Duration::from_millis(200)),
+                )
+                .await;
+            }
+            Err(s) => return Err(s),
+        }
+    };
+    if tokens.len() != tasks.len() {
+        return Err(Status::internal(format!(
+            "policy returned {} tokens for {} delegations",
+            tokens.len(),
+            tasks.len()
+        )));
+    }
+    Ok(tokens.into_iter().map(|t| t.token).collect())
 }
 
 /// Ends a stored run that cannot be resumed, as FAILED with `reason`, in one commit with

@@ -14,9 +14,10 @@ use convene_server::{Shutdown, invalid_field};
 use tokio::sync::{broadcast, mpsc, oneshot};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
+use tracing::Instrument;
 
 use crate::plan::{self, Placement};
-use crate::run::{Msg, RunActor};
+use crate::run::{self, Msg, RunActor};
 use crate::store::{Created, Events, IdempotencyKey, StoreError, is_terminal};
 use crate::watchers::RunWatchers;
 use crate::{Deps, events, trace};
@@ -326,18 +327,33 @@ impl Supervisor for SupervisorService {
             plan_span.in_scope(|| self.build_run(identity, &spec, &domain, &principal, now));
         plan_span.record("convene.plan.dropped", run.truncated.len());
         drop(plan_span);
-        match self
-            .deps
-            .store
-            .create(&run, key.as_ref(), &ev)
-            .await
-            .map_err(store_status)?
-        {
+        // The run's task tokens are asked for while the run is stored: neither waits for
+        // the other. Tokens of a run that is not stored (a store error, a duplicate
+        // idempotency key) never leave this process, and expire.
+        let tokens = async {
+            if start {
+                let (_, tasks) = run::startable(&run);
+                let max_depth = domain.limits.max_depth;
+                Some(run::issue_tokens(&self.deps, &run, max_depth, &tasks, None).await)
+            } else {
+                None
+            }
+        }
+        .instrument(run_span.clone());
+        let (created, issued) =
+            tokio::join!(self.deps.store.create(&run, key.as_ref(), &ev), tokens);
+        match created.map_err(store_status)? {
             Created::New => {
                 tracing::info!(run_id = %run.run_id, tenant = %run.tenant, trace_id = %run.trace_id, delegations = run.delegations.len(), "run accepted");
                 self.deps.crash.at(crate::crash::CrashPoint::AfterAccept);
                 if start {
-                    RunActor::spawn(self.deps.clone(), run.clone(), domain, Some(run_span));
+                    RunActor::spawn(
+                        self.deps.clone(),
+                        run.clone(),
+                        domain,
+                        Some(run_span),
+                        issued,
+                    );
                 } else {
                     trace::record_run_end(&run_span, &run);
                 }
