@@ -11,6 +11,7 @@ use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
 
 use crate::Error;
+use crate::combine::{Combiner, WriteFuture};
 use crate::group::{Group, Physical, Turn};
 use crate::sqlite::{BUSY_TIMEOUT as SQLITE_BUSY_TIMEOUT, Sqlite};
 use crate::statement::{Row, Statement};
@@ -64,6 +65,9 @@ pub struct Database {
     group: Arc<Group>,
     /// Where, for logs and errors (password hidden).
     shown: Arc<str>,
+    /// The queue of combined writes ([`Database::write`]); None in the combining task's
+    /// own handle, so the queue closes with the last handle of everyone else.
+    combiner: Option<Arc<Combiner>>,
 }
 
 impl fmt::Debug for Database {
@@ -217,10 +221,15 @@ impl Database {
             }
             Pool::Postgres(_) => None,
         };
-        Self {
+        let base = Self {
             pool,
             group: Group::new(idle),
             shown: shown.into(),
+            combiner: None,
+        };
+        Self {
+            combiner: Some(Arc::new(Combiner::start(base.clone()))),
+            ..base
         }
     }
 
@@ -273,6 +282,46 @@ impl Database {
         })
     }
 
+    /// Runs `job` in a write transaction and commits it: its value once its changes are
+    /// on disk, or its error (or the commit's) with nothing of it kept.
+    ///
+    /// Unlike [`Database::begin`], the job runs in the task that combines this process's
+    /// writes ([`crate::combine`]), one after another with the others queued, in a
+    /// savepoint of its own, and they share one commit: under load, no writer waits for
+    /// its own task to be scheduled before it may write. So the job must own what it
+    /// writes (`'static`), and should only run statements: it holds up every other
+    /// writer of the process while it runs. It runs to its end even when the caller
+    /// stops waiting.
+    ///
+    /// ```ignore
+    /// db.write(move |tx| Box::pin(async move {
+    ///     tx.execute(sql("INSERT INTO t (a) VALUES ($1)").bind(a)).await?;
+    ///     Ok::<_, Error>(())
+    /// }))
+    /// .await?;
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// The job's own error, or [`Error::Commit`] when the transaction could not begin or
+    /// commit (or the job panicked).
+    pub async fn write<T, E, F>(&self, job: F) -> Result<T, E>
+    where
+        F: for<'a> FnOnce(&'a mut Tx) -> WriteFuture<'a, Result<T, E>> + Send + 'static,
+        T: Send + 'static,
+        E: From<Error> + Send + 'static,
+    {
+        match &self.combiner {
+            Some(combiner) => combiner.write(job).await,
+            None => {
+                let mut tx = self.begin().await?;
+                let value = job(&mut tx).await?;
+                tx.commit().await?;
+                Ok(value)
+            }
+        }
+    }
+
     /// Write transactions committed through this handle so far, and the physical
     /// commits (fsyncs) that carried them: writers that queue up behind each other share
     /// one (see [`crate::group`]).
@@ -280,30 +329,26 @@ impl Database {
         self.group.commits()
     }
 
-    /// Runs one writing statement in a transaction of its own; returns the rows it
-    /// changed.
+    /// Runs one writing statement as a write of its own ([`Database::write`]); returns
+    /// the rows it changed.
     ///
     /// # Errors
     ///
     /// [`Error::Query`] when the statement fails (nothing is changed then).
     pub async fn execute(&self, statement: Statement) -> Result<u64, Error> {
-        let mut tx = self.begin().await?;
-        let n = tx.execute(statement).await?;
-        tx.commit().await?;
-        Ok(n)
+        self.write(move |tx| Box::pin(async move { tx.execute(statement).await }))
+            .await
     }
 
-    /// Runs one writing statement with a `RETURNING` clause in a transaction of its
-    /// own; returns its row, if any.
+    /// Runs one writing statement with a `RETURNING` clause as a write of its own
+    /// ([`Database::write`]); returns its row, if any.
     ///
     /// # Errors
     ///
     /// [`Error::Query`] when the statement fails (nothing is changed then).
     pub async fn write_returning(&self, statement: Statement) -> Result<Option<Row>, Error> {
-        let mut tx = self.begin().await?;
-        let row = tx.fetch_optional(statement).await?;
-        tx.commit().await?;
-        Ok(row)
+        self.write(move |tx| Box::pin(async move { tx.fetch_optional(statement).await }))
+            .await
     }
 
     /// Runs a reading statement; returns its first row, if any. Writes go through

@@ -26,6 +26,7 @@
 //! server, so each store test runs on every back end that is available.
 #![forbid(unsafe_code)]
 
+mod combine;
 mod database;
 mod error;
 mod group;
@@ -36,6 +37,7 @@ pub mod time;
 #[cfg(feature = "test-util")]
 pub mod test_util;
 
+pub use combine::WriteFuture;
 pub use database::{
     Backend, Database, Location, MEMORY, SQLITE_FILE, Tx, open, redact, sqlite_url,
 };

@@ -383,6 +383,127 @@ async fn queued_writers_share_commits_and_keep_their_own_outcome() {
     }
 }
 
+/// Writes given to `Database::write` from many tasks at once run one after another in
+/// shared transactions: each caller gets its own job's value once it is committed, a job
+/// that fails (with an error, or by panicking) undoes only itself, and a job whose
+/// caller stopped waiting is still committed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn combined_writes_keep_their_own_outcome_and_share_commits() {
+    const WRITERS: usize = 120;
+    let insert = |id: String| {
+        sql(
+            "INSERT INTO revocations (kind, target_id, reason, revoked_at) \
+             VALUES ('token', $1, 'r', 0)",
+        )
+        .bind(id)
+    };
+    for t in test_databases().await {
+        let db = t.db.clone();
+        db.execute(insert("taken".to_owned())).await.unwrap();
+        let (_, physical_before) = db.commits();
+        let mut tasks = tokio::task::JoinSet::new();
+        for i in 0..WRITERS {
+            let db = db.clone();
+            tasks.spawn(async move {
+                let a = insert(format!("w{i:03}-a"));
+                let b = insert(format!("w{i:03}-b"));
+                match i % 4 {
+                    // A statement fails: the job's error, and only its changes undone.
+                    0 => {
+                        let taken = insert("taken".to_owned());
+                        let err = db
+                            .write(move |tx| {
+                                Box::pin(async move {
+                                    tx.execute(a).await?;
+                                    tx.execute(taken).await?;
+                                    Ok::<_, Error>(())
+                                })
+                            })
+                            .await
+                            .unwrap_err();
+                        assert!(err.is_unique_violation(), "{err}");
+                        (i, false)
+                    }
+                    // A job that panics fails alone.
+                    1 => {
+                        let err = db
+                            .write(move |tx| {
+                                Box::pin(async move {
+                                    tx.execute(a).await?;
+                                    if i < WRITERS {
+                                        panic!("job {i} panics on purpose");
+                                    }
+                                    Ok::<_, Error>(())
+                                })
+                            })
+                            .await
+                            .unwrap_err();
+                        assert!(err.to_string().contains("panicked"), "{err}");
+                        (i, false)
+                    }
+                    // The caller stops waiting once the job is queued: it still commits.
+                    2 => {
+                        let waited = tokio::time::timeout(
+                            Duration::ZERO,
+                            db.write(move |tx| {
+                                Box::pin(async move {
+                                    tx.execute(a).await?;
+                                    tx.execute(b).await?;
+                                    Ok::<_, Error>(())
+                                })
+                            }),
+                        )
+                        .await;
+                        assert!(waited.is_err(), "the write finished at once");
+                        (i, true)
+                    }
+                    _ => {
+                        let value = db
+                            .write(move |tx| {
+                                Box::pin(async move {
+                                    tx.execute(a).await?;
+                                    tx.execute(b).await?;
+                                    Ok::<_, Error>(i)
+                                })
+                            })
+                            .await
+                            .unwrap();
+                        assert_eq!(value, i);
+                        (i, true)
+                    }
+                }
+            });
+        }
+        let mut expected = vec!["taken".to_owned()];
+        while let Some(done) = tasks.join_next().await {
+            let (i, committed) = done.unwrap();
+            if committed {
+                expected.push(format!("w{i:03}-a"));
+                expected.push(format!("w{i:03}-b"));
+            }
+        }
+        let writes = WRITERS as u64 + 1;
+        // Jobs run in the order they were given: this one runs after every job above,
+        // including those whose callers went away.
+        db.execute(insert("after".to_owned())).await.unwrap();
+        expected.push("after".to_owned());
+        expected.sort();
+        let rows = db
+            .fetch_all(sql("SELECT target_id FROM revocations ORDER BY target_id"))
+            .await
+            .unwrap();
+        let ids: Vec<String> = rows.iter().map(|r| r.get("target_id").unwrap()).collect();
+        assert_eq!(ids, expected, "{}", t.label);
+        let (_, physical) = db.commits();
+        assert!(
+            physical - physical_before < writes,
+            "{}: {writes} writes took {} physical commits: none shared one",
+            t.label,
+            physical - physical_before
+        );
+    }
+}
+
 /// A batch handed over to a queued writer that is cancelled before it takes its turn is
 /// still committed: the writers in it hear so, and the write lock is free again.
 #[tokio::test]
@@ -447,7 +568,14 @@ async fn a_writer_that_stops_waiting_for_another_processs_lock_leaves_it_free() 
     };
     let mut held = a.begin().await.unwrap();
     held.execute(revoke("by-a")).await.unwrap();
-    let gave_up = tokio::time::timeout(Duration::from_millis(300), b.execute(revoke("by-b"))).await;
+    // (Through `begin`: a combined write, `execute`, would finish after its caller gave
+    // up, by design.)
+    let gave_up = tokio::time::timeout(Duration::from_millis(300), async {
+        let mut tx = b.begin().await?;
+        tx.execute(revoke("by-b")).await?;
+        tx.commit().await
+    })
+    .await;
     assert!(gave_up.is_err(), "B cannot write while A holds the lock");
     held.commit().await.unwrap();
     // B's wait ends within its busy handler's back-off (at most 100 ms a try).

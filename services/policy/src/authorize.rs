@@ -8,6 +8,7 @@
 //! cover action, resource and data scope; and finally the call is counted against
 //! `max_calls`. Only a call that passes every check consumes a call.
 
+use std::sync::Arc;
 use std::time::SystemTime;
 
 use convene_core::permissions::{
@@ -21,7 +22,7 @@ use crate::Error;
 use crate::decision_log::{AuthorizeRecord, LogEntry};
 use crate::issue::{describe, describe_data, list};
 use crate::service::Inner;
-use crate::state::{Call, Counted, RevokeTarget};
+use crate::state::{Call, Counted, DecisionOf, RevokeTarget};
 
 /// A decision before it is logged.
 enum Outcome {
@@ -67,18 +68,16 @@ impl Verdict {
     fn of_count(
         counted: Counted,
         max_calls: u32,
-        request: &v1::AuthorizeRequest,
-        tool: Option<&Tool>,
+        action: &str,
+        resource: &str,
+        tool: &str,
     ) -> Self {
         match counted {
             Counted::Allowed { used } => Verdict {
                 allowed: true,
                 reason: AuthorizeReason::Allowed,
                 detail: format!(
-                    "allowed: `{}` on `{}` with tool `{}` (call {used} of {max_calls})",
-                    effective_action(request, tool),
-                    request.resource,
-                    request.tool
+                    "allowed: `{action}` on `{resource}` with tool `{tool}` (call {used} of {max_calls})"
                 ),
                 calls_used: used,
             },
@@ -110,25 +109,34 @@ impl Inner {
         let time = humantime::format_rfc3339_millis(now).to_string();
         let claims = outcome.claims();
         let field = |f: fn(&Claims) -> &String| claims.map(f).cloned().unwrap_or_default();
-        let record = |verdict: &Verdict| {
+        // The record of this decision, but for the verdict: owned, since the count and
+        // its record may be written by the database's writer task.
+        let base = AuthorizeRecord {
+            decision_id: decision_id.clone(),
+            time,
+            token_id: field(|c| &c.token_id),
+            run_id: field(|c| &c.run_id),
+            delegation_id: field(|c| &c.delegation_id),
+            tenant: field(|c| &c.tenant),
+            principal: field(|c| &c.subject),
+            profile_id: field(|c| &c.profile_id),
+            audience: request.audience.clone(),
+            tool: request.tool.clone(),
+            action: request.action.clone(),
+            resource: request.resource.clone(),
+            tool_call_id: request.tool_call_id.clone(),
+            allowed: false,
+            reason: String::new(),
+            detail: String::new(),
+            calls_used: 0,
+        };
+        let record = move |verdict: &Verdict| {
             LogEntry::Authorize(AuthorizeRecord {
-                decision_id: decision_id.clone(),
-                time: time.clone(),
-                token_id: field(|c| &c.token_id),
-                run_id: field(|c| &c.run_id),
-                delegation_id: field(|c| &c.delegation_id),
-                tenant: field(|c| &c.tenant),
-                principal: field(|c| &c.subject),
-                profile_id: field(|c| &c.profile_id),
-                audience: request.audience.clone(),
-                tool: request.tool.clone(),
-                action: request.action.clone(),
-                resource: request.resource.clone(),
-                tool_call_id: request.tool_call_id.clone(),
                 allowed: verdict.allowed,
                 reason: verdict.reason.as_str_name().to_owned(),
                 detail: verdict.detail.clone(),
                 calls_used: verdict.calls_used,
+                ..base.clone()
             })
         };
 
@@ -144,11 +152,18 @@ impl Inner {
                     expires_at: claims.expiry().unwrap_or(now),
                     now,
                 };
-                let verdict_of =
-                    |counted| Verdict::of_count(counted, claims.max_calls, request, tool);
+                let max_calls = claims.max_calls;
+                let action = effective_action(request, tool).to_owned();
+                let resource = request.resource.clone();
+                let tool_name = request.tool.clone();
+                let verdict_of = Arc::new(move |counted| {
+                    Verdict::of_count(counted, max_calls, &action, &resource, &tool_name)
+                });
+                let decide = verdict_of.clone();
+                let decision: DecisionOf = Arc::new(move |counted| record(&decide(counted)));
                 let counted = self
                     .state
-                    .record_call_logged(call, &*self.log, &|counted| record(&verdict_of(counted)))
+                    .record_call_logged(call, &*self.log, decision)
                     .await?;
                 verdict_of(counted)
             }

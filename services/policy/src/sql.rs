@@ -98,6 +98,24 @@ impl SqlPolicyState {
     }
 }
 
+/// Why a counted call and its record could not be written.
+enum Failed {
+    /// Counting.
+    State(convene_store::Error),
+    /// The record did not encode.
+    Encode(serde_json::Error),
+    /// Appending the record, or committing the pair.
+    Log(convene_store::Error),
+}
+
+/// The commit (or beginning the transaction) failed: as before this write was combined,
+/// reported as the record that could not be appended.
+impl From<convene_store::Error> for Failed {
+    fn from(e: convene_store::Error) -> Self {
+        Failed::Log(e)
+    }
+}
+
 fn target_key(target: &RevokeTarget) -> (&'static str, &str) {
     match target {
         RevokeTarget::Token(id) => ("token", id),
@@ -109,9 +127,9 @@ fn target_key(target: &RevokeTarget) -> (&'static str, &str) {
 impl PolicyState for SqlPolicyState {
     async fn record_issued(&self, tokens: &[IssuedToken]) -> Result<(), StateError> {
         // One transaction (one commit) for the tokens of a request.
-        let mut tx = self.db.begin().await?;
-        for token in tokens {
-            tx.execute(
+        let inserts: Vec<Statement> = tokens
+            .iter()
+            .map(|token| {
                 sql(
                     "INSERT INTO issued_tokens (token_id, run_id, tenant, expires_at) \
                      VALUES ($1, $2, $3, $4) ON CONFLICT (token_id) DO NOTHING",
@@ -119,11 +137,19 @@ impl PolicyState for SqlPolicyState {
                 .bind(&token.token_id)
                 .bind(&token.run_id)
                 .bind(&token.tenant)
-                .bind(micros(token.expires_at)),
-            )
+                .bind(micros(token.expires_at))
+            })
+            .collect();
+        self.db
+            .write::<_, StateError, _>(move |tx| {
+                Box::pin(async move {
+                    for insert in inserts {
+                        tx.execute(insert).await?;
+                    }
+                    Ok(())
+                })
+            })
             .await?;
-        }
-        tx.commit().await?;
         let n = tokens.len() as u64;
         let before = self.issued.fetch_add(n, Ordering::Relaxed);
         if before / PRUNE_EVERY != (before + n) / PRUNE_EVERY {
@@ -189,15 +215,17 @@ impl PolicyState for SqlPolicyState {
         // The revocation and its record commit together.
         let append =
             log_statement(&entry).map_err(|e| log_error(&self.db, "encode a record", e))?;
-        let mut tx = self.db.begin().await.map_err(StateError::from)?;
-        tx.execute(revocation(target, reason))
+        let revoke = revocation(target, reason);
+        self.db
+            .write::<_, convene_store::Error, _>(move |tx| {
+                Box::pin(async move {
+                    tx.execute(revoke).await?;
+                    tx.execute(append).await?;
+                    Ok(())
+                })
+            })
             .await
-            .map_err(StateError::from)?;
-        let appended = match tx.execute(append).await {
-            Ok(_) => tx.commit().await,
-            Err(e) => Err(e),
-        };
-        appended.map_err(|e| log_error(&self.db, "append a record", e))?;
+            .map_err(|e| log_error(&self.db, "append a record", e))?;
         Ok(())
     }
 
@@ -205,44 +233,49 @@ impl PolicyState for SqlPolicyState {
         &self,
         call: Call<'_>,
         log: &dyn DecisionLog,
-        decision: DecisionOf<'_>,
+        decision: DecisionOf,
     ) -> Result<Counted, crate::Error> {
         if !log.database().is_some_and(|db| db.same_as(&self.db)) {
             return count_then_log(self, call, log, decision).await;
         }
         // The count and its decision commit together: no call is counted without its
         // record, and the pair costs one commit.
-        let mut tx = self.db.begin().await.map_err(StateError::from)?;
-        let row = if call.max_calls == 0 {
-            None
-        } else {
-            tx.fetch_optional(count_call(call.token_id, call.max_calls, call.expires_at))
-                .await
-                .map_err(StateError::from)?
-        };
-        let counted = match row {
-            Some(row) => Counted::Allowed {
-                used: used_of(Some(row)).map_err(StateError::from)?,
-            },
-            None => {
-                let row = tx
-                    .fetch_optional(calls_used(call.token_id))
-                    .await
-                    .map_err(StateError::from)?;
-                Counted::LimitExceeded {
-                    used: used_of(row).map_err(StateError::from)?,
-                    max: call.max_calls,
-                }
-            }
-        };
-        let append = log_statement(&decision(counted))
-            .map_err(|e| log_error(&self.db, "encode a record", e))?;
-        let appended = match tx.execute(append).await {
-            Ok(_) => tx.commit().await,
-            Err(e) => Err(e),
-        };
-        appended.map_err(|e| log_error(&self.db, "append a record", e))?;
-        Ok(counted)
+        let count = (call.max_calls != 0)
+            .then(|| count_call(call.token_id, call.max_calls, call.expires_at));
+        let used = calls_used(call.token_id);
+        let max_calls = call.max_calls;
+        let written = self
+            .db
+            .write::<_, Failed, _>(move |tx| {
+                Box::pin(async move {
+                    let row = match count {
+                        Some(count) => tx.fetch_optional(count).await.map_err(Failed::State)?,
+                        None => None,
+                    };
+                    let counted = match row {
+                        Some(row) => Counted::Allowed {
+                            used: used_of(Some(row)).map_err(Failed::State)?,
+                        },
+                        None => {
+                            let row = tx.fetch_optional(used).await.map_err(Failed::State)?;
+                            Counted::LimitExceeded {
+                                used: used_of(row).map_err(Failed::State)?,
+                                max: max_calls,
+                            }
+                        }
+                    };
+                    let append = log_statement(&decision(counted)).map_err(Failed::Encode)?;
+                    tx.execute(append).await.map_err(Failed::Log)?;
+                    Ok(counted)
+                })
+            })
+            .await;
+        match written {
+            Ok(counted) => Ok(counted),
+            Err(Failed::State(e)) => Err(StateError::from(e).into()),
+            Err(Failed::Encode(e)) => Err(log_error(&self.db, "encode a record", e).into()),
+            Err(Failed::Log(e)) => Err(log_error(&self.db, "append a record", e).into()),
+        }
     }
 
     async fn revoke_token(&self, token_id: &str, reason: &str) -> Result<(), StateError> {

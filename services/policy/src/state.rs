@@ -7,6 +7,7 @@
 //! implementation is honest about I/O; the in-memory one never fails and never awaits.
 
 use std::fmt;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::SystemTime;
 
@@ -69,8 +70,9 @@ pub enum Counted {
     },
 }
 
-/// The decision to log for a counted call, made from how the count ended.
-pub type DecisionOf<'a> = &'a (dyn Fn(Counted) -> LogEntry + Send + Sync);
+/// The decision to log for a counted call, made from how the count ended. Owned, so a
+/// write job of the database's writer task can make it.
+pub type DecisionOf = Arc<dyn Fn(Counted) -> LogEntry + Send + Sync>;
 
 /// What a revocation names.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -145,7 +147,7 @@ pub trait PolicyState: Send + Sync + fmt::Debug {
         &self,
         call: Call<'_>,
         log: &dyn DecisionLog,
-        decision: DecisionOf<'_>,
+        decision: DecisionOf,
     ) -> Result<Counted, crate::Error> {
         count_then_log(self, call, log, decision).await
     }
@@ -184,7 +186,7 @@ pub(crate) async fn count_then_log<S: PolicyState + ?Sized>(
     state: &S,
     call: Call<'_>,
     log: &dyn DecisionLog,
-    decision: DecisionOf<'_>,
+    decision: DecisionOf,
 ) -> Result<Counted, crate::Error> {
     let counted = match state
         .record_call(call.token_id, call.max_calls, call.expires_at, call.now)

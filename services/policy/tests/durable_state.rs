@@ -12,7 +12,7 @@ use convene_mesh::auth::request;
 use convene_policy::decision_log::{AuthorizeRecord, DecisionLog, LogEntry, RevokeRecord};
 use convene_policy::sql::{SqlDecisionLog, SqlPolicyState};
 use convene_policy::state::{
-    Call, CallError, Counted, IssuedToken, MemoryState, PolicyState, RevokeTarget,
+    Call, CallError, Counted, DecisionOf, IssuedToken, MemoryState, PolicyState, RevokeTarget,
 };
 use convene_policy::{Config, DecisionLogTarget, PolicyService};
 use convene_proto::v1::{self, AuthorizeReason, revoke_request::Target};
@@ -287,7 +287,7 @@ async fn a_call_and_its_decision_commit_together_or_not_at_all() {
             now: at(1),
         };
         // The decision is made from the count: allowed, then refused at the limit.
-        let decision = |counted: Counted| {
+        let decision: DecisionOf = Arc::new(|counted: Counted| {
             let LogEntry::Authorize(mut r) = authorize_record(0) else {
                 unreachable!()
             };
@@ -296,14 +296,14 @@ async fn a_call_and_its_decision_commit_together_or_not_at_all() {
                 Counted::LimitExceeded { used, .. } => (false, used),
             };
             LogEntry::Authorize(r)
-        };
+        });
         let first = state
-            .record_call_logged(call, &log, &decision)
+            .record_call_logged(call, &log, decision.clone())
             .await
             .unwrap();
         assert_eq!(first, Counted::Allowed { used: 1 }, "{}", t.label);
         let second = state
-            .record_call_logged(call, &log, &decision)
+            .record_call_logged(call, &log, decision.clone())
             .await
             .unwrap();
         assert_eq!(
@@ -350,7 +350,7 @@ async fn a_call_and_its_decision_commit_together_or_not_at_all() {
             ..call
         };
         let err = state
-            .record_call_logged(call, &log, &decision)
+            .record_call_logged(call, &log, decision.clone())
             .await
             .unwrap_err();
         assert!(
@@ -392,16 +392,16 @@ async fn a_log_elsewhere_gets_the_decision_after_the_count() {
         expires_at: at(100),
         now: at(1),
     };
-    let decision = |counted: Counted| {
+    let decision: DecisionOf = Arc::new(|counted: Counted| {
         let used = match counted {
             Counted::Allowed { used } | Counted::LimitExceeded { used, .. } => used,
         };
         authorize_record(used)
-    };
+    });
     for expected in [1, 2] {
         assert_eq!(
             state
-                .record_call_logged(call, &log, &decision)
+                .record_call_logged(call, &log, decision.clone())
                 .await
                 .unwrap(),
             Counted::Allowed { used: expected }
@@ -409,7 +409,7 @@ async fn a_log_elsewhere_gets_the_decision_after_the_count() {
     }
     assert_eq!(
         state
-            .record_call_logged(call, &log, &decision)
+            .record_call_logged(call, &log, decision.clone())
             .await
             .unwrap(),
         Counted::LimitExceeded { used: 2, max: 2 }

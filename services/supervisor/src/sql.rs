@@ -224,32 +224,36 @@ impl SqlRunStore {
     /// server ends its session instead, the locks go, and the stalled write fails.
     async fn begin(&self, appends: bool) -> Result<Tx, StoreError> {
         let mut tx = self.db.begin().await?;
-        if tx.backend() == Backend::Postgres {
-            let idle = self
-                .creator
-                .as_ref()
-                .map(|(_, ttl)| ttl.as_millis().max(1).to_string());
-            let guard = match (idle, appends) {
-                (Some(ms), true) => Some(
-                    sql(
-                        "SELECT set_config('idle_in_transaction_session_timeout', $1, true), \
-                         pg_advisory_xact_lock($2)",
-                    )
-                    .bind(ms)
-                    .bind(APPEND_LOCK),
-                ),
-                (Some(ms), false) => Some(
-                    sql("SELECT set_config('idle_in_transaction_session_timeout', $1, true)")
-                        .bind(ms),
-                ),
-                (None, true) => Some(sql("SELECT pg_advisory_xact_lock($1)").bind(APPEND_LOCK)),
-                (None, false) => None,
-            };
-            if let Some(guard) = guard {
-                tx.execute(guard).await?;
-            }
+        if let Some(guard) = self.guard(appends) {
+            tx.execute(guard).await?;
         }
         Ok(tx)
+    }
+
+    /// What a write transaction runs first on PostgreSQL (see [`SqlRunStore::begin`]).
+    fn guard(&self, appends: bool) -> Option<Statement> {
+        if self.db.backend() != Backend::Postgres {
+            return None;
+        }
+        let idle = self
+            .creator
+            .as_ref()
+            .map(|(_, ttl)| ttl.as_millis().max(1).to_string());
+        match (idle, appends) {
+            (Some(ms), true) => Some(
+                sql(
+                    "SELECT set_config('idle_in_transaction_session_timeout', $1, true), \
+                     pg_advisory_xact_lock($2)",
+                )
+                .bind(ms)
+                .bind(APPEND_LOCK),
+            ),
+            (Some(ms), false) => Some(
+                sql("SELECT set_config('idle_in_transaction_session_timeout', $1, true)").bind(ms),
+            ),
+            (None, true) => Some(sql("SELECT pg_advisory_xact_lock($1)").bind(APPEND_LOCK)),
+            (None, false) => None,
+        }
     }
 
     /// Remembers `run` as committed (forgets it once finished).
@@ -274,31 +278,9 @@ impl SqlRunStore {
             .filter(|l| l.version == version)
     }
 
-    /// Why the commit of `run` over `expected` may not go ahead, from the stored row:
-    /// no such run, another version, or another replica's lease.
-    fn refusal(&self, row: Option<&Row>, run: &v1::Run, expected: u64) -> Result<(), StoreError> {
-        let row = row.ok_or_else(|| StoreError::NotFound(run.run_id.clone()))?;
-        let found = row.get_u64("version")?;
-        if found != expected {
-            return Err(StoreError::Conflict {
-                run_id: run.run_id.clone(),
-                expected,
-                found,
-            });
-        }
-        // Lease fencing: once another replica claimed the run, this one never writes it
-        // again, even where its version still matches. A lease that merely expired with
-        // nobody claiming it still names this replica, which may go on.
-        if let Some((me, _)) = &self.creator {
-            let holder: Option<String> = row.get("owner")?;
-            if let Some(holder) = holder.filter(|h| h != me) {
-                return Err(StoreError::LeaseLost {
-                    run_id: run.run_id.clone(),
-                    owner: holder,
-                });
-            }
-        }
-        Ok(())
+    /// This replica, when the store leases runs.
+    fn owner(&self) -> Option<&str> {
+        self.creator.as_ref().map(|(me, _)| me.as_str())
     }
 
     fn announce(&self, run_id: &str, events: &Events) {
@@ -310,6 +292,39 @@ impl SqlRunStore {
         // Nobody listening is fine.
         let _ = self.notify.send(committed);
     }
+}
+
+/// Why the commit of `run` over `expected` may not go ahead, from the stored row: no
+/// such run, another version, or another replica's lease (`me`: this replica, when runs
+/// are leased).
+fn refusal(
+    me: Option<&str>,
+    row: Option<&Row>,
+    run: &v1::Run,
+    expected: u64,
+) -> Result<(), StoreError> {
+    let row = row.ok_or_else(|| StoreError::NotFound(run.run_id.clone()))?;
+    let found = row.get_u64("version")?;
+    if found != expected {
+        return Err(StoreError::Conflict {
+            run_id: run.run_id.clone(),
+            expected,
+            found,
+        });
+    }
+    // Lease fencing: once another replica claimed the run, this one never writes it
+    // again, even where its version still matches. A lease that merely expired with
+    // nobody claiming it still names this replica, which may go on.
+    if me.is_some() {
+        let holder: Option<String> = row.get("owner")?;
+        if let Some(holder) = holder.filter(|h| Some(h.as_str()) != me) {
+            return Err(StoreError::LeaseLost {
+                run_id: run.run_id.clone(),
+                owner: holder,
+            });
+        }
+    }
+    Ok(())
 }
 
 /// The ends of the event tables: the last run-event id and outbox position.
@@ -530,132 +545,163 @@ impl RunStore for SqlRunStore {
         key: Option<&IdempotencyKey>,
         events: &Events,
     ) -> Result<Created, StoreError> {
-        let mut tx = self.begin(true).await?;
-        if let Some(key) = key {
-            // The primary key decides a race between two StartRuns with one key: the
-            // loser inserts nothing (PostgreSQL waits for the winner's commit first).
-            let inserted = tx
-                .execute(
-                    sql("INSERT INTO idempotency_keys (principal, key, run_id) \
-                         VALUES ($1, $2, $3) ON CONFLICT (principal, key) DO NOTHING")
-                    .bind(&key.principal)
-                    .bind(&key.key)
-                    .bind(&run.run_id),
-                )
-                .await?;
-            if inserted == 0 {
-                // Read inside the transaction: the winner may be an earlier writer of
-                // this very batch, whose run only this transaction sees until the batch
-                // commits. Committing (nothing) then waits for that commit, so the run
-                // returned is durable.
-                let row = tx
-                    .fetch_optional(
-                        sql("SELECT r.body FROM idempotency_keys k \
-                             JOIN runs r ON r.run_id = k.run_id \
-                             WHERE k.principal = $1 AND k.key = $2")
-                        .bind(&key.principal)
-                        .bind(&key.key),
-                    )
-                    .await?
-                    .ok_or_else(|| {
-                        StoreError::Backend(format!(
-                            "idempotency key {:?} of {} points at no run",
-                            key.key, key.principal
-                        ))
-                    })?;
-                let existing: v1::Run = decode(&row, "runs")?;
-                tx.commit().await?;
-                return Ok(Created::Existing(Box::new(existing)));
-            }
-        }
+        let guard = self.guard(true);
         let (owner, lease_until) = match &self.creator {
             Some((owner, ttl)) => (Some(owner.clone()), Some(micros(SystemTime::now() + *ttl))),
             None => (None, None),
         };
-        tx.execute(
-            sql(
-                "INSERT INTO runs (run_id, tenant, principal, state, terminal, version, \
-                 created_at, updated_at, owner, lease_until, trace_id, body) \
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)",
-            )
-            .bind(&run.run_id)
-            .bind(&run.tenant)
-            .bind(&run.principal)
-            .bind(run.state)
-            .bind(is_terminal(run.state))
-            .bind(run.version)
-            .bind(ts_micros(run.created_at.as_ref()))
-            .bind(ts_micros(run.updated_at.as_ref()))
-            .bind(owner)
-            .bind(lease_until)
-            .bind(&run.trace_id)
-            .bind(run.encode_to_vec()),
-        )
-        .await?;
-        append(&mut tx, run, None, events).await?;
-        tx.commit().await?;
-        self.remember(run);
-        self.announce(&run.run_id, events);
-        Ok(Created::New)
+        let key = key.cloned();
+        let stored = run.clone();
+        let appended = events.clone();
+        let created = self
+            .db
+            .write::<_, StoreError, _>(move |tx| {
+                Box::pin(async move {
+                    let run = &stored;
+                    if let Some(guard) = guard {
+                        tx.execute(guard).await?;
+                    }
+                    if let Some(key) = &key {
+                        // The primary key decides a race between two StartRuns with one
+                        // key: the loser inserts nothing (PostgreSQL waits for the
+                        // winner's commit first).
+                        let inserted = tx
+                            .execute(
+                                sql("INSERT INTO idempotency_keys (principal, key, run_id) \
+                                     VALUES ($1, $2, $3) ON CONFLICT (principal, key) DO NOTHING")
+                                .bind(&key.principal)
+                                .bind(&key.key)
+                                .bind(&run.run_id),
+                            )
+                            .await?;
+                        if inserted == 0 {
+                            // Read inside the transaction: the winner may be an earlier
+                            // write of this very batch, whose run only this transaction
+                            // sees until the batch commits. Committing (nothing) then
+                            // waits for that commit, so the run returned is durable.
+                            let row = tx
+                                .fetch_optional(
+                                    sql("SELECT r.body FROM idempotency_keys k \
+                                         JOIN runs r ON r.run_id = k.run_id \
+                                         WHERE k.principal = $1 AND k.key = $2")
+                                    .bind(&key.principal)
+                                    .bind(&key.key),
+                                )
+                                .await?
+                                .ok_or_else(|| {
+                                    StoreError::Backend(format!(
+                                        "idempotency key {:?} of {} points at no run",
+                                        key.key, key.principal
+                                    ))
+                                })?;
+                            let existing: v1::Run = decode(&row, "runs")?;
+                            return Ok(Created::Existing(Box::new(existing)));
+                        }
+                    }
+                    tx.execute(
+                        sql(
+                            "INSERT INTO runs (run_id, tenant, principal, state, terminal, \
+                             version, created_at, updated_at, owner, lease_until, trace_id, \
+                             body) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)",
+                        )
+                        .bind(&run.run_id)
+                        .bind(&run.tenant)
+                        .bind(&run.principal)
+                        .bind(run.state)
+                        .bind(is_terminal(run.state))
+                        .bind(run.version)
+                        .bind(ts_micros(run.created_at.as_ref()))
+                        .bind(ts_micros(run.updated_at.as_ref()))
+                        .bind(owner)
+                        .bind(lease_until)
+                        .bind(&run.trace_id)
+                        .bind(run.encode_to_vec()),
+                    )
+                    .await?;
+                    append(tx, run, None, &appended).await?;
+                    Ok(Created::New)
+                })
+            })
+            .await?;
+        if matches!(created, Created::New) {
+            self.remember(run);
+            self.announce(&run.run_id, events);
+        }
+        Ok(created)
     }
 
     async fn commit(&self, run: &v1::Run, events: &Events) -> Result<(), StoreError> {
         let expected = run.version.saturating_sub(1);
         let remembered = self.recall(&run.run_id, expected);
-        let mut tx = self.begin(true).await?;
-        let read = match tx.backend() {
-            Backend::Sqlite => sql("SELECT version, owner, body FROM runs WHERE run_id = $1"),
-            Backend::Postgres => {
-                sql("SELECT version, owner, body FROM runs WHERE run_id = $1 FOR UPDATE")
-            }
-        };
-        let before = match remembered {
-            Some(last) => last,
-            None => {
-                let row = tx.fetch_optional(read.clone().bind(&run.run_id)).await?;
-                self.refusal(row.as_ref(), run, expected)?;
-                let stored: v1::Run = decode(row.as_ref().expect("checked above"), "runs")?;
-                Last::of(&stored)
-            }
-        };
-        // The version and lease checks again, in the write itself: they hold for the row
-        // as it is now (SQLite has one writer; PostgreSQL locks the row it updates).
-        // With leases, a run another replica claimed is not this one's to write.
-        let fenced = self.creator.as_ref().map(|(me, _)| me);
-        let text = if fenced.is_some() {
-            "UPDATE runs SET state = $3, terminal = $4, version = $5, updated_at = $6, \
-             trace_id = $7, body = $8 \
-             WHERE run_id = $1 AND version = $2 AND (owner IS NULL OR owner = $9)"
-        } else {
-            "UPDATE runs SET state = $3, terminal = $4, version = $5, updated_at = $6, \
-             trace_id = $7, body = $8 WHERE run_id = $1 AND version = $2"
-        };
-        let mut update = sql(text)
-            .bind(&run.run_id)
-            .bind(expected)
-            .bind(run.state)
-            .bind(is_terminal(run.state))
-            .bind(run.version)
-            .bind(ts_micros(run.updated_at.as_ref()))
-            .bind(&run.trace_id)
-            .bind(run.encode_to_vec());
-        if let Some(me) = fenced {
-            update = update.bind(me);
-        }
-        if tx.execute(update).await? != 1 {
-            // Changed since this store last committed it: say how.
-            let row = tx.fetch_optional(read.bind(&run.run_id)).await?;
-            self.refusal(row.as_ref(), run, expected)?;
-            // The row is locked (or the database has one writer), so this is a bug
-            // elsewhere; refuse rather than commit half a change.
-            return Err(StoreError::Conflict {
-                run_id: run.run_id.clone(),
-                expected,
-                found: expected,
-            });
-        }
-        append(&mut tx, run, Some(&before), events).await?;
-        tx.commit().await?;
+        let guard = self.guard(true);
+        let me = self.owner().map(str::to_owned);
+        let postgres = self.db.backend() == Backend::Postgres;
+        let stored = run.clone();
+        let appended = events.clone();
+        self.db
+            .write::<_, StoreError, _>(move |tx| {
+                Box::pin(async move {
+                    let run = &stored;
+                    let me = me.as_deref();
+                    if let Some(guard) = guard {
+                        tx.execute(guard).await?;
+                    }
+                    let read = if postgres {
+                        sql("SELECT version, owner, body FROM runs WHERE run_id = $1 FOR UPDATE")
+                    } else {
+                        sql("SELECT version, owner, body FROM runs WHERE run_id = $1")
+                    };
+                    let before = match remembered {
+                        Some(last) => last,
+                        None => {
+                            let row = tx.fetch_optional(read.clone().bind(&run.run_id)).await?;
+                            refusal(me, row.as_ref(), run, expected)?;
+                            let stored: v1::Run =
+                                decode(row.as_ref().expect("checked above"), "runs")?;
+                            Last::of(&stored)
+                        }
+                    };
+                    // The version and lease checks again, in the write itself: they hold
+                    // for the row as it is now (SQLite has one writer; PostgreSQL locks
+                    // the row it updates). With leases, a run another replica claimed is
+                    // not this one's to write.
+                    let text = if me.is_some() {
+                        "UPDATE runs SET state = $3, terminal = $4, version = $5, \
+                         updated_at = $6, trace_id = $7, body = $8 \
+                         WHERE run_id = $1 AND version = $2 AND (owner IS NULL OR owner = $9)"
+                    } else {
+                        "UPDATE runs SET state = $3, terminal = $4, version = $5, \
+                         updated_at = $6, trace_id = $7, body = $8 \
+                         WHERE run_id = $1 AND version = $2"
+                    };
+                    let mut update = sql(text)
+                        .bind(&run.run_id)
+                        .bind(expected)
+                        .bind(run.state)
+                        .bind(is_terminal(run.state))
+                        .bind(run.version)
+                        .bind(ts_micros(run.updated_at.as_ref()))
+                        .bind(&run.trace_id)
+                        .bind(run.encode_to_vec());
+                    if let Some(me) = me {
+                        update = update.bind(me);
+                    }
+                    if tx.execute(update).await? != 1 {
+                        // Changed since this store last committed it: say how.
+                        let row = tx.fetch_optional(read.bind(&run.run_id)).await?;
+                        refusal(me, row.as_ref(), run, expected)?;
+                        // The row is locked (or the database has one writer), so this is
+                        // a bug elsewhere; refuse rather than commit half a change.
+                        return Err(StoreError::Conflict {
+                            run_id: run.run_id.clone(),
+                            expected,
+                            found: expected,
+                        });
+                    }
+                    append(tx, run, Some(&before), &appended).await
+                })
+            })
+            .await?;
         self.remember(run);
         self.announce(&run.run_id, events);
         Ok(())
