@@ -763,3 +763,79 @@ async fn fifty_concurrent_start_runs_with_one_key_make_one_run_in_one_process() 
 async fn fifty_concurrent_start_runs_with_one_key_make_one_run_as_processes() {
     fifty_racing_start_runs(Mode::Processes).await;
 }
+
+/// A run is PENDING until a worker takes one of its delegations, and turns RUNNING with
+/// its first dispatch: run B waits, undispatched, while run A's held delegations fill
+/// every worker slot, and runs once they are released.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_stays_pending_until_a_worker_takes_its_first_delegation() {
+    let dir = tempfile::tempdir().unwrap();
+    let release = dir.path().join("release");
+    let held = example_profiles().replace(
+        "    provider: playbook\n",
+        &format!(
+            "    provider: playbook\n    faults: {{ hold: {{ release: {} }} }}\n",
+            release.display()
+        ),
+    );
+    assert_eq!(held.matches("hold:").count(), 3);
+    // One worker with a slot for each of A's three delegations, and none more.
+    let mesh = TestMesh::start(
+        Mode::InProcess,
+        MeshOptions {
+            workers: vec![Workers {
+                profiles: Some(held),
+                count: 1,
+                capacity: 3,
+            }],
+            ..MeshOptions::default()
+        },
+    )
+    .await;
+    let start = || async {
+        let mut spec = example_spec();
+        spec.idempotency_key.clear();
+        mesh.start_run(ONCALL, spec)
+            .await
+            .expect("StartRun")
+            .run
+            .expect("run")
+            .run_id
+    };
+    let a = start().await;
+    let deadline = tokio::time::Instant::now() + LIMIT;
+    loop {
+        let run = mesh.get_run(ONCALL, &a).await;
+        if run.state == v1::RunState::Running as i32 {
+            break;
+        }
+        assert_eq!(run.state, v1::RunState::Pending as i32, "{run:#?}");
+        assert!(tokio::time::Instant::now() < deadline, "A never ran");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    let b = start().await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let waiting = mesh.get_run(ONCALL, &b).await;
+    assert_eq!(waiting.state, v1::RunState::Pending as i32, "{waiting:#?}");
+    assert!(
+        waiting
+            .delegations
+            .iter()
+            .all(|d| d.state == v1::DelegationState::Pending as i32 && d.worker_id.is_empty()),
+        "{waiting:#?}"
+    );
+    let dispatched = |events: &[v1::RunEvent]| {
+        events
+            .iter()
+            .filter(|e| matches!(e.kind, Some(Kind::Dispatched(_))))
+            .count()
+    };
+
+    std::fs::write(&release, b"").unwrap();
+    let a = mesh.wait_terminal(ONCALL, &a, LIMIT).await;
+    let b = mesh.wait_terminal(ONCALL, &b, LIMIT).await;
+    assert_eq!(b.state, a.state, "{b:#?}");
+    assert_eq!(b.outcome, a.outcome, "{b:#?}");
+    assert_eq!(dispatched(&mesh.run_events(ONCALL, &b.run_id).await), 3);
+}
