@@ -299,6 +299,21 @@ async fn memory_opens_no_database() {
     assert!(dir.path().join("convene.db").exists());
 }
 
+/// The rows the writers in `tasks` (each ending with its index and whether it
+/// committed) leave, with the `taken` row written before them, sorted.
+async fn committed_pairs(mut tasks: tokio::task::JoinSet<(usize, bool)>) -> Vec<String> {
+    let mut expected = vec!["taken".to_owned()];
+    while let Some(done) = tasks.join_next().await {
+        let (i, committed) = done.unwrap();
+        if committed {
+            expected.push(format!("w{i:03}-a"));
+            expected.push(format!("w{i:03}-b"));
+        }
+    }
+    expected.sort();
+    expected
+}
+
 /// Writers that queue up behind each other share physical commits; each one still
 /// commits or rolls back on its own, and a failing one takes nobody else down.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -349,14 +364,7 @@ async fn queued_writers_share_commits_and_keep_their_own_outcome() {
                 }
             });
         }
-        let mut expected = vec!["taken".to_owned()];
-        while let Some(done) = tasks.join_next().await {
-            let (i, committed) = done.unwrap();
-            if committed {
-                expected.push(format!("w{i:03}-a"));
-                expected.push(format!("w{i:03}-b"));
-            }
-        }
+        let mut expected = committed_pairs(tasks).await;
         expected.sort();
         // A dropped transaction's rollback runs in the background; the next writer waits
         // for it.
@@ -474,14 +482,7 @@ async fn combined_writes_keep_their_own_outcome_and_share_commits() {
                 }
             });
         }
-        let mut expected = vec!["taken".to_owned()];
-        while let Some(done) = tasks.join_next().await {
-            let (i, committed) = done.unwrap();
-            if committed {
-                expected.push(format!("w{i:03}-a"));
-                expected.push(format!("w{i:03}-b"));
-            }
-        }
+        let mut expected = committed_pairs(tasks).await;
         let writes = WRITERS as u64 + 1;
         // Jobs run in the order they were given: this one runs after every job above,
         // including those whose callers went away.
