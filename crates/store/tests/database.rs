@@ -100,11 +100,7 @@ async fn a_dropped_transaction_leaves_nothing_and_a_committed_one_everything() {
         tx.execute(insert("rolled-back")).await.unwrap();
         tx.rollback().await.unwrap();
 
-        let rows = db
-            .fetch_all(sql("SELECT target_id FROM revocations ORDER BY target_id"))
-            .await
-            .unwrap();
-        let ids: Vec<String> = rows.iter().map(|r| r.get("target_id").unwrap()).collect();
+        let ids = revoked_ids(db).await;
         assert_eq!(ids, ["kept"], "{}", t.label);
 
         let err = db.execute(insert("kept")).await.unwrap_err();
@@ -299,6 +295,15 @@ async fn memory_opens_no_database() {
     assert!(dir.path().join("convene.db").exists());
 }
 
+/// The target ids in `revocations`, sorted: what the writers of a test left.
+async fn revoked_ids(db: &Database) -> Vec<String> {
+    let rows = db
+        .fetch_all(sql("SELECT target_id FROM revocations ORDER BY target_id"))
+        .await
+        .unwrap();
+    rows.iter().map(|r| r.get("target_id").unwrap()).collect()
+}
+
 /// The rows the writers in `tasks` (each ending with its index and whether it
 /// committed) leave, with the `taken` row written before them, sorted.
 async fn committed_pairs(mut tasks: tokio::task::JoinSet<(usize, bool)>) -> Vec<String> {
@@ -365,17 +370,12 @@ async fn queued_writers_share_commits_and_keep_their_own_outcome() {
             });
         }
         let mut expected = committed_pairs(tasks).await;
-        expected.sort();
         // A dropped transaction's rollback runs in the background; the next writer waits
         // for it.
         db.execute(insert("after".to_owned())).await.unwrap();
         expected.push("after".to_owned());
         expected.sort();
-        let rows = db
-            .fetch_all(sql("SELECT target_id FROM revocations ORDER BY target_id"))
-            .await
-            .unwrap();
-        let ids: Vec<String> = rows.iter().map(|r| r.get("target_id").unwrap()).collect();
+        let ids = revoked_ids(&db).await;
         assert_eq!(ids, expected, "{}", t.label);
 
         let committed = expected.len() as u64 / 2 + 1; // pairs, plus `after` and `taken`
@@ -489,11 +489,7 @@ async fn combined_writes_keep_their_own_outcome_and_share_commits() {
         db.execute(insert("after".to_owned())).await.unwrap();
         expected.push("after".to_owned());
         expected.sort();
-        let rows = db
-            .fetch_all(sql("SELECT target_id FROM revocations ORDER BY target_id"))
-            .await
-            .unwrap();
-        let ids: Vec<String> = rows.iter().map(|r| r.get("target_id").unwrap()).collect();
+        let ids = revoked_ids(&db).await;
         assert_eq!(ids, expected, "{}", t.label);
         let (_, physical) = db.commits();
         assert!(
@@ -541,11 +537,7 @@ async fn a_batch_whose_next_writer_went_away_is_still_committed() {
             .await
             .expect("the write lock is free again")
             .unwrap();
-        let rows = db
-            .fetch_all(sql("SELECT target_id FROM revocations ORDER BY target_id"))
-            .await
-            .unwrap();
-        let ids: Vec<String> = rows.iter().map(|r| r.get("target_id").unwrap()).collect();
+        let ids = revoked_ids(&db).await;
         assert_eq!(ids, ["first", "next"], "{}", t.label);
     }
 }
@@ -588,10 +580,6 @@ async fn a_writer_that_stops_waiting_for_another_processs_lock_leaves_it_free() 
         .expect("the write lock is free again")
         .unwrap();
     assert_eq!(again, 1);
-    let rows = a
-        .fetch_all(sql("SELECT target_id FROM revocations ORDER BY target_id"))
-        .await
-        .unwrap();
-    let ids: Vec<String> = rows.iter().map(|r| r.get("target_id").unwrap()).collect();
+    let ids = revoked_ids(&a).await;
     assert_eq!(ids, ["again", "by-a"], "B's abandoned write left nothing");
 }
