@@ -382,11 +382,13 @@ impl Verifier {
 /// The tokens this process verified or signed: see [`Verifier::verify`].
 static VERIFIED: LazyLock<VerifiedTokens> = LazyLock::new(VerifiedTokens::default);
 
-/// A bounded set of tokens (by their exact bytes) whose signature holds, with their
-/// claims and the key that signed them.
+/// A bounded set of tokens whose signature holds, with their claims and the key that
+/// signed them. A token is known by the SHA-256 digest of its exact bytes: a digest, not
+/// the token, because a full set holds thousands of them (tokens run near a kilobyte),
+/// and SHA-256 because a token that differs in any byte must miss.
 #[derive(Debug, Default)]
 struct VerifiedTokens {
-    map: Mutex<HashMap<Box<str>, Verified>>,
+    map: Mutex<HashMap<[u8; 32], Verified>>,
 }
 
 #[derive(Debug)]
@@ -403,8 +405,9 @@ impl VerifiedTokens {
 
     /// The claims of `token`, if it is here and `trusted` accepts the key that signed it.
     fn get(&self, token: &str, trusted: impl Fn(&str, &[u8; 32]) -> bool) -> Option<Claims> {
+        let digest = digest(token);
         let map = self.map.lock().unwrap_or_else(PoisonError::into_inner);
-        let entry = map.get(token)?;
+        let entry = map.get(&digest)?;
         trusted(&entry.kid, &entry.public).then(|| entry.claims.clone())
     }
 
@@ -414,12 +417,18 @@ impl VerifiedTokens {
             kid: kid.into(),
             public,
         };
+        let digest = digest(token);
         let mut map = self.map.lock().unwrap_or_else(PoisonError::into_inner);
         if map.len() >= Self::CAPACITY {
             map.clear();
         }
-        map.insert(token.into(), entry);
+        map.insert(digest, entry);
     }
+}
+
+fn digest(token: &str) -> [u8; 32] {
+    use sha2::Digest as _;
+    sha2::Sha256::digest(token.as_bytes()).into()
 }
 
 /// Why a header `jsonwebtoken::decode_header` could not read is refused.
