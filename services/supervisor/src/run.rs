@@ -44,6 +44,9 @@ use crate::{Deps, Settings};
 use crate::{events, trace};
 
 /// A message to a run actor.
+///
+/// Kept small (large payloads boxed): a mailbox allocates room for 32 messages up front,
+/// and every run in flight has one.
 pub(crate) enum Msg {
     /// A dispatch task reached a worker.
     Dispatched {
@@ -56,7 +59,7 @@ pub(crate) enum Msg {
         index: usize,
         attempt: u32,
         worker_id: Option<String>,
-        outcome: Result<v1::TaskResult, Status>,
+        outcome: Box<Result<v1::TaskResult, Status>>,
     },
     /// Cancel the run.
     Cancel {
@@ -64,20 +67,28 @@ pub(crate) enum Msg {
         reply: oneshot::Sender<v1::Run>,
     },
     /// A worker asks for child delegations under its own token.
-    Delegate {
-        claims: Arc<Claims>,
-        token: String,
-        children: Vec<v1::PlannedDelegation>,
-        reply: oneshot::Sender<Result<Vec<v1::DelegateOutcome>, Status>>,
-        /// The span of the Delegate call (the asking tool call's, through propagation):
-        /// the children's delegation spans are its children.
-        span: Span,
-    },
+    Delegate(Box<DelegateAsk>),
     /// A result delivered out of band (e.g. a redelivery); it goes through the same
     /// checks as any other.
-    Deliver { result: v1::TaskResult },
+    Deliver { result: Box<v1::TaskResult> },
     /// Lease renewal found the run held by another replica: stop touching it.
     LeaseLost,
+}
+
+const _: () = assert!(
+    std::mem::size_of::<Msg>() <= 64,
+    "box the payload of the variant that grew"
+);
+
+/// A worker's request for child delegations under its own token.
+pub(crate) struct DelegateAsk {
+    pub(crate) claims: Arc<Claims>,
+    pub(crate) token: String,
+    pub(crate) children: Vec<v1::PlannedDelegation>,
+    pub(crate) reply: oneshot::Sender<Result<Vec<v1::DelegateOutcome>, Status>>,
+    /// The span of the Delegate call (the asking tool call's, through propagation): the
+    /// children's delegation spans are its children.
+    pub(crate) span: Span,
 }
 
 /// The sending side of a run actor's mailbox.
@@ -348,12 +359,19 @@ impl RunActor {
     fn start(self) {
         let span = self.span.clone();
         let actors = self.deps.actors.clone();
-        actors.spawn(async move { self.main().await }.instrument(span));
+        // Boxed, so the task holds the actor once (a future taking it by value would
+        // hold it twice) for as long as the run is in flight.
+        actors.spawn(Box::new(self).main().instrument(span));
     }
 
-    async fn main(mut self) {
+    async fn main(mut self: Box<Self>) {
         let run_id = self.run.run_id.clone();
         let exit = self.drive().await;
+        Box::pin(self.stop(run_id, exit)).await;
+    }
+
+    /// What the actor does as it stops, by why it stops.
+    async fn stop(&mut self, run_id: String, exit: Exit) {
         self.abandon.cancel();
         self.deps
             .live
@@ -409,10 +427,13 @@ impl RunActor {
 
     /// Runs the actor until the run is over for this replica.
     async fn drive(&mut self) -> Exit {
+        // Each step is boxed: the actor's own future (allocated for as long as the run
+        // is in flight) then holds only the wait for the next message, not the largest
+        // state of every step.
         let started = if self.resumed {
-            self.begin_resumed().await
+            Box::pin(self.begin_resumed()).await
         } else {
-            self.begin().await
+            Box::pin(self.begin()).await
         };
         if let Err(e) = started {
             return e.into();
@@ -429,7 +450,7 @@ impl RunActor {
                 tokio::select! {
                     msg = self.rx.recv() => msg,
                     () = sleep_until(timer) => {
-                        if let Err(e) = self.on_timer().await {
+                        if let Err(e) = Box::pin(self.on_timer()).await {
                             return e.into();
                         }
                         continue;
@@ -444,7 +465,7 @@ impl RunActor {
                     "lease renewal found the run held by another replica".to_owned(),
                 );
             }
-            if let Err(e) = self.handle(msg).await {
+            if let Err(e) = Box::pin(self.handle(msg)).await {
                 return e.into();
             }
         }
@@ -742,10 +763,11 @@ impl RunActor {
         let span = slot.span.clone();
         self.tasks_in_flight += 1;
         tokio::spawn(
-            dispatch(Dispatch {
+            dispatch(Box::new(Dispatch {
                 registry,
                 tx,
                 index,
+                delegation_id: task.delegation_id.clone(),
                 task,
                 token,
                 attempt,
@@ -754,7 +776,7 @@ impl RunActor {
                 abandon,
                 delay,
                 grace,
-            })
+            }))
             .instrument(span),
         );
     }
@@ -787,17 +809,19 @@ impl RunActor {
                 let _ = reply.send(self.run.clone());
                 Ok(())
             }
-            Msg::Delegate {
-                claims,
-                token,
-                children,
-                reply,
-                span,
-            } => {
+            Msg::Delegate(ask) => {
+                let DelegateAsk {
+                    claims,
+                    token,
+                    children,
+                    reply,
+                    span,
+                } = *ask;
                 self.on_delegate(&claims, &token, children, reply, &span)
                     .await
             }
             Msg::Deliver { result } => {
+                let result = *result;
                 match self.run.delegations.iter().position(|d| {
                     d.task
                         .as_ref()
@@ -848,7 +872,7 @@ impl RunActor {
             } => {
                 self.deps.crash.at(CrashPoint::ResultInFlight);
                 self.tasks_in_flight = self.tasks_in_flight.saturating_sub(1);
-                self.on_outcome(index, attempt, worker_id, outcome).await
+                self.on_outcome(index, attempt, worker_id, *outcome).await
             }
             _ => unreachable!("only dispatches and outcomes are taken"),
         }
@@ -1989,6 +2013,8 @@ struct Dispatch {
     registry: Arc<Registry>,
     tx: Mailbox,
     index: usize,
+    /// The task's; the task itself is sent.
+    delegation_id: String,
     task: v1::DelegationTask,
     token: String,
     attempt: u32,
@@ -1999,9 +2025,21 @@ struct Dispatch {
     grace: Duration,
 }
 
+impl Dispatch {
+    /// Tells the run how this attempt ended.
+    fn report(&self, worker_id: Option<String>, outcome: Result<v1::TaskResult, Status>) {
+        let _ = self.tx.send(Msg::Outcome {
+            index: self.index,
+            attempt: self.attempt,
+            worker_id,
+            outcome: Box::new(outcome),
+        });
+    }
+}
+
 /// One dispatch attempt: wait for a worker slot, send the task, report the outcome. An
 /// abandoned dispatch just stops: it reports nothing and leaves the worker alone.
-async fn dispatch(d: Dispatch) {
+async fn dispatch(d: Box<Dispatch>) {
     let abandon = d.abandon.clone();
     tokio::select! {
         () = attempt_dispatch(d) => {}
@@ -2009,89 +2047,110 @@ async fn dispatch(d: Dispatch) {
     }
 }
 
-async fn attempt_dispatch(d: Dispatch) {
-    let Dispatch {
-        registry,
-        tx,
-        index,
-        task,
-        token,
-        attempt,
-        avoid,
-        cancel,
-        abandon: _,
-        delay,
-        grace,
-    } = d;
-    let report = |worker_id: Option<String>, outcome: Result<v1::TaskResult, Status>| {
-        let _ = tx.send(Msg::Outcome {
-            index,
-            attempt,
-            worker_id,
-            outcome,
-        });
-    };
-    if !delay.is_zero() {
-        tokio::select! {
-            () = tokio::time::sleep(delay) => {}
-            () = cancel.cancelled() => return report(None, Err(Status::cancelled("the delegation was cancelled"))),
-        }
-    }
-    let deadline = deadline_of(&task);
-    let lease = loop {
-        if let Some(lease) = registry.acquire(&task.profile_id, &avoid) {
-            break lease;
-        }
-        let wait = deadline.duration_since(now()).unwrap_or_default();
-        if wait.is_zero() {
-            return report(
-                None,
-                Err(Status::not_found(format!(
-                    "no live worker serving profile {} had a free slot before the delegation's deadline",
-                    task.profile_id
-                ))),
-            );
-        }
-        tokio::select! {
-            () = registry.changed() => {}
-            () = tokio::time::sleep(Duration::from_millis(200).min(wait)) => {}
-            () = cancel.cancelled() => return report(None, Err(Status::cancelled("the delegation was cancelled"))),
-        }
+// Thousands of these wait on their workers at once, so the task is kept small: the
+// dispatch stays boxed, and every step but the call itself is a boxed future of its own.
+async fn attempt_dispatch(mut d: Box<Dispatch>) {
+    let deadline = deadline_of(&d.task);
+    let waited = Box::pin(wait_for_worker(
+        &d.registry,
+        &d.task.profile_id,
+        &d.avoid,
+        deadline,
+        d.delay,
+        &d.cancel,
+    ))
+    .await;
+    let lease = match waited {
+        Ok(lease) => lease,
+        Err(status) => return d.report(None, Err(status)),
     };
     let worker_id = lease.worker_id.clone();
-    let _ = tx.send(Msg::Dispatched {
-        index,
+    let _ = d.tx.send(Msg::Dispatched {
+        index: d.index,
         worker_id: worker_id.clone(),
-        attempt,
+        attempt: d.attempt,
     });
-    let delegation_id = task.delegation_id.clone();
-    let limit = deadline.duration_since(now()).unwrap_or_default() + grace;
-    let mut req = Request::new(v1::WorkerExecuteRequest {
-        task: Some(task),
-        task_token: token,
-        attempt,
-    });
-    req.set_timeout(limit);
-    let outcome = tokio::select! {
-        r = tokio::time::timeout(limit, lease.handle.execute(req)) => match r {
+    let limit = deadline.duration_since(now()).unwrap_or_default() + d.grace;
+    let call = {
+        let task = std::mem::take(&mut d.task);
+        let mut req = Request::new(v1::WorkerExecuteRequest {
+            task: Some(task),
+            task_token: std::mem::take(&mut d.token),
+            attempt: d.attempt,
+        });
+        req.set_timeout(limit);
+        tokio::time::timeout(limit, lease.handle.execute(req))
+    };
+    let cancelled = tokio::select! {
+        r = call => Some(match r {
             Ok(Ok(resp)) => resp
                 .into_inner()
                 .result
                 .ok_or_else(|| Status::internal("the worker answered without a result")),
             Ok(Err(status)) => Err(status),
             Err(_) => Err(Status::deadline_exceeded("the worker did not answer before the delegation's deadline")),
-        },
-        () = cancel.cancelled() => {
-            let cancel_req = v1::WorkerCancelRequest {
-                delegation_id,
-                reason: "cancelled by the supervisor".to_owned(),
-            };
-            let _ = tokio::time::timeout(Duration::from_secs(2), lease.handle.cancel(Request::new(cancel_req))).await;
+        }),
+        () = d.cancel.cancelled() => None,
+    };
+    let outcome = match cancelled {
+        Some(outcome) => outcome,
+        None => {
+            Box::pin(cancel_at_worker(&lease, &d.delegation_id)).await;
             Err(Status::cancelled("the delegation was cancelled"))
         }
     };
     drop(lease);
-    report(Some(worker_id), outcome);
+    d.report(Some(worker_id), outcome);
+}
+
+/// Waits `delay`, then for a free slot at a live worker serving `profile_id` (not one
+/// of `avoid` when another has room) until `deadline`; the error is the delegation's
+/// outcome.
+async fn wait_for_worker(
+    registry: &Arc<Registry>,
+    profile_id: &str,
+    avoid: &[String],
+    deadline: SystemTime,
+    delay: Duration,
+    cancel: &CancellationToken,
+) -> Result<crate::registry::Lease, Status> {
+    let cancelled = || Status::cancelled("the delegation was cancelled");
+    if !delay.is_zero() {
+        tokio::select! {
+            () = tokio::time::sleep(delay) => {}
+            () = cancel.cancelled() => return Err(cancelled()),
+        }
+    }
+    loop {
+        if let Some(lease) = registry.acquire(profile_id, avoid) {
+            return Ok(lease);
+        }
+        let wait = deadline.duration_since(now()).unwrap_or_default();
+        if wait.is_zero() {
+            return Err(Status::not_found(format!(
+                "no live worker serving profile {profile_id} had a free slot before the delegation's deadline"
+            )));
+        }
+        tokio::select! {
+            () = registry.changed() => {}
+            () = tokio::time::sleep(Duration::from_millis(200).min(wait)) => {}
+            () = cancel.cancelled() => return Err(cancelled()),
+        }
+    }
+}
+
+/// Tells the worker holding `lease` to stop delegation `delegation_id`, waiting at most
+/// two seconds for it to acknowledge.
+async fn cancel_at_worker(lease: &crate::registry::Lease, delegation_id: &str) {
+    let cancel_req = v1::WorkerCancelRequest {
+        delegation_id: delegation_id.to_owned(),
+        reason: "cancelled by the supervisor".to_owned(),
+    };
+    let _ = tokio::time::timeout(
+        Duration::from_secs(2),
+        lease.handle.cancel(Request::new(cancel_req)),
+    )
+    .await;
 }
 
 /// Overflow as recorded for TRUNCATE at the top level (used by the service).

@@ -17,7 +17,7 @@ use tonic::{Request, Response, Status};
 use tracing::Instrument;
 
 use crate::plan::{self, Placement};
-use crate::run::{self, Msg, RunActor};
+use crate::run::{self, DelegateAsk, Msg, RunActor};
 use crate::store::{Created, Events, IdempotencyKey, StoreError, is_terminal};
 use crate::watchers::RunWatchers;
 use crate::{Deps, events, trace};
@@ -64,7 +64,9 @@ impl SupervisorService {
     pub fn deliver_result(&self, run_id: &str, result: v1::TaskResult) -> Result<(), Status> {
         let mailbox = self.mailbox(run_id)?;
         mailbox
-            .send(Msg::Deliver { result })
+            .send(Msg::Deliver {
+                result: Box::new(result),
+            })
             .map_err(|_| Status::failed_precondition(format!("run {run_id} is no longer running")))
     }
 
@@ -553,13 +555,13 @@ impl Supervisor for SupervisorService {
         let mailbox = self.mailbox(&claims.run_id)?;
         let (reply, answer) = oneshot::channel();
         mailbox
-            .send(Msg::Delegate {
+            .send(Msg::Delegate(Box::new(DelegateAsk {
                 claims,
                 token,
                 children: request.into_inner().delegations,
                 reply,
                 span: tracing::Span::current(),
-            })
+            })))
             .map_err(|_| Status::failed_precondition("the run is no longer running"))?;
         let outcomes = answer.await.map_err(|_| {
             Status::unavailable("the run's owner stopped before the children finished")
