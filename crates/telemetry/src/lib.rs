@@ -279,7 +279,9 @@ fn exported(meta: &Metadata<'_>) -> bool {
 }
 
 /// The OpenTelemetry layer: lean spans (no thread or busy/idle attributes, which the
-/// tree does not need and every enter would pay for), filtered to convene's own.
+/// tree does not need and every enter would pay for; no source locations, three more
+/// attributes on every span and event that a span's name and `convene.service` already
+/// place), filtered to convene's own.
 fn trace_layer<S>(tracer: SdkTracer) -> impl Layer<S>
 where
     S: tracing::Subscriber + for<'a> LookupSpan<'a>,
@@ -289,6 +291,7 @@ where
         .with_threads(false)
         .with_tracked_inactivity(false)
         .with_target(false)
+        .with_location(false)
         .with_filter(filter_fn(exported))
 }
 
