@@ -11,7 +11,9 @@
 //!   and of other load on the machine.
 //!
 //! Run it with `cargo bench -p convene-tests --bench tracing`; it takes about two
-//! minutes.
+//! minutes. Wall-clock results on a shared machine drift by more than tracing costs;
+//! with `CONVENE_TRACING_RUNS=<off|on>:<N>` the binary instead runs N incidents in one
+//! setting, for counting instructions under callgrind (see `count`).
 //!
 //! Each setting gets its own Tokio runtime whose threads have that setting's subscriber
 //! as their default, so both live in one process without a global subscriber. The
@@ -32,11 +34,16 @@ use convene_proto::v1::{self, run_event::Kind};
 use convene_server::Shutdown;
 use convene_telemetry::test_util::OtlpReceiver;
 use convene_telemetry::{Settings, Telemetry};
-use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use criterion::{BenchmarkId, Criterion, Throughput, criterion_group};
 use futures::StreamExt as _;
 use tracing::level_filters::LevelFilter;
 
 const PRINCIPAL: &str = "oncall@acme";
+
+/// The allocator the shipped binaries use: allocation is a large share of a run's CPU,
+/// and of a span's, so the system allocator would misstate both.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 thread_local! {
     /// The benchmark's subscriber on each runtime thread.
@@ -103,7 +110,9 @@ impl Setup {
     fn run(&self, total: u64, in_flight: u64, clock: Clock) -> Duration {
         tracing::dispatcher::with_default(&self.dispatch, || {
             self.runtime.block_on(async {
-                let (wall, cpu) = (Instant::now(), cpu_time());
+                // The CPU clock only when asked for: rustix reads it through the vDSO,
+                // which valgrind (see `count`) does not provide.
+                let (wall, cpu) = (Instant::now(), matches!(clock, Clock::Cpu).then(cpu_time));
                 futures::stream::iter(0..total)
                     .for_each_concurrent(usize::try_from(in_flight).unwrap_or(1), |_| {
                         self.one_run()
@@ -111,7 +120,7 @@ impl Setup {
                     .await;
                 match clock {
                     Clock::Wall => wall.elapsed(),
-                    Clock::Cpu => cpu_time().saturating_sub(cpu),
+                    Clock::Cpu => cpu_time().saturating_sub(cpu.unwrap_or_default()),
                 }
             })
         })
@@ -223,16 +232,17 @@ fn quiet() -> Settings {
     Settings::default().with_default_log_level(LevelFilter::WARN)
 }
 
-fn bench(c: &mut Criterion) {
-    // Off first: while no exporting subscriber exists, convene's span call sites are
-    // disabled for good, which is exactly the production setting without a collector.
-    {
-        let (dispatch, telemetry) = convene_telemetry::dispatch("convene", &quiet());
-        let off = Setup::new("off", dispatch, telemetry);
-        measure(c, "tracing_off", &off);
-        off.stop();
-    }
+/// The setting with export off. Build it before any exporting subscriber exists: while
+/// none does, convene's span call sites are disabled for good, which is exactly the
+/// production setting without a collector.
+fn off() -> Setup {
+    let (dispatch, telemetry) = convene_telemetry::dispatch("convene", &quiet());
+    Setup::new("off", dispatch, telemetry)
+}
 
+/// The setting with export on, to a receiver on a runtime of its own (returned with it:
+/// drop the receiver before the runtime).
+fn on() -> (Setup, OtlpReceiver, tokio::runtime::Runtime) {
     let collector = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()
@@ -249,7 +259,16 @@ fn bench(c: &mut Criterion) {
         telemetry.exporting_to().is_some(),
         "the benchmark's exporter could not be built"
     );
-    let on = Setup::new("on", dispatch, telemetry);
+    (Setup::new("on", dispatch, telemetry), receiver, collector)
+}
+
+fn bench(c: &mut Criterion) {
+    {
+        let off = off();
+        measure(c, "tracing_off", &off);
+        off.stop();
+    }
+    let (on, receiver, collector) = on();
     measure(c, "tracing_on", &on);
     on.stop();
     let received = receiver.received();
@@ -259,5 +278,45 @@ fn bench(c: &mut Criterion) {
     drop(collector);
 }
 
+/// `CONVENE_TRACING_RUNS=<off|on>:<N>`: instead of criterion's measurements, start one
+/// setting's mesh, run N payment incidents (8 in flight) and stop. For counting
+/// instructions, which wall-clock noise does not touch: run it under
+/// `valgrind --tool=callgrind` for two values of N, and the difference of the totals
+/// divided by the difference of the N is what one run costs (start-up cancels out).
+fn count(spec: &str) {
+    let (setting, runs) = spec
+        .split_once(':')
+        .and_then(|(s, n)| Some((s, n.parse::<u64>().ok()?)))
+        .expect("CONVENE_TRACING_RUNS is <off|on>:<number of runs>, e.g. on:40");
+    let spans = match setting {
+        "off" => {
+            let off = off();
+            off.run(runs, 8, Clock::Wall);
+            off.stop();
+            0
+        }
+        "on" => {
+            let (on, receiver, collector) = on();
+            on.run(runs, 8, Clock::Wall);
+            on.stop();
+            let received = receiver.received();
+            drop(receiver);
+            drop(collector);
+            received
+        }
+        other => panic!("CONVENE_TRACING_RUNS: unknown setting {other:?}; use off or on"),
+    };
+    println!("tracing {setting}: {runs} runs, {spans} spans exported");
+}
+
 criterion_group!(benches, bench);
-criterion_main!(benches);
+
+fn main() {
+    match std::env::var("CONVENE_TRACING_RUNS") {
+        Ok(spec) => count(&spec),
+        Err(_) => {
+            benches();
+            Criterion::default().configure_from_args().final_summary();
+        }
+    }
+}
