@@ -2081,7 +2081,7 @@ async fn attempt_dispatch(mut d: Box<Dispatch>) {
         req.set_timeout(limit);
         tokio::time::timeout(limit, lease.handle.execute(req))
     };
-    let cancelled = tokio::select! {
+    let answered = tokio::select! {
         r = call => Some(match r {
             Ok(Ok(resp)) => resp
                 .into_inner()
@@ -2092,11 +2092,11 @@ async fn attempt_dispatch(mut d: Box<Dispatch>) {
         }),
         () = d.cancel.cancelled() => None,
     };
-    let outcome = match cancelled {
+    let outcome = match answered {
         Some(outcome) => outcome,
         None => {
             Box::pin(cancel_at_worker(&lease, &d.delegation_id)).await;
-            Err(Status::cancelled("the delegation was cancelled"))
+            Err(cancelled())
         }
     };
     drop(lease);
@@ -2114,7 +2114,6 @@ async fn wait_for_worker(
     delay: Duration,
     cancel: &CancellationToken,
 ) -> Result<crate::registry::Lease, Status> {
-    let cancelled = || Status::cancelled("the delegation was cancelled");
     if !delay.is_zero() {
         tokio::select! {
             () = tokio::time::sleep(delay) => {}
@@ -2137,6 +2136,11 @@ async fn wait_for_worker(
             () = cancel.cancelled() => return Err(cancelled()),
         }
     }
+}
+
+/// The outcome of a dispatch cancelled with its run.
+fn cancelled() -> Status {
+    Status::cancelled("the delegation was cancelled")
 }
 
 /// Tells the worker holding `lease` to stop delegation `delegation_id`, waiting at most
