@@ -414,8 +414,14 @@ impl Supervisor for SupervisorService {
             let mut lost = watch.receiver().borrow_and_update().lost;
             let mut last = req.after_sequence;
             let mut done = false;
+            // The events the last note carried, when they follow on from `last`.
+            let mut noted: Option<Vec<v1::RunEvent>> = None;
             loop {
-                match store.run_events(&run.run_id, last).await {
+                let batch = match noted.take() {
+                    Some(events) => Ok(events),
+                    None => store.run_events(&run.run_id, last).await,
+                };
+                match batch {
                     Ok(batch) => {
                         for e in batch {
                             last = e.sequence;
@@ -437,16 +443,20 @@ impl Supervisor for SupervisorService {
                 if done {
                     return;
                 }
-                // Read the store again only for a commit of this run past `last` (or
-                // after notes were lost).
+                // Go on only for a commit of this run past `last` (or after notes were
+                // lost): with the events the note carries when they follow on from
+                // `last`, else reading the store.
                 loop {
                     tokio::select! {
                         changed = watch.receiver().changed() => {
                             if changed.is_err() {
                                 return;
                             }
-                            let note = *watch.receiver().borrow_and_update();
+                            let note = watch.receiver().borrow_and_update();
                             if note.sequence > last || note.lost != lost {
+                                if note.lost == lost {
+                                    noted = note.events_after(last);
+                                }
                                 lost = note.lost;
                                 break;
                             }

@@ -288,6 +288,7 @@ impl SqlRunStore {
             run_id: run_id.to_owned(),
             last_sequence: events.run.last().map_or(0, |e| e.sequence),
             cloud: !events.cloud.is_empty(),
+            events: (!events.run.is_empty()).then(|| Arc::from(events.run.as_slice())),
         };
         // Nobody listening is fine.
         let _ = self.notify.send(committed);
@@ -416,6 +417,7 @@ async fn poll_once(
             run_id,
             last_sequence,
             cloud,
+            events: None,
         });
     }
     Ok(())

@@ -8,7 +8,7 @@
 //! events together).
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
@@ -193,6 +193,10 @@ pub struct Committed {
     pub last_sequence: u64,
     /// Whether outbox events were committed too.
     pub cloud: bool,
+    /// The run events this commit carried, in sequence order, when this process made
+    /// the commit (a watcher then needs no read to see them); `None` for commits found
+    /// by polling the store, and for commits without run events.
+    pub events: Option<Arc<[v1::RunEvent]>>,
 }
 
 /// Whether a run state is terminal.
@@ -264,6 +268,7 @@ impl MemoryStore {
         let log = inner.run_events.entry(run_id.to_owned()).or_default();
         log.extend(events.run.iter().cloned());
         let last_sequence = log.last().map_or(0, |e| e.sequence);
+        let committed = (!events.run.is_empty()).then(|| Arc::from(events.run.as_slice()));
         for e in &events.cloud {
             inner.outbox_index.insert(e.id.clone(), inner.outbox.len());
             inner.outbox.push(e.clone());
@@ -272,6 +277,7 @@ impl MemoryStore {
             run_id: run_id.to_owned(),
             last_sequence,
             cloud: !events.cloud.is_empty(),
+            events: committed,
         }
     }
 }

@@ -5,23 +5,51 @@
 //! that listened there itself would wake for each of them, so a thousand watched runs
 //! would mean a thousand wake-ups per commit. Instead one task listens and wakes only
 //! the watchers of the committed run.
+//!
+//! A note carries the events of the commit it announces when this process made it, so
+//! a watcher that has seen everything before them sends them on without reading the
+//! store; after a gap (commits it slept through, lost notes, another replica's commit)
+//! it reads the store from where it is.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
+use convene_proto::v1;
 use tokio::sync::{broadcast, watch};
 
 use crate::store::RunStore;
 
-/// What a run's watchers are told: the highest event sequence committed so far, and
-/// how often notes were lost (a watcher re-reads the store after a loss whatever the
-/// sequence says).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+/// What a run's watchers are told: the highest event sequence committed so far, the
+/// events of the latest commit when known, and how often notes were lost (a watcher
+/// re-reads the store after a loss whatever the sequence says).
+#[derive(Debug, Clone, Default)]
 pub(crate) struct Note {
     /// The highest run-event sequence a commit reported.
     pub(crate) sequence: u64,
     /// Counts the times the router fell behind the store's broadcast.
     pub(crate) lost: u64,
+    /// The run events of the commit that reported `sequence`, ending with it, when this
+    /// process made that commit.
+    pub(crate) events: Option<Arc<[v1::RunEvent]>>,
+}
+
+impl Note {
+    /// The events after `last` when this note alone holds all of them: its events
+    /// follow on from `last` with no gap. `None` means: read the store.
+    pub(crate) fn events_after(&self, last: u64) -> Option<Vec<v1::RunEvent>> {
+        let events = self.events.as_deref()?;
+        let first = events.first()?.sequence;
+        let contiguous = events
+            .windows(2)
+            .all(|w| w[1].sequence == w[0].sequence + 1);
+        (contiguous && first <= last + 1 && events.last()?.sequence == self.sequence).then(|| {
+            events
+                .iter()
+                .filter(|e| e.sequence > last)
+                .cloned()
+                .collect()
+        })
+    }
 }
 
 type Routes = Mutex<HashMap<String, watch::Sender<Note>>>;
@@ -112,15 +140,21 @@ async fn route(
             Ok(c) => {
                 if let Some(sender) = routes.get(&c.run_id) {
                     sender.send_if_modified(|n| {
-                        let newer = c.last_sequence > n.sequence;
-                        n.sequence = n.sequence.max(c.last_sequence);
-                        newer
+                        if c.last_sequence <= n.sequence {
+                            return false;
+                        }
+                        n.sequence = c.last_sequence;
+                        n.events = c.events.clone();
+                        true
                     });
                 }
             }
             Err(broadcast::error::RecvError::Lagged(_)) => {
                 for sender in routes.values() {
-                    sender.send_modify(|n| n.lost += 1);
+                    sender.send_modify(|n| {
+                        n.lost += 1;
+                        n.events = None;
+                    });
                 }
             }
             // The store is gone: dropping the senders ends every watcher.
@@ -140,6 +174,7 @@ mod tests {
             run_id: run_id.to_owned(),
             last_sequence,
             cloud: false,
+            events: None,
         }
     }
 
@@ -178,5 +213,84 @@ mod tests {
         drop(a2);
         drop(b);
         assert_eq!(watchers.watched(), 0);
+    }
+
+    fn events(sequences: &[u64]) -> Option<Arc<[v1::RunEvent]>> {
+        Some(
+            sequences
+                .iter()
+                .map(|&sequence| v1::RunEvent {
+                    sequence,
+                    ..Default::default()
+                })
+                .collect(),
+        )
+    }
+
+    fn sequences(events: Option<Vec<v1::RunEvent>>) -> Option<Vec<u64>> {
+        events.map(|e| e.iter().map(|e| e.sequence).collect())
+    }
+
+    #[test]
+    fn a_note_stands_in_for_a_read_only_when_it_follows_on_without_a_gap() {
+        let note = |seqs: &[u64], sequence| Note {
+            sequence,
+            lost: 0,
+            events: events(seqs),
+        };
+        // Right after what the watcher has: all of them.
+        assert_eq!(
+            sequences(note(&[4, 5, 6], 6).events_after(3)),
+            Some(vec![4, 5, 6])
+        );
+        // Overlapping what it has: only the new ones.
+        assert_eq!(
+            sequences(note(&[4, 5, 6], 6).events_after(4)),
+            Some(vec![5, 6])
+        );
+        // A commit it slept through lies between: read the store.
+        assert_eq!(sequences(note(&[6, 7], 7).events_after(3)), None);
+        // Events of an older commit than the note's sequence: read the store.
+        assert_eq!(sequences(note(&[4, 5], 7).events_after(3)), None);
+        // Not contiguous, or none carried (another replica's commit): read the store.
+        assert_eq!(sequences(note(&[4, 6], 6).events_after(3)), None);
+        assert_eq!(
+            sequences(
+                Note {
+                    sequence: 4,
+                    lost: 0,
+                    events: None
+                }
+                .events_after(3)
+            ),
+            None
+        );
+    }
+
+    #[tokio::test]
+    async fn a_note_carries_the_commits_events_and_a_loss_drops_them() {
+        let store = Arc::new(MemoryStore::default());
+        let watchers = RunWatchers::new(store.clone());
+        let mut a = watchers.watch("a");
+        store.announce_for_test(Committed {
+            events: events(&[1, 2]),
+            ..note("a", 2)
+        });
+        tokio::time::timeout(std::time::Duration::from_secs(5), a.receiver().changed())
+            .await
+            .unwrap()
+            .unwrap();
+        let seen = a.receiver().borrow_and_update().clone();
+        assert_eq!(sequences(seen.events_after(0)), Some(vec![1, 2]));
+
+        // A later commit without events (found by polling) clears them.
+        store.announce_for_test(note("a", 3));
+        tokio::time::timeout(std::time::Duration::from_secs(5), a.receiver().changed())
+            .await
+            .unwrap()
+            .unwrap();
+        let seen = a.receiver().borrow_and_update().clone();
+        assert_eq!(seen.sequence, 3);
+        assert!(seen.events.is_none());
     }
 }
