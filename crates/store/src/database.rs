@@ -22,10 +22,19 @@ pub const MEMORY: &str = "memory";
 /// File name of the SQLite database in a data directory.
 pub const SQLITE_FILE: &str = "convene.db";
 
-/// Connections per PostgreSQL pool: enough for concurrent commits of many runs. (SQLite
-/// has one writer connection and as many readers as read at once: see
-/// [`crate::sqlite`].)
-const POSTGRES_CONNECTIONS: u32 = 16;
+/// Connections per PostgreSQL pool unless the URL says otherwise ([`POOL_SIZE_PARAM`]):
+/// enough for concurrent commits of many runs. (SQLite has one writer connection and as
+/// many readers as read at once: see [`crate::sqlite`].)
+pub const POSTGRES_CONNECTIONS: u32 = 16;
+
+/// The PostgreSQL URL's query parameter that sets how many connections the process's
+/// pool opens at most, e.g. `postgres://db/convene?pool_max_conns=4`: every service
+/// process holds its own pool, so a deployment of many replicas sizes it to stay within
+/// the server's `max_connections`. convene takes it off the URL before connecting.
+pub const POOL_SIZE_PARAM: &str = "pool_max_conns";
+
+/// The largest pool [`POOL_SIZE_PARAM`] may ask for.
+const MAX_POOL_SIZE: u32 = 1000;
 
 /// How long opening a pool may wait for its first connection.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -118,6 +127,45 @@ pub async fn open(database_url: Option<&str>, data_dir: &Path) -> Result<Option<
     }
 }
 
+/// Takes [`POOL_SIZE_PARAM`] off a PostgreSQL URL: the URL without it, and the pool size
+/// it asks for ([`POSTGRES_CONNECTIONS`] when it is absent).
+fn pool_size(url: &str) -> Result<(String, u32), String> {
+    let Some((base, query)) = url.split_once('?') else {
+        return Ok((url.to_owned(), POSTGRES_CONNECTIONS));
+    };
+    let mut size = POSTGRES_CONNECTIONS;
+    let mut rest = Vec::new();
+    for pair in query.split('&').filter(|p| !p.is_empty()) {
+        match pair.split_once('=') {
+            Some((POOL_SIZE_PARAM, value)) => {
+                size = value
+                    .parse()
+                    .ok()
+                    .filter(|n| (1..=MAX_POOL_SIZE).contains(n))
+                    .ok_or_else(|| {
+                        format!(
+                            "{POOL_SIZE_PARAM} must be a whole number of connections from 1 \
+                             to {MAX_POOL_SIZE}, not `{value}`"
+                        )
+                    })?;
+            }
+            None if pair == POOL_SIZE_PARAM => {
+                return Err(format!(
+                    "{POOL_SIZE_PARAM} needs a value: the most connections this process may \
+                     open, e.g. {POOL_SIZE_PARAM}=4"
+                ));
+            }
+            _ => rest.push(pair),
+        }
+    }
+    let url = if rest.is_empty() {
+        base.to_owned()
+    } else {
+        format!("{base}?{}", rest.join("&"))
+    };
+    Ok((url, size))
+}
+
 /// The URL with its password replaced by `****`, for logs and errors.
 pub fn redact(url: &str) -> String {
     let Some((scheme, rest)) = url.split_once("://") else {
@@ -156,9 +204,10 @@ impl Database {
         };
         let lower = url.to_ascii_lowercase();
         let db = if lower.starts_with("postgres://") || lower.starts_with("postgresql://") {
-            let options = PgConnectOptions::from_str(url).map_err(|e| bad(e.to_string()))?;
+            let (url, connections) = pool_size(url).map_err(bad)?;
+            let options = PgConnectOptions::from_str(&url).map_err(|e| bad(e.to_string()))?;
             let pool = PgPoolOptions::new()
-                .max_connections(POSTGRES_CONNECTIONS)
+                .max_connections(connections)
                 .acquire_timeout(CONNECT_TIMEOUT)
                 // No ping before every use: a broken connection fails its statement,
                 // which callers treat as transient, and the pool replaces it.
@@ -238,6 +287,15 @@ impl Database {
         match self.pool {
             Pool::Sqlite(_) => Backend::Sqlite,
             Pool::Postgres(_) => Backend::Postgres,
+        }
+    }
+
+    /// The most connections the PostgreSQL pool opens ([`POOL_SIZE_PARAM`]); `None` for
+    /// SQLite.
+    pub fn max_connections(&self) -> Option<u32> {
+        match &self.pool {
+            Pool::Sqlite(_) => None,
+            Pool::Postgres(pool) => Some(pool.options().get_max_connections()),
         }
     }
 
@@ -610,5 +668,41 @@ impl Tx {
     pub async fn rollback(mut self) -> Result<(), Error> {
         let turn = self.turn.take().expect("a transaction ends once");
         self.group.rollback(turn).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_pool_size_comes_off_the_url_and_bad_ones_say_what_to_give() {
+        let base = "postgres://app:pw@db:5432/convene";
+        assert_eq!(
+            pool_size(base).unwrap(),
+            (base.to_owned(), POSTGRES_CONNECTIONS)
+        );
+        assert_eq!(
+            pool_size(&format!("{base}?pool_max_conns=4")).unwrap(),
+            (base.to_owned(), 4)
+        );
+        // Other parameters stay, in their order.
+        assert_eq!(
+            pool_size(&format!(
+                "{base}?sslmode=require&pool_max_conns=2&application_name=x"
+            ))
+            .unwrap(),
+            (format!("{base}?sslmode=require&application_name=x"), 2)
+        );
+        for bad in ["0", "1001", "-3", "four", ""] {
+            let err = pool_size(&format!("{base}?pool_max_conns={bad}")).unwrap_err();
+            assert!(
+                err.contains("pool_max_conns must be a whole number of connections from 1 to 1000")
+                    && err.contains(&format!("`{bad}`")),
+                "{bad}: {err}"
+            );
+        }
+        let err = pool_size(&format!("{base}?pool_max_conns")).unwrap_err();
+        assert!(err.contains("needs a value"), "{err}");
     }
 }

@@ -583,3 +583,52 @@ async fn a_writer_that_stops_waiting_for_another_processs_lock_leaves_it_free() 
     let ids = revoked_ids(&a).await;
     assert_eq!(ids, ["again", "by-a"], "B's abandoned write left nothing");
 }
+
+#[tokio::test]
+async fn a_postgres_pool_opens_no_more_connections_than_the_url_allows() {
+    // A bad size is refused before anything is dialled.
+    let err = Database::connect("postgres://nobody@127.0.0.1:1/none?pool_max_conns=lots")
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, Error::BadUrl { .. }) && err.to_string().contains("pool_max_conns"),
+        "{err}"
+    );
+    let Some(admin) = convene_store::test_util::postgres_server() else {
+        return;
+    };
+    let server = convene_store::test_util::TestPostgres::create(&admin)
+        .await
+        .unwrap();
+    let separator = if server.url().contains('?') { '&' } else { '?' };
+    let db = Database::connect(&format!("{}{separator}pool_max_conns=2", server.url()))
+        .await
+        .unwrap();
+    assert_eq!(db.max_connections(), Some(2));
+    // Eight readers at once share the two connections.
+    let reads = (0..8).map(|_| db.fetch_all(sql("SELECT pg_sleep(0.05) IS NULL AS slept")));
+    for rows in futures::future::join_all(reads).await {
+        assert_eq!(rows.unwrap().len(), 1);
+    }
+    use sqlx::Connection as _;
+    let mut admin = sqlx::postgres::PgConnection::connect(&admin).await.unwrap();
+    let name = server
+        .url()
+        .rsplit('/')
+        .next()
+        .unwrap()
+        .split('?')
+        .next()
+        .unwrap()
+        .to_owned();
+    let open: i64 = sqlx::query_scalar("SELECT count(*) FROM pg_stat_activity WHERE datname = $1")
+        .bind(&name)
+        .fetch_one(&mut admin)
+        .await
+        .unwrap();
+    assert!(
+        (1..=2).contains(&open),
+        "{open} connections to {name}, the pool allows 2"
+    );
+    db.close().await;
+}
