@@ -343,11 +343,11 @@ impl Agent {
             0 => u64::from(profile.max_tokens),
             b => b.min(u64::from(profile.max_tokens)),
         };
-        let specs: Vec<ToolSpec> = ctx
+        let specs: Vec<Arc<ToolSpec>> = ctx
             .callable
             .iter()
-            .filter_map(|name| self.tools.get(name))
-            .map(|t| with_kind_arg(t.spec()))
+            .filter_map(|name| self.tools.model_spec(name))
+            .cloned()
             .collect();
         let mut messages = vec![Message::user(task_prompt(ctx))];
         for iteration in 1..=profile.max_iterations {
@@ -1187,7 +1187,7 @@ fn split_kind(arguments: &Value) -> (Value, Option<String>) {
 }
 
 /// Adds the [`EVIDENCE_KIND_ARG`] parameter to a tool's schema.
-fn with_kind_arg(mut spec: ToolSpec) -> ToolSpec {
+pub(crate) fn with_kind_arg(mut spec: ToolSpec) -> ToolSpec {
     if let Some(Value::Object(props)) = spec.parameters.get_mut("properties") {
         props.insert(
             EVIDENCE_KIND_ARG.to_owned(),

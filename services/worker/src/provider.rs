@@ -123,8 +123,9 @@ pub struct ModelRequest {
     pub system: String,
     /// The conversation, oldest first.
     pub messages: Vec<Message>,
-    /// Tools the model may call in this task.
-    pub tools: Vec<ToolSpec>,
+    /// Tools the model may call in this task (shared: the same specs go out with every
+    /// request).
+    pub tools: Vec<Arc<ToolSpec>>,
     /// Tokens the answer may use at most.
     pub max_tokens: u32,
     /// Sampling temperature.

@@ -261,6 +261,8 @@ pub trait Tool: Send + Sync + std::fmt::Debug {
 #[derive(Debug, Clone)]
 pub struct ToolRegistry {
     tools: BTreeMap<&'static str, Arc<dyn Tool>>,
+    /// Each tool's spec as models see it, built once.
+    specs: BTreeMap<&'static str, Arc<ToolSpec>>,
     data_dir: PathBuf,
 }
 
@@ -276,9 +278,19 @@ impl ToolRegistry {
             Arc::new(Delegate),
         ];
         Self {
+            specs: tools
+                .iter()
+                .map(|t| (t.name(), Arc::new(crate::agent::with_kind_arg(t.spec()))))
+                .collect(),
             tools: tools.into_iter().map(|t| (t.name(), t)).collect(),
             data_dir: data_dir.into(),
         }
+    }
+
+    /// The spec of the tool called `name` as models are shown it: the tool's own, with
+    /// the agent's evidence-kind argument added.
+    pub fn model_spec(&self, name: &str) -> Option<&Arc<ToolSpec>> {
+        self.specs.get(name)
     }
 
     /// The tool called `name` (`name@version`).
