@@ -314,38 +314,43 @@ impl ToolRegistry {
 
 /// JSON with object keys sorted at every level and no insignificant whitespace.
 pub fn canonical_json(value: &Value) -> String {
-    fn write(value: &Value, out: &mut String) {
+    // Keys and scalars are written by serde_json itself, straight into the buffer (no
+    // string per key or number); writing into a Vec cannot fail.
+    fn write(value: &Value, out: &mut Vec<u8>) {
         match value {
             Value::Object(map) => {
-                out.push('{');
-                let mut keys: Vec<&String> = map.keys().collect();
-                keys.sort();
-                for (i, k) in keys.into_iter().enumerate() {
+                out.push(b'{');
+                let mut entries: Vec<(&String, &Value)> = map.iter().collect();
+                entries.sort_unstable_by(|a, b| a.0.cmp(b.0));
+                for (i, (k, v)) in entries.into_iter().enumerate() {
                     if i > 0 {
-                        out.push(',');
+                        out.push(b',');
                     }
-                    out.push_str(&Value::String(k.clone()).to_string());
-                    out.push(':');
-                    write(&map[k], out);
+                    let _ = serde_json::to_writer(&mut *out, k);
+                    out.push(b':');
+                    write(v, out);
                 }
-                out.push('}');
+                out.push(b'}');
             }
             Value::Array(items) => {
-                out.push('[');
+                out.push(b'[');
                 for (i, item) in items.iter().enumerate() {
                     if i > 0 {
-                        out.push(',');
+                        out.push(b',');
                     }
                     write(item, out);
                 }
-                out.push(']');
+                out.push(b']');
             }
-            scalar => out.push_str(&scalar.to_string()),
+            scalar => {
+                let _ = serde_json::to_writer(&mut *out, scalar);
+            }
         }
     }
-    let mut out = String::new();
+    let mut out = Vec::with_capacity(256);
     write(value, &mut out);
-    out
+    // serde_json writes UTF-8, and so does everything pushed above.
+    String::from_utf8(out).unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned())
 }
 
 /// A time range argument: RFC 3339 bounds, either may be left out.
@@ -519,6 +524,18 @@ mod tests {
             canonical_json(&a),
             r#"{"a":{"c":null,"d":[1,{"y":"x","z":0}]},"b":1}"#
         );
+        // Escapes, non-ASCII text and numbers come out exactly as serde_json writes them.
+        let b: Value = serde_json::from_str(
+            r#"{"q\"uote":"tab\tnew\nline","é":"ü€","n":[-1.5,1e300,18446744073709551615,true]}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            canonical_json(&b),
+            r#"{"n":[-1.5,1e+300,18446744073709551615,true],"q\"uote":"tab\tnew\nline","é":"ü€"}"#
+        );
+        for scalar in b["n"].as_array().unwrap() {
+            assert_eq!(canonical_json(scalar), scalar.to_string());
+        }
     }
 
     #[test]
