@@ -149,6 +149,11 @@ impl TestPostgres {
     pub fn url(&self) -> &str {
         &self.url
     }
+
+    /// The new database's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
 }
 
 impl Drop for TestPostgres {

@@ -612,17 +612,9 @@ async fn a_postgres_pool_opens_no_more_connections_than_the_url_allows() {
     }
     use sqlx::Connection as _;
     let mut admin = sqlx::postgres::PgConnection::connect(&admin).await.unwrap();
-    let name = server
-        .url()
-        .rsplit('/')
-        .next()
-        .unwrap()
-        .split('?')
-        .next()
-        .unwrap()
-        .to_owned();
+    let name = server.name();
     let open: i64 = sqlx::query_scalar("SELECT count(*) FROM pg_stat_activity WHERE datname = $1")
-        .bind(&name)
+        .bind(name)
         .fetch_one(&mut admin)
         .await
         .unwrap();

@@ -284,14 +284,11 @@ impl SqlRunStore {
     }
 
     fn announce(&self, run_id: &str, events: &Events) {
-        let committed = Committed {
-            run_id: run_id.to_owned(),
-            last_sequence: events.run.last().map_or(0, |e| e.sequence),
-            cloud: !events.cloud.is_empty(),
-            events: (!events.run.is_empty()).then(|| Arc::from(events.run.as_slice())),
-        };
+        let last_sequence = events.run.last().map_or(0, |e| e.sequence);
         // Nobody listening is fine.
-        let _ = self.notify.send(committed);
+        let _ = self
+            .notify
+            .send(Committed::of(run_id, last_sequence, events));
     }
 }
 

@@ -199,6 +199,19 @@ pub struct Committed {
     pub events: Option<Arc<[v1::RunEvent]>>,
 }
 
+impl Committed {
+    /// The note of this process's commit of `run_id` that carried `events`, the run's
+    /// highest committed sequence being `last_sequence`.
+    pub(crate) fn of(run_id: &str, last_sequence: u64, events: &Events) -> Self {
+        Self {
+            run_id: run_id.to_owned(),
+            last_sequence,
+            cloud: !events.cloud.is_empty(),
+            events: (!events.run.is_empty()).then(|| Arc::from(events.run.as_slice())),
+        }
+    }
+}
+
 /// Whether a run state is terminal.
 pub fn is_terminal(state: i32) -> bool {
     !matches!(
@@ -268,17 +281,11 @@ impl MemoryStore {
         let log = inner.run_events.entry(run_id.to_owned()).or_default();
         log.extend(events.run.iter().cloned());
         let last_sequence = log.last().map_or(0, |e| e.sequence);
-        let committed = (!events.run.is_empty()).then(|| Arc::from(events.run.as_slice()));
         for e in &events.cloud {
             inner.outbox_index.insert(e.id.clone(), inner.outbox.len());
             inner.outbox.push(e.clone());
         }
-        Committed {
-            run_id: run_id.to_owned(),
-            last_sequence,
-            cloud: !events.cloud.is_empty(),
-            events: committed,
-        }
+        Committed::of(run_id, last_sequence, events)
     }
 }
 
