@@ -450,11 +450,15 @@ async fn combined_writes_keep_their_own_outcome_and_share_commits() {
                         (i, false)
                     }
                     // The caller stops waiting once the job is queued: it still commits.
+                    // The job holds on until the caller has gone, so the write cannot
+                    // end first, however the threads are scheduled.
                     2 => {
+                        let (gone, caller_gone) = tokio::sync::oneshot::channel::<()>();
                         let waited = tokio::time::timeout(
                             Duration::ZERO,
                             db.write(move |tx| {
                                 Box::pin(async move {
+                                    let _ = caller_gone.await;
                                     tx.execute(a).await?;
                                     tx.execute(b).await?;
                                     Ok::<_, Error>(())
@@ -463,6 +467,7 @@ async fn combined_writes_keep_their_own_outcome_and_share_commits() {
                         )
                         .await;
                         assert!(waited.is_err(), "the write finished at once");
+                        let _ = gone.send(());
                         (i, true)
                     }
                     _ => {
