@@ -298,14 +298,14 @@ impl SqlRunStore {
 fn refusal(
     me: Option<&str>,
     row: Option<&Row>,
-    run: &v1::Run,
+    run_id: &str,
     expected: u64,
 ) -> Result<(), StoreError> {
-    let row = row.ok_or_else(|| StoreError::NotFound(run.run_id.clone()))?;
+    let row = row.ok_or_else(|| StoreError::NotFound(run_id.to_owned()))?;
     let found = row.get_u64("version")?;
     if found != expected {
         return Err(StoreError::Conflict {
-            run_id: run.run_id.clone(),
+            run_id: run_id.to_owned(),
             expected,
             found,
         });
@@ -317,7 +317,7 @@ fn refusal(
         let holder: Option<String> = row.get("owner")?;
         if let Some(holder) = holder.filter(|h| Some(h.as_str()) != me) {
             return Err(StoreError::LeaseLost {
-                run_id: run.run_id.clone(),
+                run_id: run_id.to_owned(),
                 owner: holder,
             });
         }
@@ -438,26 +438,62 @@ fn ts_micros(ts: Option<&prost_types::Timestamp>) -> i64 {
     })
 }
 
-/// Appends what a change produced: ledger rows for delegations whose state differs from
-/// `before` (all of them for a new run), rows for decision revisions newer than
-/// `before`'s, the run events and the outbox events.
-async fn append(
-    tx: &mut Tx,
-    run: &v1::Run,
-    before: Option<&Last>,
-    events: &Events,
-) -> Result<(), StoreError> {
-    let previous = before.map(|b| &b.states);
+/// A row a change appends, built (encoded and bound) before the write job runs, so the
+/// job owns statements rather than a copy of the whole run.
+enum Append {
+    /// Written whatever the run's last commit was: run events, outbox events.
+    Always(Statement),
+    /// A delegation's ledger row: written when its state differs from the last commit's.
+    Ledger {
+        delegation_id: String,
+        state: i32,
+        insert: Statement,
+    },
+    /// A join decision revision: written when newer than the last commit's.
+    Decision { revision: u32, insert: Statement },
+}
+
+impl Append {
+    /// Whether the row is new since `before` (everything is, for a new run).
+    fn is_new(&self, before: Option<&Last>) -> bool {
+        match (self, before) {
+            (Self::Always(_), _) | (_, None) => true,
+            (
+                Self::Ledger {
+                    delegation_id,
+                    state,
+                    ..
+                },
+                Some(b),
+            ) => b.states.get(delegation_id) != Some(state),
+            (Self::Decision { revision, .. }, Some(b)) => *revision > b.revision,
+        }
+    }
+
+    fn into_statement(self) -> Statement {
+        match self {
+            Self::Always(s) | Self::Ledger { insert: s, .. } | Self::Decision { insert: s, .. } => {
+                s
+            }
+        }
+    }
+}
+
+/// What a change may append: a ledger row per delegation, a row per decision revision,
+/// the run events and the outbox events. [`write_appends`] writes those new since the
+/// last commit.
+fn appends(run: &v1::Run, events: &Events) -> Vec<Append> {
     let updated_at = ts_micros(run.updated_at.as_ref());
+    let mut out =
+        Vec::with_capacity(run.delegations.len() + events.run.len() + events.cloud.len() + 1);
     for d in &run.delegations {
         let Some(task) = d.task.as_ref() else {
             continue;
         };
-        if previous.and_then(|p| p.get(&task.delegation_id)) == Some(&d.state) {
-            continue;
-        }
-        tx.execute(
-            sql(
+        out.push(Append::Ledger {
+            delegation_id: task.delegation_id.clone(),
+            state: d.state,
+            insert: sql(
                 "INSERT INTO delegation_ledger (run_id, delegation_id, run_version, state, \
                  parent_delegation_id, profile_id, worker_id, attempts, recorded_at) \
                  VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
@@ -471,46 +507,42 @@ async fn append(
             .bind(&d.worker_id)
             .bind(d.attempts)
             .bind(updated_at),
-        )
-        .await?;
+        });
     }
 
-    let decided_before = before.map_or(0, |b| b.revision);
-    let mut revisions: BTreeMap<u32, &v1::JoinDecision> = run
+    let revisions: BTreeMap<u32, &v1::JoinDecision> = run
         .revisions
         .iter()
         .chain(run.decision.as_ref())
         .map(|d| (d.revision, d))
         .collect();
-    revisions.retain(|revision, _| *revision > decided_before || before.is_none());
-    for decision in revisions.values() {
-        tx.execute(
-            sql(
+    for (revision, decision) in revisions {
+        out.push(Append::Decision {
+            revision,
+            insert: sql(
                 "INSERT INTO join_decisions (run_id, revision, run_version, outcome, \
                  decided_at, body) VALUES ($1, $2, $3, $4, $5, $6) \
                  ON CONFLICT (run_id, revision) DO NOTHING",
             )
             .bind(&run.run_id)
-            .bind(decision.revision)
+            .bind(revision)
             .bind(run.version)
             .bind(decision.outcome)
             .bind(ts_micros(decision.decided_at.as_ref()))
             .bind(decision.encode_to_vec()),
-        )
-        .await?;
+        });
     }
 
     for e in &events.run {
-        tx.execute(
+        out.push(Append::Always(
             sql("INSERT INTO run_events (run_id, sequence, body) VALUES ($1, $2, $3)")
                 .bind(&run.run_id)
                 .bind(e.sequence)
                 .bind(e.encode_to_vec()),
-        )
-        .await?;
+        ));
     }
     for e in &events.cloud {
-        tx.execute(
+        out.push(Append::Always(
             sql(
                 "INSERT INTO outbox (event_id, run_id, tenant, type, created_at, body) \
                  VALUES ($1, $2, $3, $4, $5, $6)",
@@ -521,8 +553,21 @@ async fn append(
             .bind(&e.r#type)
             .bind(ts_micros(e.time.as_ref()))
             .bind(e.encode_to_vec()),
-        )
-        .await?;
+        ));
+    }
+    out
+}
+
+/// Writes the rows of `appends` that are new since `before` (all of them for a new run).
+async fn write_appends(
+    tx: &mut Tx,
+    appends: Vec<Append>,
+    before: Option<&Last>,
+) -> Result<(), StoreError> {
+    for append in appends {
+        if append.is_new(before) {
+            tx.execute(append.into_statement()).await?;
+        }
     }
     Ok(())
 }
@@ -550,13 +595,29 @@ impl RunStore for SqlRunStore {
             None => (None, None),
         };
         let key = key.cloned();
-        let stored = run.clone();
-        let appended = events.clone();
+        let run_id = run.run_id.clone();
+        let insert = sql(
+            "INSERT INTO runs (run_id, tenant, principal, state, terminal, version, \
+             created_at, updated_at, owner, lease_until, trace_id, body) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)",
+        )
+        .bind(&run.run_id)
+        .bind(&run.tenant)
+        .bind(&run.principal)
+        .bind(run.state)
+        .bind(is_terminal(run.state))
+        .bind(run.version)
+        .bind(ts_micros(run.created_at.as_ref()))
+        .bind(ts_micros(run.updated_at.as_ref()))
+        .bind(owner)
+        .bind(lease_until)
+        .bind(&run.trace_id)
+        .bind(run.encode_to_vec());
+        let appended = appends(run, events);
         let created = self
             .db
             .write::<_, StoreError, _>(move |tx| {
                 Box::pin(async move {
-                    let run = &stored;
                     if let Some(guard) = guard {
                         tx.execute(guard).await?;
                     }
@@ -570,7 +631,7 @@ impl RunStore for SqlRunStore {
                                      VALUES ($1, $2, $3) ON CONFLICT (principal, key) DO NOTHING")
                                 .bind(&key.principal)
                                 .bind(&key.key)
-                                .bind(&run.run_id),
+                                .bind(&run_id),
                             )
                             .await?;
                         if inserted == 0 {
@@ -597,27 +658,8 @@ impl RunStore for SqlRunStore {
                             return Ok(Created::Existing(Box::new(existing)));
                         }
                     }
-                    tx.execute(
-                        sql(
-                            "INSERT INTO runs (run_id, tenant, principal, state, terminal, \
-                             version, created_at, updated_at, owner, lease_until, trace_id, \
-                             body) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)",
-                        )
-                        .bind(&run.run_id)
-                        .bind(&run.tenant)
-                        .bind(&run.principal)
-                        .bind(run.state)
-                        .bind(is_terminal(run.state))
-                        .bind(run.version)
-                        .bind(ts_micros(run.created_at.as_ref()))
-                        .bind(ts_micros(run.updated_at.as_ref()))
-                        .bind(owner)
-                        .bind(lease_until)
-                        .bind(&run.trace_id)
-                        .bind(run.encode_to_vec()),
-                    )
-                    .await?;
-                    append(tx, run, None, &appended).await?;
+                    tx.execute(insert).await?;
+                    write_appends(tx, appended, None).await?;
                     Ok(Created::New)
                 })
             })
@@ -635,69 +677,68 @@ impl RunStore for SqlRunStore {
         let guard = self.guard(true);
         let me = self.owner().map(str::to_owned);
         let postgres = self.db.backend() == Backend::Postgres;
-        let stored = run.clone();
-        let appended = events.clone();
+        let run_id = run.run_id.clone();
+        let read = if postgres {
+            sql("SELECT version, owner, body FROM runs WHERE run_id = $1 FOR UPDATE")
+        } else {
+            sql("SELECT version, owner, body FROM runs WHERE run_id = $1")
+        }
+        .bind(&run.run_id);
+        // The version and lease checks again, in the write itself: they hold for the row
+        // as it is then (SQLite has one writer; PostgreSQL locks the row it updates).
+        // With leases, a run another replica claimed is not this one's to write.
+        let text = if me.is_some() {
+            "UPDATE runs SET state = $3, terminal = $4, version = $5, \
+             updated_at = $6, trace_id = $7, body = $8 \
+             WHERE run_id = $1 AND version = $2 AND (owner IS NULL OR owner = $9)"
+        } else {
+            "UPDATE runs SET state = $3, terminal = $4, version = $5, \
+             updated_at = $6, trace_id = $7, body = $8 \
+             WHERE run_id = $1 AND version = $2"
+        };
+        let mut update = sql(text)
+            .bind(&run.run_id)
+            .bind(expected)
+            .bind(run.state)
+            .bind(is_terminal(run.state))
+            .bind(run.version)
+            .bind(ts_micros(run.updated_at.as_ref()))
+            .bind(&run.trace_id)
+            .bind(run.encode_to_vec());
+        if let Some(me) = &me {
+            update = update.bind(me);
+        }
+        let appended = appends(run, events);
         self.db
             .write::<_, StoreError, _>(move |tx| {
                 Box::pin(async move {
-                    let run = &stored;
                     let me = me.as_deref();
                     if let Some(guard) = guard {
                         tx.execute(guard).await?;
                     }
-                    let read = if postgres {
-                        sql("SELECT version, owner, body FROM runs WHERE run_id = $1 FOR UPDATE")
-                    } else {
-                        sql("SELECT version, owner, body FROM runs WHERE run_id = $1")
-                    };
                     let before = match remembered {
                         Some(last) => last,
                         None => {
-                            let row = tx.fetch_optional(read.clone().bind(&run.run_id)).await?;
-                            refusal(me, row.as_ref(), run, expected)?;
+                            let row = tx.fetch_optional(read.clone()).await?;
+                            refusal(me, row.as_ref(), &run_id, expected)?;
                             let stored: v1::Run =
                                 decode(row.as_ref().expect("checked above"), "runs")?;
                             Last::of(&stored)
                         }
                     };
-                    // The version and lease checks again, in the write itself: they hold
-                    // for the row as it is now (SQLite has one writer; PostgreSQL locks
-                    // the row it updates). With leases, a run another replica claimed is
-                    // not this one's to write.
-                    let text = if me.is_some() {
-                        "UPDATE runs SET state = $3, terminal = $4, version = $5, \
-                         updated_at = $6, trace_id = $7, body = $8 \
-                         WHERE run_id = $1 AND version = $2 AND (owner IS NULL OR owner = $9)"
-                    } else {
-                        "UPDATE runs SET state = $3, terminal = $4, version = $5, \
-                         updated_at = $6, trace_id = $7, body = $8 \
-                         WHERE run_id = $1 AND version = $2"
-                    };
-                    let mut update = sql(text)
-                        .bind(&run.run_id)
-                        .bind(expected)
-                        .bind(run.state)
-                        .bind(is_terminal(run.state))
-                        .bind(run.version)
-                        .bind(ts_micros(run.updated_at.as_ref()))
-                        .bind(&run.trace_id)
-                        .bind(run.encode_to_vec());
-                    if let Some(me) = me {
-                        update = update.bind(me);
-                    }
                     if tx.execute(update).await? != 1 {
                         // Changed since this store last committed it: say how.
-                        let row = tx.fetch_optional(read.bind(&run.run_id)).await?;
-                        refusal(me, row.as_ref(), run, expected)?;
+                        let row = tx.fetch_optional(read).await?;
+                        refusal(me, row.as_ref(), &run_id, expected)?;
                         // The row is locked (or the database has one writer), so this is
                         // a bug elsewhere; refuse rather than commit half a change.
                         return Err(StoreError::Conflict {
-                            run_id: run.run_id.clone(),
+                            run_id,
                             expected,
                             found: expected,
                         });
                     }
-                    append(tx, run, Some(&before), &appended).await
+                    write_appends(tx, appended, Some(&before)).await
                 })
             })
             .await?;
