@@ -347,7 +347,7 @@ async fn outcomes_come_back_in_call_order(mode: Mode) {
         "logs:COMPLETED,metrics:COMPLETED"
     );
     assert_eq!(claim("primary_cause").value, "connection_pool_exhaustion");
-    let evidence_id = format!("delegations://run/{parent_id}/{STEP}");
+    let evidence_id = format!("delegations://run/{}/{parent_id}/{STEP}", run.run_id);
     assert_eq!(claim("primary_cause").evidence_refs, [evidence_id]);
     let output = delegate_output(&mesh, coordinator_result).await;
     let outcomes = output["outcomes"].as_array().expect("outcomes");

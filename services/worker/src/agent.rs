@@ -683,10 +683,15 @@ impl Agent {
         };
         let output = tool.run(&prepared, &env).await.map_err(call_error)?;
 
+        // The same call of the same delegation gets the same id (a retry records it
+        // again). The run id, a UUIDv7, comes before the hashed delegation id so that
+        // ids sort by time within a source: the catalog's key index is appended to
+        // rather than written at random pages as the database grows.
         let evidence_id = format!(
-            "{}://{}/{}/{}",
+            "{}://{}/{}/{}/{}",
             self.profile.faults.scheme(prepared.scheme),
             prepared.subject,
+            ctx.task.run_id,
             ctx.task.delegation_id,
             uri_segment(&call.id)
         );

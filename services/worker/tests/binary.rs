@@ -6,7 +6,7 @@ mod common;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use common::{Mesh, example_data, task};
+use common::{Mesh, RUN_ID, example_data, task};
 use convene_mesh::auth;
 use convene_proto::v1::{self, worker_client::WorkerClient};
 use convene_server::test_util::{pick_listener, wait_ready};
@@ -159,8 +159,8 @@ async fn a_worker_killed_mid_task_exits_after_storing_its_evidence() {
         .get_evidence(auth::request(
             v1::GetEvidenceRequest {
                 evidence_ids: vec![
-                    "logs://payment-api/del-logs-killed/pool_exhaustion".into(),
-                    "logs://payment-api/del-logs-killed/confirm_outcomes".into(),
+                    format!("logs://payment-api/{RUN_ID}/del-logs-killed/pool_exhaustion"),
+                    format!("logs://payment-api/{RUN_ID}/del-logs-killed/confirm_outcomes"),
                 ],
             },
             &token,

@@ -5,7 +5,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{Mesh, claim, profiles_with, status, task};
+use common::{Mesh, RUN_ID, claim, profiles_with, status, task};
 use convene_mesh::auth;
 use convene_proto::v1;
 use convene_worker::profiles;
@@ -128,7 +128,7 @@ async fn logs_investigator_finds_impact_and_pool_exhaustion() {
     assert_eq!(kind_of(&result, &cause.evidence_refs[0]), "causal_signal");
     assert_eq!(
         result.evidence[0].evidence_id,
-        "logs://payment-api/del-logs-1/pool_exhaustion"
+        format!("logs://payment-api/{RUN_ID}/del-logs-1/pool_exhaustion")
     );
     let usage = result.usage.as_ref().unwrap();
     assert_eq!(
@@ -172,7 +172,7 @@ async fn change_auditor_blames_the_rule_and_proposes_an_r3_rollback() {
     assert!(cause.statement.contains("RC-4711") && cause.statement.contains("02:01:40"));
     assert_eq!(
         cause.evidence_refs,
-        ["changes://log/del-changes-1/rule_changes"]
+        [format!("changes://log/{RUN_ID}/del-changes-1/rule_changes")]
     );
     assert_eq!(kind_of(&result, &cause.evidence_refs[0]), "causal_signal");
     let hit = claim(&result, "risk.rule_hit_rate");
@@ -228,7 +228,7 @@ async fn a_tool_missing_from_the_token_is_a_structured_failure() {
     // The action still stands on the evidence that exists.
     assert_eq!(
         result.proposed_actions[0].evidence_refs,
-        ["changes://log/del-changes-2/rule_changes"]
+        [format!("changes://log/{RUN_ID}/del-changes-2/rule_changes")]
     );
     let decisions = mesh.decisions_for("del-changes-2");
     assert!(

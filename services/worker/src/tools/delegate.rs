@@ -13,8 +13,8 @@
 //! Like every tool, the call is authorized first (`delegation:create` on `delegation`;
 //! the row limit of the data scope is the number of children asked for), and its
 //! output — a JSON summary of the outcomes — is stored as an artifact with evidence
-//! `delegations://run/<delegation>/<call>`, so claims built on the children's findings
-//! cite it.
+//! `delegations://run/<run id>/<delegation>/<call>`, so claims built on the children's
+//! findings cite it.
 
 use std::collections::BTreeSet;
 
