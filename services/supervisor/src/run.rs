@@ -18,7 +18,7 @@
 //! down (its lease is released, so the run resumes at once elsewhere) or when another
 //! replica took the run over (its commit is refused).
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
@@ -164,6 +164,10 @@ pub(crate) struct RunActor {
     issued: Option<Result<Vec<String>, Status>>,
     /// Top-level results are staged that the join has not seen.
     unjoined: bool,
+    /// Staged results whose cited evidence is not verified yet (the delegation's index
+    /// and the ids it cites): verified together, in one `VerifyChain`, before the join
+    /// sees them.
+    unverified: Vec<(usize, BTreeSet<String>)>,
     /// The join ran on staged results; the commit carrying them (and its decision, if
     /// any) has not happened.
     joined: bool,
@@ -347,6 +351,7 @@ impl RunActor {
             staged: Events::default(),
             issued: None,
             unjoined: false,
+            unverified: Vec::new(),
             joined: false,
             cancel: CancellationToken::new(),
             abandon: CancellationToken::new(),
@@ -695,12 +700,15 @@ impl RunActor {
             .enumerate()
             .filter_map(|(i, d)| Some((d.task.as_ref()?.delegation_id.clone(), i)))
             .collect();
-        let received = self.run.received.clone();
-        for result in &received {
+        for result in &self.run.received {
             if let Some(&index) = by_id.get(&result.delegation_id) {
-                self.verify_evidence(index, result).await;
+                self.unverified.push((
+                    index,
+                    join::cited_evidence_ids(std::slice::from_ref(result)),
+                ));
             }
         }
+        self.verify_staged().await;
         for i in redispatch {
             self.batches[0].queue.push_back(i);
         }
@@ -790,14 +798,22 @@ impl RunActor {
                 // delegations start, and often finish, together) are taken with this
                 // one: the join runs once on every result taken, and one commit
                 // carries them all, with the decision when the join decides.
+                // Their evidence is verified together; what reports while that is
+                // asked is taken too.
                 self.take(msg).await?;
-                while let Ok(next) = self.rx.try_recv() {
-                    if matches!(next, Msg::Dispatched { .. } | Msg::Outcome { .. }) {
-                        self.take(next).await?;
-                    } else {
-                        self.held = Some(next);
+                loop {
+                    while let Ok(next) = self.rx.try_recv() {
+                        if matches!(next, Msg::Dispatched { .. } | Msg::Outcome { .. }) {
+                            self.take(next).await?;
+                        } else {
+                            self.held = Some(next);
+                            break;
+                        }
+                    }
+                    if self.held.is_some() || self.unverified.is_empty() {
                         break;
                     }
+                    self.verify_staged().await;
                 }
                 self.settle().await
             }
@@ -880,6 +896,7 @@ impl RunActor {
 
     /// Runs the join on the staged results (if any) and commits what is staged.
     async fn settle(&mut self) -> Result<(), StoreError> {
+        self.verify_staged().await;
         if std::mem::take(&mut self.unjoined) {
             self.joined = true;
             self.join_step("result").await?;
@@ -1062,8 +1079,16 @@ impl RunActor {
         accounted: bool,
     ) -> Result<(), StoreError> {
         let late = self.terminal();
-        let span = self.slots[index].span.clone();
-        self.verify_evidence(index, &result).instrument(span).await;
+        if self.slots[index].top_level && !late {
+            // Staged for the join: verified with the others staged (`verify_staged`).
+            self.unverified.push((
+                index,
+                join::cited_evidence_ids(std::slice::from_ref(&result)),
+            ));
+        } else {
+            let span = self.slots[index].span.clone();
+            self.verify_evidence(index, &result).instrument(span).await;
+        }
         if !accounted {
             self.account(&result);
         }
@@ -1135,43 +1160,82 @@ impl RunActor {
     /// Asks the evidence store about every evidence id the result cites, with the
     /// delegation's own token (so the tenant is the token's).
     async fn verify_evidence(&mut self, index: usize, result: &v1::TaskResult) {
+        let cited = join::cited_evidence_ids(std::slice::from_ref(result));
+        self.verify_cited(index, cited).await;
+    }
+
+    /// Asks about the evidence ids `cited` by delegation `index` that are not verified
+    /// yet, with the delegation's own token. Unanswered, they count as unknown.
+    async fn verify_cited(&mut self, index: usize, cited: BTreeSet<String>) {
         let token = self.slots[index].token.clone();
-        let unknown: Vec<String> = join::cited_evidence_ids(std::slice::from_ref(result))
+        let unknown: Vec<String> = cited
             .into_iter()
             .filter(|id| !self.facts.contains_key(id))
             .collect();
         if unknown.is_empty() || token.is_empty() {
             return;
         }
+        if let Err(s) = self.verify_chain(&token, unknown).await {
+            tracing::warn!(run_id = %self.run.run_id, error = %s.message(), "evidence could not be verified; it counts as unknown");
+        }
+    }
+
+    /// Verifies the evidence cited by the staged results not verified yet, in one call:
+    /// a run's delegations share its tenant, so any one of their tokens reads all of it.
+    /// If that call fails (that token expired, say), each result is asked about with its
+    /// own token, as when results arrive one at a time.
+    async fn verify_staged(&mut self) {
+        let staged = std::mem::take(&mut self.unverified);
+        let Some((token, ids)) = chain_ask(&staged, &self.facts, |index| {
+            self.slots[index].token.as_str()
+        }) else {
+            return;
+        };
+        // One result: the call belongs to its delegation, as when results come alone.
+        let span = match staged.as_slice() {
+            [(index, _)] => self.slots[*index].span.clone(),
+            _ => self.span.clone(),
+        };
+        let Err(status) = self.verify_chain(&token, ids).instrument(span).await else {
+            return;
+        };
+        if staged.len() == 1 {
+            tracing::warn!(run_id = %self.run.run_id, error = %status.message(), "evidence could not be verified; it counts as unknown");
+            return;
+        }
+        tracing::debug!(run_id = %self.run.run_id, error = %status.message(), "verifying the staged results' evidence together failed; asking for each");
+        for (index, cited) in staged {
+            let span = self.slots[index].span.clone();
+            self.verify_cited(index, cited).instrument(span).await;
+        }
+    }
+
+    /// One `VerifyChain` call (retried while the failure is transient) for `ids`, with
+    /// `token`; records what it says of each id in the join's facts.
+    async fn verify_chain(&mut self, token: &str, ids: Vec<String>) -> Result<(), Status> {
         let req = v1::VerifyChainRequest {
             claims: vec![v1::ChainClaim {
                 claim_id: "cited".to_owned(),
-                evidence_refs: unknown.clone(),
+                evidence_refs: ids,
             }],
             rehash_content: false,
         };
-        let mut answer = None;
-        for attempt in 1..=3u32 {
+        let mut attempt = 1u32;
+        let answer = loop {
             match self
                 .deps
                 .evidence
-                .verify_chain(request(req.clone(), &token))
+                .verify_chain(request(req.clone(), token))
                 .await
             {
-                Ok(r) => {
-                    answer = Some(r.into_inner());
-                    break;
-                }
+                Ok(r) => break r.into_inner(),
                 Err(s) if status_is_transient(s.code()) && attempt < 3 => {
                     tokio::time::sleep(backoff(&self.deps.settings, attempt)).await;
+                    attempt += 1;
                 }
-                Err(s) => {
-                    tracing::warn!(run_id = %self.run.run_id, error = %s.message(), "evidence could not be verified; it counts as unknown");
-                    break;
-                }
+                Err(s) => return Err(s),
             }
-        }
-        let Some(answer) = answer else { return };
+        };
         let kinds: HashMap<&str, &v1::Evidence> = answer
             .evidence
             .iter()
@@ -1194,6 +1258,7 @@ impl RunActor {
             };
             self.facts.insert(link.evidence_id.clone(), fact);
         }
+        Ok(())
     }
 
     // ---- the join -------------------------------------------------------------------
@@ -2162,4 +2227,63 @@ pub(crate) fn truncated_detail(limit: u32, overflow: Overflow) -> String {
     format!(
         "dropped: the plan is wider than max_parallel_workers ({limit}) and overflow is {overflow:?}"
     )
+}
+
+/// What one `VerifyChain` call for the `staged` results asks: every evidence id they cite
+/// that `known` has no fact for, once each (result by result), and the token of the first
+/// staged delegation that has one. None when there is nothing to ask or no token to ask
+/// with.
+fn chain_ask<'a>(
+    staged: &[(usize, BTreeSet<String>)],
+    known: &BTreeMap<String, EvidenceFact>,
+    token_of: impl Fn(usize) -> &'a str,
+) -> Option<(String, Vec<String>)> {
+    let mut seen = BTreeSet::new();
+    let ids: Vec<String> = staged
+        .iter()
+        .flat_map(|(_, cited)| cited)
+        .filter(|id| !known.contains_key(*id) && seen.insert(*id))
+        .cloned()
+        .collect();
+    let token = staged
+        .iter()
+        .map(|(index, _)| token_of(*index))
+        .find(|t| !t.is_empty())?;
+    (!ids.is_empty()).then(|| (token.to_owned(), ids))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cited(ids: &[&str]) -> BTreeSet<String> {
+        ids.iter().map(|s| (*s).to_owned()).collect()
+    }
+
+    #[test]
+    fn results_taken_together_are_verified_in_one_ask() {
+        let tokens = ["", "token-b", "token-c"];
+        let staged = vec![
+            (0, cited(&["ev://logs/1"])),
+            (1, cited(&["ev://logs/1", "ev://metrics/2"])),
+            (2, cited(&["ev://changes/3", "ev://known/4"])),
+        ];
+        let known = BTreeMap::from([("ev://known/4".to_owned(), EvidenceFact::Unknown)]);
+        let (token, ids) = chain_ask(&staged, &known, |i| tokens[i]).expect("an ask");
+        // The first delegation without a token is passed over; the run's tenant is the
+        // same whichever of its tokens asks.
+        assert_eq!(token, "token-b");
+        // Every id once, none already known.
+        assert_eq!(ids, ["ev://logs/1", "ev://metrics/2", "ev://changes/3"]);
+    }
+
+    #[test]
+    fn nothing_is_asked_without_new_ids_or_a_token() {
+        let known = BTreeMap::from([("ev://a".to_owned(), EvidenceFact::ArtifactMissing)]);
+        let staged = vec![(0, cited(&["ev://a"])), (1, cited(&[]))];
+        assert_eq!(chain_ask(&staged, &known, |_| "token"), None);
+        let staged = vec![(0, cited(&["ev://b"]))];
+        assert_eq!(chain_ask(&staged, &known, |_| ""), None);
+        assert_eq!(chain_ask(&[], &known, |_| "token"), None);
+    }
 }
