@@ -1185,24 +1185,22 @@ impl RunActor {
     /// If that call fails (that token expired, say), each result is asked about with its
     /// own token, as when results arrive one at a time.
     async fn verify_staged(&mut self) {
-        let staged = std::mem::take(&mut self.unverified);
+        let mut staged = std::mem::take(&mut self.unverified);
+        if staged.len() == 1 {
+            // One result: asked about as when results come alone.
+            let (index, cited) = staged.remove(0);
+            let span = self.slots[index].span.clone();
+            return self.verify_cited(index, cited).instrument(span).await;
+        }
         let Some((token, ids)) = chain_ask(&staged, &self.facts, |index| {
             self.slots[index].token.as_str()
         }) else {
             return;
         };
-        // One result: the call belongs to its delegation, as when results come alone.
-        let span = match staged.as_slice() {
-            [(index, _)] => self.slots[*index].span.clone(),
-            _ => self.span.clone(),
-        };
+        let span = self.span.clone();
         let Err(status) = self.verify_chain(&token, ids).instrument(span).await else {
             return;
         };
-        if staged.len() == 1 {
-            tracing::warn!(run_id = %self.run.run_id, error = %status.message(), "evidence could not be verified; it counts as unknown");
-            return;
-        }
         tracing::debug!(run_id = %self.run.run_id, error = %status.message(), "verifying the staged results' evidence together failed; asking for each");
         for (index, cited) in staged {
             let span = self.slots[index].span.clone();
