@@ -2,7 +2,9 @@
 //! have to change.
 //!
 //! The order is: the token verifies (signature, key, validity window); it is not revoked
-//! (by itself or through its run); the presenter is in its audience; the tenant matches;
+//! (by itself or through its run; checked with the count for a call that passes every
+//! other check, and before any other reason for one that does not); the presenter is in
+//! its audience; the tenant matches;
 //! the tool is in the catalog and in the token; no runtime rule denies the tool to the
 //! token's profile; the tool's catalog action covers the asked action; the token's scopes
 //! cover action, resource and data scope; and finally the call is counted against
@@ -22,7 +24,7 @@ use crate::Error;
 use crate::decision_log::{AuthorizeRecord, LogEntry};
 use crate::issue::{describe, describe_data, list};
 use crate::service::Inner;
-use crate::state::{Call, Counted, DecisionOf, RevokeTarget};
+use crate::state::{Call, Counted, DecisionOf, Revocation, RevokeTarget};
 
 /// A decision before it is logged.
 enum Outcome {
@@ -66,13 +68,13 @@ struct Verdict {
 impl Verdict {
     /// The decision on a call that passed every check, once counted.
     fn of_count(
-        counted: Counted,
+        counted: &Counted,
         max_calls: u32,
         action: &str,
         resource: &str,
         tool: &str,
     ) -> Self {
-        match counted {
+        match *counted {
             Counted::Allowed { used } => Verdict {
                 allowed: true,
                 reason: AuthorizeReason::Allowed,
@@ -90,7 +92,30 @@ impl Verdict {
                 ),
                 calls_used: used,
             },
+            Counted::Revoked {
+                ref revocation,
+                used,
+            } => Verdict {
+                allowed: false,
+                reason: AuthorizeReason::Revoked,
+                detail: revoked_detail(revocation),
+                calls_used: used,
+            },
         }
+    }
+}
+
+/// Why a revoked token is refused, and what to do.
+fn revoked_detail(revocation: &Revocation) -> String {
+    match &revocation.target {
+        RevokeTarget::Token(id) => format!(
+            "token {id} was revoked ({}); ask the supervisor for a new task token",
+            revocation.reason
+        ),
+        RevokeTarget::Run(id) => format!(
+            "run {id} was revoked ({}); every token of the run is refused",
+            revocation.reason
+        ),
     }
 }
 
@@ -103,7 +128,27 @@ impl Inner {
         let data = data_constraints(request.data_scope.as_ref())?;
         let now = (self.clock)();
         let tool = self.policy.tools.get(&request.tool);
-        let outcome = self.decide(request, tool, &data, now).await?;
+        let outcome = match self.decide(request, tool, &data, now).await? {
+            // A revocation takes precedence over every other reason a verified token is
+            // refused for. A call that passed is checked inside its count instead.
+            Outcome::Deny {
+                claims: Some(claims),
+                reason,
+                detail,
+            } => match self
+                .state
+                .is_revoked(&claims.token_id, &claims.run_id)
+                .await?
+            {
+                Some(revocation) => Outcome::deny(
+                    Some(claims),
+                    AuthorizeReason::Revoked,
+                    revoked_detail(&revocation),
+                ),
+                None => Outcome::deny(Some(claims), reason, detail),
+            },
+            outcome => outcome,
+        };
 
         let decision_id = uuid::Uuid::now_v7().to_string();
         let time = humantime::format_rfc3339_millis(now).to_string();
@@ -148,6 +193,7 @@ impl Inner {
                 // one transaction when the log is in the state's database).
                 let call = Call {
                     token_id: &claims.token_id,
+                    run_id: &claims.run_id,
                     max_calls: claims.max_calls,
                     expires_at: claims.expiry().unwrap_or(now),
                     now,
@@ -156,7 +202,7 @@ impl Inner {
                 let action = effective_action(request, tool).to_owned();
                 let resource = request.resource.clone();
                 let tool_name = request.tool.clone();
-                let verdict_of = Arc::new(move |counted| {
+                let verdict_of = Arc::new(move |counted: &Counted| {
                     Verdict::of_count(counted, max_calls, &action, &resource, &tool_name)
                 });
                 let decide = verdict_of.clone();
@@ -165,7 +211,7 @@ impl Inner {
                     .state
                     .record_call_logged(call, &*self.log, decision)
                     .await?;
-                verdict_of(counted)
+                verdict_of(&counted)
             }
             Outcome::Deny {
                 claims,
@@ -224,27 +270,6 @@ impl Inner {
             Ok(claims) => claims,
             Err(e) => return Ok(Outcome::deny(None, e.reason(), e.to_string())),
         };
-        if let Some(revocation) = self
-            .state
-            .is_revoked(&claims.token_id, &claims.run_id)
-            .await?
-        {
-            let detail = match &revocation.target {
-                RevokeTarget::Token(id) => format!(
-                    "token {id} was revoked ({}); ask the supervisor for a new task token",
-                    revocation.reason
-                ),
-                RevokeTarget::Run(id) => format!(
-                    "run {id} was revoked ({}); every token of the run is refused",
-                    revocation.reason
-                ),
-            };
-            return Ok(Outcome::deny(
-                Some(claims),
-                AuthorizeReason::Revoked,
-                detail,
-            ));
-        }
         if let Err(e) = claims.check_audience(&request.audience) {
             let detail = if request.audience.is_empty() {
                 format!(

@@ -32,6 +32,40 @@ fn count_call(token_id: &str, max_calls: u32, expires_at: SystemTime) -> Stateme
     .bind(micros(expires_at))
 }
 
+/// The revocations that apply to a token with this `jti` and run.
+fn revocations_of(token_id: &str, run_id: &str) -> Statement {
+    sql("SELECT kind, reason FROM revocations \
+         WHERE (kind = 'token' AND target_id = $1) \
+            OR (kind = 'run' AND target_id = $2)")
+    .bind(token_id)
+    .bind(run_id)
+}
+
+/// The revocation that applies, from the rows of [`revocations_of`]: the token's own
+/// first.
+fn revocation_in(
+    rows: Vec<convene_store::Row>,
+    token_id: &str,
+    run_id: &str,
+) -> Result<Option<Revocation>, convene_store::Error> {
+    let mut by_run = None;
+    for row in rows {
+        let kind: String = row.get("kind")?;
+        let reason: String = row.get("reason")?;
+        if kind == "token" {
+            return Ok(Some(Revocation {
+                target: RevokeTarget::Token(token_id.to_owned()),
+                reason,
+            }));
+        }
+        by_run = Some(Revocation {
+            target: RevokeTarget::Run(run_id.to_owned()),
+            reason,
+        });
+    }
+    Ok(by_run)
+}
+
 fn calls_used(token_id: &str) -> Statement {
     sql("SELECT used FROM call_counters WHERE token_id = $1").bind(token_id)
 }
@@ -238,8 +272,12 @@ impl PolicyState for SqlPolicyState {
         if !log.database().is_some_and(|db| db.same_as(&self.db)) {
             return count_then_log(self, call, log, decision).await;
         }
-        // The count and its decision commit together: no call is counted without its
-        // record, and the pair costs one commit.
+        // The revocation check, the count and its decision commit together: no call is
+        // counted without its record, none after its token's or run's revocation
+        // committed, and the three cost one commit. The check runs on the writer's
+        // connection, whose pages the last commit left warm.
+        let revoked = revocations_of(call.token_id, call.run_id);
+        let (token_id, run_id) = (call.token_id.to_owned(), call.run_id.to_owned());
         let count = (call.max_calls != 0)
             .then(|| count_call(call.token_id, call.max_calls, call.expires_at));
         let used = calls_used(call.token_id);
@@ -248,23 +286,34 @@ impl PolicyState for SqlPolicyState {
             .db
             .write::<_, Failed, _>(move |tx| {
                 Box::pin(async move {
-                    let row = match count {
-                        Some(count) => tx.fetch_optional(count).await.map_err(Failed::State)?,
-                        None => None,
-                    };
-                    let counted = match row {
-                        Some(row) => Counted::Allowed {
-                            used: used_of(Some(row)).map_err(Failed::State)?,
-                        },
-                        None => {
-                            let row = tx.fetch_optional(used).await.map_err(Failed::State)?;
-                            Counted::LimitExceeded {
-                                used: used_of(row).map_err(Failed::State)?,
-                                max: max_calls,
+                    let rows = tx.fetch_all(revoked).await.map_err(Failed::State)?;
+                    let revocation =
+                        revocation_in(rows, &token_id, &run_id).map_err(Failed::State)?;
+                    let counted = if let Some(revocation) = revocation {
+                        let row = tx.fetch_optional(used).await.map_err(Failed::State)?;
+                        Counted::Revoked {
+                            revocation,
+                            used: used_of(row).map_err(Failed::State)?,
+                        }
+                    } else {
+                        let row = match count {
+                            Some(count) => tx.fetch_optional(count).await.map_err(Failed::State)?,
+                            None => None,
+                        };
+                        match row {
+                            Some(row) => Counted::Allowed {
+                                used: used_of(Some(row)).map_err(Failed::State)?,
+                            },
+                            None => {
+                                let row = tx.fetch_optional(used).await.map_err(Failed::State)?;
+                                Counted::LimitExceeded {
+                                    used: used_of(row).map_err(Failed::State)?,
+                                    max: max_calls,
+                                }
                             }
                         }
                     };
-                    let append = log_statement(&decision(counted)).map_err(Failed::Encode)?;
+                    let append = log_statement(&decision(&counted)).map_err(Failed::Encode)?;
                     tx.execute(append).await.map_err(Failed::Log)?;
                     Ok(counted)
                 })
@@ -293,33 +342,8 @@ impl PolicyState for SqlPolicyState {
         token_id: &str,
         run_id: &str,
     ) -> Result<Option<Revocation>, StateError> {
-        let rows = self
-            .db
-            .fetch_all(
-                sql("SELECT kind, reason FROM revocations \
-                     WHERE (kind = 'token' AND target_id = $1) \
-                        OR (kind = 'run' AND target_id = $2)")
-                .bind(token_id)
-                .bind(run_id),
-            )
-            .await?;
-        let mut by_run = None;
-        for row in rows {
-            let kind: String = row.get("kind")?;
-            let reason: String = row.get("reason")?;
-            if kind == "token" {
-                // The token's own revocation comes first.
-                return Ok(Some(Revocation {
-                    target: RevokeTarget::Token(token_id.to_owned()),
-                    reason,
-                }));
-            }
-            by_run = Some(Revocation {
-                target: RevokeTarget::Run(run_id.to_owned()),
-                reason,
-            });
-        }
-        Ok(by_run)
+        let rows = self.db.fetch_all(revocations_of(token_id, run_id)).await?;
+        Ok(revocation_in(rows, token_id, run_id)?)
     }
 }
 

@@ -45,6 +45,8 @@ pub enum CallError {
 pub struct Call<'a> {
     /// The token's `jti`.
     pub token_id: &'a str,
+    /// The token's run: a revoked run's tokens are not counted.
+    pub run_id: &'a str,
     /// The token's `max_calls`.
     pub max_calls: u32,
     /// The token's expiry: its counter may be dropped after it.
@@ -54,7 +56,7 @@ pub struct Call<'a> {
 }
 
 /// How counting a call ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Counted {
     /// Counted; `used` includes this call.
     Allowed {
@@ -68,11 +70,18 @@ pub enum Counted {
         /// The token's `max_calls`.
         max: u32,
     },
+    /// The token or its run is revoked; the call was not counted.
+    Revoked {
+        /// The revocation that applies (the token's own first).
+        revocation: Revocation,
+        /// Calls counted before.
+        used: u32,
+    },
 }
 
 /// The decision to log for a counted call, made from how the count ended. Owned, so a
 /// write job of the database's writer task can make it.
-pub type DecisionOf = Arc<dyn Fn(Counted) -> LogEntry + Send + Sync>;
+pub type DecisionOf = Arc<dyn Fn(&Counted) -> LogEntry + Send + Sync>;
 
 /// What a revocation names.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -139,10 +148,11 @@ pub trait PolicyState: Send + Sync + fmt::Debug {
     /// Calls counted so far for a token (0 when none).
     async fn calls_used(&self, token_id: &str) -> Result<u32, StateError>;
 
-    /// Counts `call` as [`record_call`](Self::record_call) does and appends the decision
-    /// `decision` makes of the result to `log`; returns once both are durable. A state
-    /// kept in the same database as `log` does both in one transaction; any other counts
-    /// first, then logs.
+    /// Counts `call` as [`record_call`](Self::record_call) does, unless its token or run
+    /// is revoked ([`Counted::Revoked`], not counted), and appends the decision `decision`
+    /// makes of the result to `log`; returns once both are durable. A state kept in the
+    /// same database as `log` checks, counts and logs in one transaction, so no call is
+    /// counted after its revocation committed; any other checks, counts, then logs.
     async fn record_call_logged(
         &self,
         call: Call<'_>,
@@ -181,22 +191,30 @@ pub trait PolicyState: Send + Sync + fmt::Debug {
     ) -> Result<Option<Revocation>, StateError>;
 }
 
-/// [`PolicyState::record_call_logged`] in two steps: the count, then the record.
+/// [`PolicyState::record_call_logged`] in steps: the revocation check, the count, then
+/// the record.
 pub(crate) async fn count_then_log<S: PolicyState + ?Sized>(
     state: &S,
     call: Call<'_>,
     log: &dyn DecisionLog,
     decision: DecisionOf,
 ) -> Result<Counted, crate::Error> {
-    let counted = match state
-        .record_call(call.token_id, call.max_calls, call.expires_at, call.now)
-        .await
-    {
-        Ok(used) => Counted::Allowed { used },
-        Err(CallError::LimitExceeded { used, max }) => Counted::LimitExceeded { used, max },
-        Err(CallError::State(e)) => return Err(e.into()),
+    let counted = if let Some(revocation) = state.is_revoked(call.token_id, call.run_id).await? {
+        Counted::Revoked {
+            revocation,
+            used: state.calls_used(call.token_id).await?,
+        }
+    } else {
+        match state
+            .record_call(call.token_id, call.max_calls, call.expires_at, call.now)
+            .await
+        {
+            Ok(used) => Counted::Allowed { used },
+            Err(CallError::LimitExceeded { used, max }) => Counted::LimitExceeded { used, max },
+            Err(CallError::State(e)) => return Err(e.into()),
+        }
     };
-    log.append(decision(counted)).await?;
+    log.append(decision(&counted)).await?;
     Ok(counted)
 }
 

@@ -397,6 +397,69 @@ async fn revoked_tokens_and_runs_are_refused() {
 }
 
 #[tokio::test]
+async fn a_revocation_outranks_every_other_reason_and_consumes_no_call() {
+    let h = Harness::start().await;
+    let issued = h.issue_one("run-r", h.logs_grant("del-1")).await;
+    assert!(h.authorize(h.search_call(&issued.token)).await.allowed);
+    let mut client = h.client().await;
+    client
+        .revoke(request(
+            v1::RevokeRequest {
+                target: Some(Target::TokenId(issued.token_id.clone())),
+                reason: "rotated".into(),
+            },
+            SUPERVISOR,
+        ))
+        .await
+        .unwrap();
+
+    // Calls that would be refused for another reason anyway are refused as revoked.
+    let wrong_audience = v1::AuthorizeRequest {
+        audience: "worker:someone-else".into(),
+        ..h.search_call(&issued.token)
+    };
+    let unknown_tool = v1::AuthorizeRequest {
+        tool: "no_such_tool@1".into(),
+        ..h.search_call(&issued.token)
+    };
+    let wrong_tenant = v1::AuthorizeRequest {
+        tenant: "globex".into(),
+        ..h.search_call(&issued.token)
+    };
+    for (call, what) in [
+        (h.search_call(&issued.token), "an otherwise allowed call"),
+        (wrong_audience, "the wrong audience"),
+        (unknown_tool, "an unknown tool"),
+        (wrong_tenant, "another tenant"),
+    ] {
+        let answer = h.authorize(call).await;
+        assert_eq!(
+            reason(&answer),
+            AuthorizeReason::Revoked,
+            "{what}: {}",
+            answer.detail
+        );
+        assert!(
+            answer.detail.contains("rotated"),
+            "{what}: {}",
+            answer.detail
+        );
+        assert_eq!(
+            answer.calls_used, 1,
+            "{what}: a refused call is not counted"
+        );
+    }
+    let logged: Vec<(bool, String, u32)> = h
+        .decisions()
+        .into_iter()
+        .map(|d| (d.allowed, d.reason, d.calls_used))
+        .collect();
+    let mut expected = vec![(true, "AUTHORIZE_REASON_ALLOWED".to_owned(), 1)];
+    expected.extend((0..4).map(|_| (false, "AUTHORIZE_REASON_REVOKED".to_owned(), 1)));
+    assert_eq!(logged, expected);
+}
+
+#[tokio::test]
 async fn a_runtime_rule_added_after_issue_denies_at_authorize() {
     let first = Harness::start().await;
     let grant = v1::TokenGrantRequest {

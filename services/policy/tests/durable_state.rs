@@ -282,18 +282,21 @@ async fn a_call_and_its_decision_commit_together_or_not_at_all() {
         let log = SqlDecisionLog::new(t.db.clone());
         let call = Call {
             token_id: "t1",
+            run_id: "r1",
             max_calls: 1,
             expires_at: at(100),
             now: at(1),
         };
         // The decision is made from the count: allowed, then refused at the limit.
-        let decision: DecisionOf = Arc::new(|counted: Counted| {
+        let decision: DecisionOf = Arc::new(|counted: &Counted| {
             let LogEntry::Authorize(mut r) = authorize_record(0) else {
                 unreachable!()
             };
-            (r.allowed, r.calls_used) = match counted {
+            (r.allowed, r.calls_used) = match *counted {
                 Counted::Allowed { used } => (true, used),
-                Counted::LimitExceeded { used, .. } => (false, used),
+                Counted::LimitExceeded { used, .. } | Counted::Revoked { used, .. } => {
+                    (false, used)
+                }
             };
             LogEntry::Authorize(r)
         });
@@ -382,19 +385,182 @@ async fn a_call_and_its_decision_commit_together_or_not_at_all() {
     }
 }
 
+/// What a revoked call records: not allowed, the calls counted before, and which
+/// revocation refused it.
+fn refusal_record(counted: &Counted) -> LogEntry {
+    let LogEntry::Authorize(mut r) = authorize_record(0) else {
+        unreachable!()
+    };
+    (r.allowed, r.calls_used, r.detail) = match counted {
+        Counted::Allowed { used } => (true, *used, String::new()),
+        Counted::LimitExceeded { used, .. } => (false, *used, "limit".into()),
+        Counted::Revoked { revocation, used } => (false, *used, revocation.target.to_string()),
+    };
+    LogEntry::Authorize(r)
+}
+
+/// A decision log of either kind, read back.
+enum AnyLog {
+    Memory(convene_policy::decision_log::MemoryDecisionLog),
+    Sql(SqlDecisionLog),
+}
+
+impl AnyLog {
+    fn log(&self) -> &dyn DecisionLog {
+        match self {
+            AnyLog::Memory(log) => log,
+            AnyLog::Sql(log) => log,
+        }
+    }
+
+    async fn entries(&self) -> Vec<LogEntry> {
+        match self {
+            AnyLog::Memory(log) => log.entries(),
+            AnyLog::Sql(log) => log.entries().await.unwrap(),
+        }
+    }
+}
+
+type Pair = (
+    &'static str,
+    Arc<dyn PolicyState>,
+    Arc<AnyLog>,
+    Option<TestDatabase>,
+);
+
+#[tokio::test]
+async fn a_revoked_token_or_run_is_refused_at_the_count_and_not_counted() {
+    let mut pairs: Vec<Pair> = vec![(
+        "memory",
+        Arc::new(MemoryState::new()),
+        Arc::new(AnyLog::Memory(
+            convene_policy::decision_log::MemoryDecisionLog::new(),
+        )),
+        None,
+    )];
+    for t in test_databases().await {
+        // The log in the state's database: the check, the count and the record are one
+        // transaction.
+        pairs.push((
+            t.label,
+            Arc::new(SqlPolicyState::new(t.db.clone())),
+            Arc::new(AnyLog::Sql(SqlDecisionLog::new(t.db.clone()))),
+            Some(t),
+        ));
+    }
+    for (label, state, log, _db) in pairs {
+        let decision: DecisionOf = Arc::new(refusal_record);
+        let call = |token_id| Call {
+            token_id,
+            run_id: "r1",
+            max_calls: 5,
+            expires_at: at(100),
+            now: at(1),
+        };
+        let count = |token_id| {
+            let (state, log, decision) = (state.clone(), log.clone(), decision.clone());
+            async move {
+                state
+                    .record_call_logged(call(token_id), log.log(), decision)
+                    .await
+                    .unwrap()
+            }
+        };
+        assert_eq!(count("t1").await, Counted::Allowed { used: 1 }, "{label}");
+        assert_eq!(count("t2").await, Counted::Allowed { used: 1 }, "{label}");
+
+        state
+            .revoke_logged(
+                &RevokeTarget::Token("t1".into()),
+                "leaked",
+                log.log(),
+                revoke_record("t1"),
+            )
+            .await
+            .unwrap();
+        let refused = count("t1").await;
+        assert_eq!(
+            refused,
+            Counted::Revoked {
+                revocation: convene_policy::state::Revocation {
+                    target: RevokeTarget::Token("t1".into()),
+                    reason: "leaked".into(),
+                },
+                used: 1,
+            },
+            "{label}"
+        );
+        assert_eq!(count("t2").await, Counted::Allowed { used: 2 }, "{label}");
+
+        // The whole run: its other token is refused too, and the token's own
+        // revocation still names the token.
+        state
+            .revoke_logged(
+                &RevokeTarget::Run("r1".into()),
+                "run closed",
+                log.log(),
+                revoke_record("r1"),
+            )
+            .await
+            .unwrap();
+        let Counted::Revoked { revocation, used } = count("t2").await else {
+            panic!("{label}: a token of a revoked run was counted");
+        };
+        assert_eq!(
+            (revocation.target, revocation.reason.as_str(), used),
+            (RevokeTarget::Run("r1".into()), "run closed", 2),
+            "{label}"
+        );
+        let Counted::Revoked { revocation, .. } = count("t1").await else {
+            panic!("{label}: a revoked token was counted");
+        };
+        assert_eq!(
+            revocation.target,
+            RevokeTarget::Token("t1".into()),
+            "{label}"
+        );
+
+        // Nothing refused was counted, and every refusal is in the log.
+        assert_eq!(state.calls_used("t1").await.unwrap(), 1, "{label}");
+        assert_eq!(state.calls_used("t2").await.unwrap(), 2, "{label}");
+        let logged: Vec<(bool, u32, String)> = log
+            .entries()
+            .await
+            .into_iter()
+            .filter_map(|e| match e {
+                LogEntry::Authorize(r) => Some((r.allowed, r.calls_used, r.detail)),
+                LogEntry::Revoke(_) => None,
+            })
+            .collect();
+        let expected = [
+            (true, 1, ""),
+            (true, 1, ""),
+            (false, 1, "token t1"),
+            (true, 2, ""),
+            (false, 2, "run r1"),
+            (false, 1, "token t1"),
+        ]
+        .map(|(a, u, d)| (a, u, d.to_owned()));
+        assert_eq!(logged, expected, "{label}");
+    }
+}
+
 #[tokio::test]
 async fn a_log_elsewhere_gets_the_decision_after_the_count() {
     let state = MemoryState::new();
     let log = convene_policy::decision_log::MemoryDecisionLog::new();
     let call = Call {
         token_id: "t1",
+        run_id: "r1",
         max_calls: 2,
         expires_at: at(100),
         now: at(1),
     };
-    let decision: DecisionOf = Arc::new(|counted: Counted| {
-        let used = match counted {
-            Counted::Allowed { used } | Counted::LimitExceeded { used, .. } => used,
+    let decision: DecisionOf = Arc::new(|counted: &Counted| {
+        let used = match *counted {
+            Counted::Allowed { used }
+            | Counted::LimitExceeded { used, .. }
+            | Counted::Revoked { used, .. } => used,
         };
         authorize_record(used)
     });
