@@ -91,6 +91,21 @@ pub trait Catalog: Send + Sync + fmt::Debug {
         evidence: v1::Evidence,
     ) -> Result<Recorded, CatalogError>;
 
+    /// [`put_artifact`](Self::put_artifact) and then
+    /// [`record_evidence`](Self::record_evidence) for the artifact's tenant. A catalog in
+    /// a database does both in one transaction, so the pair costs one commit; the
+    /// artifact is recorded even when the evidence conflicts, as it would be in two steps.
+    async fn put_artifact_with_evidence(
+        &self,
+        meta: ArtifactMeta,
+        evidence: v1::Evidence,
+    ) -> Result<((ArtifactMeta, bool), Recorded), CatalogError> {
+        let tenant = meta.artifact.tenant.clone();
+        let artifact = self.put_artifact(meta).await?;
+        let recorded = self.record_evidence(&tenant, evidence).await?;
+        Ok((artifact, recorded))
+    }
+
     /// The records of `ids` in `tenant`, in order (`None` for unknown ids).
     async fn evidence(
         &self,

@@ -193,31 +193,43 @@ impl Inner {
         // Content-addressed: bytes the catalog already lists were written (and synced)
         // before their entry was, so the same bytes again need no second write. GetArtifact
         // still re-hashes whatever is on disk.
-        let (meta, created) = match self
+        let (meta, created, evidence) = match self
             .catalog
             .artifact(&claims.tenant, &artifact.sha256)
             .await?
         {
-            Some(known) => (known, false),
+            Some(known) => {
+                let evidence = match evidence {
+                    Some(e) => Some(self.store_evidence(&claims.tenant, e).await?),
+                    None => None,
+                };
+                (known, false, evidence)
+            }
             None => {
                 let created = self.blobs.put(&artifact, request.content).await?;
-                let (meta, _) = self
-                    .catalog
-                    .put_artifact(ArtifactMeta {
-                        artifact: artifact.clone(),
-                        media_type,
-                        size: size as u64,
-                        created_by_delegation: claims.delegation_id.clone(),
-                        created_by_tool_call: request.tool_call_id,
-                        created_at: SystemTime::now(),
-                    })
-                    .await?;
-                (meta, created)
+                let meta = ArtifactMeta {
+                    artifact: artifact.clone(),
+                    media_type,
+                    size: size as u64,
+                    created_by_delegation: claims.delegation_id.clone(),
+                    created_by_tool_call: request.tool_call_id,
+                    created_at: SystemTime::now(),
+                };
+                match evidence {
+                    // The entry and the evidence citing it in one commit.
+                    Some(e) => {
+                        let ((meta, _), recorded) = self
+                            .catalog
+                            .put_artifact_with_evidence(meta, e.clone())
+                            .await?;
+                        (meta, created, Some(evidence_of(e, recorded)?))
+                    }
+                    None => {
+                        let (meta, _) = self.catalog.put_artifact(meta).await?;
+                        (meta, created, None)
+                    }
+                }
             }
-        };
-        let evidence = match evidence {
-            Some(e) => Some(self.store_evidence(&claims.tenant, e).await?),
-            None => None,
         };
         tracing::debug!(
             uri = %artifact.uri(),
@@ -496,18 +508,11 @@ impl Inner {
         tenant: &str,
         evidence: v1::Evidence,
     ) -> Result<v1::Evidence, Error> {
-        match self
+        let recorded = self
             .catalog
             .record_evidence(tenant, evidence.clone())
-            .await?
-        {
-            Recorded::Created | Recorded::Unchanged => Ok(evidence),
-            Recorded::Conflict(existing) => Err(Error::AlreadyExists(format!(
-                "evidence {} already exists with different content (recorded for delegation \
-                 {}); evidence is immutable: record the new observation under a new evidence id",
-                evidence.evidence_id, existing.delegation_id
-            ))),
-        }
+            .await?;
+        evidence_of(evidence, recorded)
     }
 
     /// Parses `uri` (named `field` in errors) and checks it is in the caller's tenant.
@@ -523,6 +528,18 @@ impl Inner {
             )));
         }
         Ok(artifact)
+    }
+}
+
+/// The evidence as recorded, or why it was not: evidence is immutable.
+fn evidence_of(evidence: v1::Evidence, recorded: Recorded) -> Result<v1::Evidence, Error> {
+    match recorded {
+        Recorded::Created | Recorded::Unchanged => Ok(evidence),
+        Recorded::Conflict(existing) => Err(Error::AlreadyExists(format!(
+            "evidence {} already exists with different content (recorded for delegation \
+             {}); evidence is immutable: record the new observation under a new evidence id",
+            evidence.evidence_id, existing.delegation_id
+        ))),
     }
 }
 

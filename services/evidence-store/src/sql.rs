@@ -60,40 +60,117 @@ fn evidence_from(row: &Row) -> Result<v1::Evidence, CatalogError> {
     })
 }
 
+/// Inserts an artifact's metadata unless the artifact is recorded already.
+fn insert_artifact(meta: &ArtifactMeta) -> Statement {
+    sql("INSERT INTO artifacts (tenant, sha256, media_type, size, \
+         created_by_delegation, created_by_tool_call, created_at) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7) \
+         ON CONFLICT (tenant, sha256) DO NOTHING")
+    .bind(&meta.artifact.tenant)
+    .bind(&meta.artifact.sha256)
+    .bind(&meta.media_type)
+    .bind(meta.size)
+    .bind(&meta.created_by_delegation)
+    .bind(&meta.created_by_tool_call)
+    .bind(micros(meta.created_at))
+}
+
+/// Inserts an evidence record unless its id is recorded already.
+fn insert_evidence(tenant: &str, evidence: &v1::Evidence) -> Statement {
+    sql(
+        "INSERT INTO evidence (tenant, evidence_id, kind, artifact_uri, \
+         content_hash, body) VALUES ($1, $2, $3, $4, $5, $6) \
+         ON CONFLICT (tenant, evidence_id) DO NOTHING",
+    )
+    .bind(tenant)
+    .bind(&evidence.evidence_id)
+    .bind(&evidence.kind)
+    .bind(&evidence.artifact_uri)
+    .bind(&evidence.content_hash)
+    .bind(evidence.encode_to_vec())
+}
+
+fn select_artifact(tenant: &str, sha256: &str) -> Statement {
+    sql("SELECT * FROM artifacts WHERE tenant = $1 AND sha256 = $2")
+        .bind(tenant)
+        .bind(sha256)
+}
+
+fn select_evidence(tenant: &str, ids: &[String]) -> Statement {
+    let mut statement = Statement::built(format!(
+        "SELECT evidence_id, body FROM evidence WHERE tenant = $1 AND evidence_id IN ({})",
+        placeholders(2, ids.len())
+    ))
+    .bind(tenant);
+    for id in ids {
+        statement = statement.bind(id);
+    }
+    statement
+}
+
+/// The metadata as stored by an insert that did (`inserted`) or did not happen; `existing`
+/// is the row found when it did not.
+fn stored_artifact(
+    meta: ArtifactMeta,
+    inserted: bool,
+    existing: Option<Row>,
+) -> Result<(ArtifactMeta, bool), CatalogError> {
+    if inserted {
+        // As stored: to the microsecond.
+        let created_at = from_micros(micros(meta.created_at));
+        return Ok((ArtifactMeta { created_at, ..meta }, true));
+    }
+    let existing = existing.ok_or_else(|| {
+        CatalogError::Unavailable(format!(
+            "artifact {} was neither stored nor found",
+            meta.artifact.uri()
+        ))
+    })?;
+    Ok((artifact_from(&existing)?, false))
+}
+
+/// What recording `evidence` did, given whether its insert happened and, when not, the
+/// record found under its id.
+fn recorded(
+    evidence: &v1::Evidence,
+    inserted: bool,
+    existing: Option<Row>,
+) -> Result<Recorded, CatalogError> {
+    if inserted {
+        return Ok(Recorded::Created);
+    }
+    let existing = existing
+        .as_ref()
+        .map(evidence_from)
+        .transpose()?
+        .ok_or_else(|| {
+            CatalogError::Unavailable(format!(
+                "evidence {} was neither stored nor found",
+                evidence.evidence_id
+            ))
+        })?;
+    Ok(if existing == *evidence {
+        Recorded::Unchanged
+    } else {
+        Recorded::Conflict(Box::new(existing))
+    })
+}
+
 #[async_trait]
 impl Catalog for SqlCatalog {
     async fn put_artifact(&self, meta: ArtifactMeta) -> Result<(ArtifactMeta, bool), CatalogError> {
-        let inserted = self
-            .db
-            .execute(
-                sql("INSERT INTO artifacts (tenant, sha256, media_type, size, \
-                     created_by_delegation, created_by_tool_call, created_at) \
-                     VALUES ($1, $2, $3, $4, $5, $6, $7) \
-                     ON CONFLICT (tenant, sha256) DO NOTHING")
-                .bind(&meta.artifact.tenant)
-                .bind(&meta.artifact.sha256)
-                .bind(&meta.media_type)
-                .bind(meta.size)
-                .bind(&meta.created_by_delegation)
-                .bind(&meta.created_by_tool_call)
-                .bind(micros(meta.created_at)),
-            )
-            .await?;
-        if inserted == 1 {
-            // As stored: to the microsecond.
-            let created_at = from_micros(micros(meta.created_at));
-            return Ok((ArtifactMeta { created_at, ..meta }, true));
-        }
-        let existing = self
-            .artifact(&meta.artifact.tenant, &meta.artifact.sha256)
-            .await?
-            .ok_or_else(|| {
-                CatalogError::Unavailable(format!(
-                    "artifact {} was neither stored nor found",
-                    meta.artifact.uri()
+        let inserted = self.db.execute(insert_artifact(&meta)).await? == 1;
+        let existing = if inserted {
+            None
+        } else {
+            self.db
+                .fetch_optional(select_artifact(
+                    &meta.artifact.tenant,
+                    &meta.artifact.sha256,
                 ))
-            })?;
-        Ok((existing, false))
+                .await?
+        };
+        stored_artifact(meta, inserted, existing)
     }
 
     async fn artifact(
@@ -102,11 +179,7 @@ impl Catalog for SqlCatalog {
         sha256: &str,
     ) -> Result<Option<ArtifactMeta>, CatalogError> {
         self.db
-            .fetch_optional(
-                sql("SELECT * FROM artifacts WHERE tenant = $1 AND sha256 = $2")
-                    .bind(tenant)
-                    .bind(sha256),
-            )
+            .fetch_optional(select_artifact(tenant, sha256))
             .await?
             .map(|row| artifact_from(&row))
             .transpose()
@@ -117,41 +190,46 @@ impl Catalog for SqlCatalog {
         tenant: &str,
         evidence: v1::Evidence,
     ) -> Result<Recorded, CatalogError> {
-        let inserted = self
-            .db
-            .execute(
-                sql(
-                    "INSERT INTO evidence (tenant, evidence_id, kind, artifact_uri, \
-                     content_hash, body) VALUES ($1, $2, $3, $4, $5, $6) \
-                     ON CONFLICT (tenant, evidence_id) DO NOTHING",
-                )
-                .bind(tenant)
-                .bind(&evidence.evidence_id)
-                .bind(&evidence.kind)
-                .bind(&evidence.artifact_uri)
-                .bind(&evidence.content_hash)
-                .bind(evidence.encode_to_vec()),
-            )
-            .await?;
-        if inserted == 1 {
-            return Ok(Recorded::Created);
-        }
-        let existing = self
-            .evidence(tenant, std::slice::from_ref(&evidence.evidence_id))
-            .await?
-            .pop()
-            .flatten()
-            .ok_or_else(|| {
-                CatalogError::Unavailable(format!(
-                    "evidence {} was neither stored nor found",
-                    evidence.evidence_id
-                ))
-            })?;
-        Ok(if existing == evidence {
-            Recorded::Unchanged
+        let inserted = self.db.execute(insert_evidence(tenant, &evidence)).await? == 1;
+        let existing = if inserted {
+            None
         } else {
-            Recorded::Conflict(Box::new(existing))
-        })
+            let ids = std::slice::from_ref(&evidence.evidence_id);
+            self.db.fetch_optional(select_evidence(tenant, ids)).await?
+        };
+        recorded(&evidence, inserted, existing)
+    }
+
+    async fn put_artifact_with_evidence(
+        &self,
+        meta: ArtifactMeta,
+        evidence: v1::Evidence,
+    ) -> Result<((ArtifactMeta, bool), Recorded), CatalogError> {
+        // One write job: the artifact's entry and the evidence citing it commit together,
+        // and whatever was there before is read in the same transaction.
+        let tenant = &meta.artifact.tenant;
+        let artifact_insert = insert_artifact(&meta);
+        let artifact_select = select_artifact(tenant, &meta.artifact.sha256);
+        let evidence_insert = insert_evidence(tenant, &evidence);
+        let evidence_select = select_evidence(tenant, std::slice::from_ref(&evidence.evidence_id));
+        let (artifact, evidence_row) = self
+            .db
+            .write::<_, CatalogError, _>(move |tx| {
+                Box::pin(async move {
+                    let artifact = match tx.execute(artifact_insert).await? {
+                        1 => (true, None),
+                        _ => (false, tx.fetch_optional(artifact_select).await?),
+                    };
+                    let evidence = match tx.execute(evidence_insert).await? {
+                        1 => (true, None),
+                        _ => (false, tx.fetch_optional(evidence_select).await?),
+                    };
+                    Ok((artifact, evidence))
+                })
+            })
+            .await?;
+        let recorded = recorded(&evidence, evidence_row.0, evidence_row.1)?;
+        Ok((stored_artifact(meta, artifact.0, artifact.1)?, recorded))
     }
 
     async fn evidence(
@@ -162,15 +240,7 @@ impl Catalog for SqlCatalog {
         if ids.is_empty() {
             return Ok(Vec::new());
         }
-        let mut statement = Statement::built(format!(
-            "SELECT evidence_id, body FROM evidence WHERE tenant = $1 AND evidence_id IN ({})",
-            placeholders(2, ids.len())
-        ))
-        .bind(tenant);
-        for id in ids {
-            statement = statement.bind(id);
-        }
-        let rows = self.db.fetch_all(statement).await?;
+        let rows = self.db.fetch_all(select_evidence(tenant, ids)).await?;
         let mut found = HashMap::with_capacity(rows.len());
         for row in &rows {
             found.insert(row.get::<String>("evidence_id")?, evidence_from(row)?);

@@ -6,7 +6,9 @@ use std::time::{Duration, SystemTime};
 
 use convene_evidence_store::SqlCatalog;
 use convene_evidence_store::artifacts::ArtifactRef;
-use convene_evidence_store::catalog::{ArtifactMeta, Catalog, MemoryCatalog, Recorded};
+use convene_evidence_store::catalog::{
+    ArtifactMeta, Catalog, CatalogError, MemoryCatalog, Recorded,
+};
 use convene_proto::v1;
 use convene_store::test_util::{TestDatabase, test_databases};
 
@@ -178,5 +180,105 @@ async fn concurrent_writers_of_one_record_create_it_once() {
             }
         }
         assert_eq!(created, 1, "{}", s.label);
+    }
+}
+
+#[tokio::test]
+async fn an_artifact_and_the_evidence_citing_it_are_recorded_together() {
+    for s in subjects().await {
+        let catalog = &*s.catalog;
+        let meta = |bytes: &[u8]| ArtifactMeta {
+            artifact: ArtifactRef::of("acme", bytes),
+            media_type: "application/json".into(),
+            size: bytes.len() as u64,
+            created_by_delegation: "del-1".into(),
+            created_by_tool_call: "call-1".into(),
+            created_at: SystemTime::UNIX_EPOCH + Duration::from_micros(1_700_000_000_000_001),
+        };
+        let e = evidence("logs://c/1", "impact_metric");
+        let x = meta(b"x");
+        assert_eq!(
+            catalog
+                .put_artifact_with_evidence(x.clone(), e.clone())
+                .await
+                .unwrap(),
+            ((x.clone(), true), Recorded::Created),
+            "{}",
+            s.label
+        );
+        let sha = &x.artifact.sha256;
+        assert_eq!(
+            catalog.artifact("acme", sha).await.unwrap(),
+            Some(x.clone()),
+            "{}",
+            s.label
+        );
+        let ids = vec![e.evidence_id.clone()];
+        assert_eq!(
+            catalog.evidence("acme", &ids).await.unwrap(),
+            vec![Some(e.clone())],
+            "{}",
+            s.label
+        );
+
+        // Again: both were there.
+        let again = ArtifactMeta {
+            created_by_delegation: "del-2".into(),
+            ..x.clone()
+        };
+        assert_eq!(
+            catalog
+                .put_artifact_with_evidence(again, e.clone())
+                .await
+                .unwrap(),
+            ((x.clone(), false), Recorded::Unchanged),
+            "{}",
+            s.label
+        );
+
+        // A new artifact with evidence whose id is taken by a different record: the
+        // artifact is recorded, the evidence is not, and the caller hears of the conflict.
+        let y = meta(b"y");
+        let changed = evidence("logs://c/1", "causal_signal");
+        assert_eq!(
+            catalog
+                .put_artifact_with_evidence(y.clone(), changed)
+                .await
+                .unwrap(),
+            ((y.clone(), true), Recorded::Conflict(Box::new(e.clone()))),
+            "{}",
+            s.label
+        );
+        assert_eq!(
+            catalog.evidence("acme", &ids).await.unwrap(),
+            vec![Some(e.clone())],
+            "{}",
+            s.label
+        );
+
+        // In a database the pair is one transaction: when the evidence cannot be written,
+        // the artifact's entry is not either.
+        if let Some(t) = &s._db {
+            t.db.execute(convene_store::sql("DROP TABLE evidence"))
+                .await
+                .unwrap();
+            let z = meta(b"z");
+            let err = catalog
+                .put_artifact_with_evidence(z.clone(), evidence("logs://c/2", "impact_metric"))
+                .await
+                .unwrap_err();
+            let CatalogError::Unavailable(why) = err;
+            assert!(
+                why.contains("no such table") || why.contains("does not exist"),
+                "{}: {why}",
+                s.label
+            );
+            assert_eq!(
+                catalog.artifact("acme", &z.artifact.sha256).await.unwrap(),
+                None,
+                "{}: the artifact's entry was rolled back",
+                s.label
+            );
+        }
     }
 }

@@ -414,6 +414,49 @@ async fn tenants_scopes_and_credentials_are_enforced() {
     assert_eq!(status.code(), Code::Unauthenticated);
 }
 
+#[tokio::test]
+async fn new_bytes_are_kept_when_their_evidence_id_is_taken() {
+    let mesh = Mesh::start().await;
+    let token = mesh.acme().await;
+    put_with_evidence(&mesh, &token, b"first rows", "logs://payment-api/q-9").await;
+
+    // New bytes whose evidence reuses the id with a different record: the evidence is
+    // refused (evidence is immutable), the bytes and their entry are stored all the same.
+    let status = mesh
+        .client()
+        .await
+        .put_artifact(request(
+            v1::PutArtifactRequest {
+                content: b"second rows".to_vec(),
+                media_type: "text/plain".into(),
+                tool_call_id: "call-2".into(),
+                evidence: Some(evidence("logs://payment-api/q-9", "", "")),
+            },
+            &token,
+        ))
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::AlreadyExists, "{}", status.message());
+    assert!(
+        status.message().contains("immutable"),
+        "{}",
+        status.message()
+    );
+    let uri = format!(
+        "artifact://acme/{}",
+        convene_evidence_store::artifacts::sha256_hex(b"second rows")
+    );
+    let got = mesh
+        .client()
+        .await
+        .get_artifact(request(v1::GetArtifactRequest { uri }, &token))
+        .await
+        .expect("the bytes were stored")
+        .into_inner();
+    assert_eq!(got.content, b"second rows");
+    assert_eq!(got.artifact.unwrap().created_by_tool_call, "call-2");
+}
+
 /// Stores `content` with `token` and records evidence `id` citing it; the artifact.
 async fn put_with_evidence(mesh: &Mesh, token: &str, content: &[u8], id: &str) -> v1::Artifact {
     let stored = mesh
