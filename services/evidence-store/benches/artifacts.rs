@@ -6,8 +6,10 @@
 //! - `sqlite`: bytes on the file system, catalog in a SQLite file (WAL, synchronous =
 //!   FULL), as `convene up` keeps them.
 //!
-//! Each with 1 KiB and 64 KiB artifacts: `put` stores new bytes, `put_again` stores bytes
-//! already stored (content-addressed: one catalog lookup), `get` reads and re-hashes.
+//! Each with 1 KiB and 64 KiB artifacts: `put` stores new bytes, `put_with_evidence` new
+//! bytes and an evidence record citing them (a worker's tool call), `put_again` stores
+//! bytes already stored (content-addressed: one catalog lookup), `get` reads and
+//! re-hashes.
 //!
 //! `cargo bench -p convene-evidence-store --bench artifacts`
 
@@ -157,14 +159,35 @@ fn content(size: usize, n: u64) -> Vec<u8> {
     bytes
 }
 
+/// An evidence record `n` citing the bytes of the same put.
+fn evidence(n: u64) -> v1::Evidence {
+    v1::Evidence {
+        evidence_id: format!("logs://payment-api/q-{n}"),
+        kind: "impact_metric".into(),
+        source: "logs.payment_prod".into(),
+        observed_at: Some(SystemTime::now().into()),
+        quality: v1::EvidenceQuality::Passed.into(),
+        tool_call_id: "call-1".into(),
+        ..Default::default()
+    }
+}
+
 async fn put(s: &Subject, bytes: Vec<u8>) -> v1::PutArtifactResponse {
+    put_citing(s, bytes, None).await
+}
+
+async fn put_citing(
+    s: &Subject,
+    bytes: Vec<u8>,
+    evidence: Option<v1::Evidence>,
+) -> v1::PutArtifactResponse {
     s.store
         .put_artifact(request(
             v1::PutArtifactRequest {
                 content: bytes,
                 media_type: "application/json".into(),
                 tool_call_id: "call-1".into(),
-                evidence: None,
+                evidence,
             },
             &s.token,
         ))
@@ -188,6 +211,16 @@ fn bench_artifacts(c: &mut Criterion) {
                     let bytes = content(size, counter.fetch_add(1, Ordering::Relaxed));
                     let stored = runtime.block_on(put(&s, bytes));
                     assert!(stored.created);
+                    black_box(stored)
+                });
+            });
+            // What a worker's tool call does: new bytes and the evidence citing them.
+            group.bench_function(BenchmarkId::new("put_with_evidence", &id), |b| {
+                b.iter(|| {
+                    let n = counter.fetch_add(1, Ordering::Relaxed);
+                    let stored =
+                        runtime.block_on(put_citing(&s, content(size, n), Some(evidence(n))));
+                    assert!(stored.created && stored.evidence.is_some());
                     black_box(stored)
                 });
             });

@@ -20,7 +20,7 @@ use crate::decision_log::{
 };
 use crate::issue::{MAX_GRANTS, Origin, Planned, list, plan};
 use crate::keys::Keys;
-use crate::state::{IssuedToken, MemoryState, PolicyState, RevokeTarget};
+use crate::state::{IssuedToken, MemoryState, PolicyState, Revocation, RevokeTarget};
 
 /// The role a principal needs to issue task tokens (and to revoke any token).
 pub const ISSUE_ROLE: &str = "tokens:issue";
@@ -245,68 +245,71 @@ impl Inner {
         }
         let now = (self.clock)();
         let keys = self.keys.current();
-        let planned: Vec<Planned> = if request.parent_token.is_empty() {
-            let principal = self.top_level_principal(request).await?;
-            let origin = Origin::Principal {
-                principal,
-                run_id: &request.run_id,
-            };
-            self.plan_all(&origin, request, now)?
-        } else {
-            let parent = keys
-                .verifier
-                .verify(&request.parent_token, now)
-                .map_err(|e| {
+        // Which revocation refuses the request: its run's, or its parent token's (or the
+        // parent's run's); checked again in the commit that records the tokens.
+        let (planned, parent_token_id): (Vec<Planned>, Option<String>) =
+            if request.parent_token.is_empty() {
+                let principal = self.top_level_principal(request)?;
+                let origin = Origin::Principal {
+                    principal,
+                    run_id: &request.run_id,
+                };
+                (self.plan_all(&origin, request, now)?, None)
+            } else {
+                let parent = keys
+                    .verifier
+                    .verify(&request.parent_token, now)
+                    .map_err(|e| {
+                        Error::Unauthenticated(format!(
+                            "parent_token refused ({}): {e}",
+                            e.reason().as_str_name()
+                        ))
+                    })?;
+                if let Some(revocation) = self
+                    .state
+                    .is_revoked(&parent.token_id, &parent.run_id)
+                    .await?
+                {
+                    return Err(parent_revoked(&revocation));
+                }
+                if !parent.may_redelegate {
+                    return Err(Error::PermissionDenied(
+                        "parent token does not allow redelegation (it was issued with \
+                     may_redelegate = false); the delegating agent must handle the task itself"
+                            .to_owned(),
+                    ));
+                }
+                if !request.run_id.is_empty() && request.run_id != parent.run_id {
+                    return Err(Error::invalid(
+                        "run_id",
+                        format!(
+                            "must be empty or the parent token's run {}, not {}",
+                            parent.run_id, request.run_id
+                        ),
+                    ));
+                }
+                let principal = self.policy.principals.get(&parent.subject).ok_or_else(|| {
+                    Error::PermissionDenied(format!(
+                        "the parent token's principal {} is no longer in the policy file",
+                        parent.subject
+                    ))
+                })?;
+                let scopes = parent.permissions().map_err(|e| {
                     Error::Unauthenticated(format!(
                         "parent_token refused ({}): {e}",
                         e.reason().as_str_name()
                     ))
                 })?;
-            if let Some(revocation) = self
-                .state
-                .is_revoked(&parent.token_id, &parent.run_id)
-                .await?
-            {
-                return Err(Error::PermissionDenied(format!(
-                    "parent token was revoked ({}: {}); no child token can be derived from it",
-                    revocation.target, revocation.reason
-                )));
-            }
-            if !parent.may_redelegate {
-                return Err(Error::PermissionDenied(
-                    "parent token does not allow redelegation (it was issued with \
-                     may_redelegate = false); the delegating agent must handle the task itself"
-                        .to_owned(),
-                ));
-            }
-            if !request.run_id.is_empty() && request.run_id != parent.run_id {
-                return Err(Error::invalid(
-                    "run_id",
-                    format!(
-                        "must be empty or the parent token's run {}, not {}",
-                        parent.run_id, request.run_id
-                    ),
-                ));
-            }
-            let principal = self.policy.principals.get(&parent.subject).ok_or_else(|| {
-                Error::PermissionDenied(format!(
-                    "the parent token's principal {} is no longer in the policy file",
-                    parent.subject
-                ))
-            })?;
-            let scopes = parent.permissions().map_err(|e| {
-                Error::Unauthenticated(format!(
-                    "parent_token refused ({}): {e}",
-                    e.reason().as_str_name()
-                ))
-            })?;
-            let origin = Origin::Parent {
-                principal,
-                parent: &parent,
-                scopes: &scopes,
+                let origin = Origin::Parent {
+                    principal,
+                    parent: &parent,
+                    scopes: &scopes,
+                };
+                (
+                    self.plan_all(&origin, request, now)?,
+                    Some(parent.token_id.clone()),
+                )
             };
-            self.plan_all(&origin, request, now)?
-        };
 
         let run_id = planned
             .first()
@@ -328,8 +331,30 @@ impl Inner {
                 expires_at: from_unix_seconds(claims.expires_at).unwrap_or(now),
             })
             .collect();
-        // Recorded before any token is handed out, in one commit for the request.
-        self.state.record_issued(&issued).await?;
+        // Recorded before any token is handed out, in one commit for the request, unless
+        // the run (or the parent token) was revoked.
+        let revocation = self
+            .state
+            .record_issued_unless_revoked(
+                &issued,
+                // No token id is ever empty: a top-level request asks about its run alone.
+                parent_token_id.as_deref().unwrap_or(""),
+                if parent_token_id.is_some() {
+                    &run_id
+                } else {
+                    &request.run_id
+                },
+            )
+            .await?;
+        if let Some(revocation) = revocation {
+            return Err(match parent_token_id {
+                None => Error::FailedPrecondition(format!(
+                    "{} was revoked ({}); it gets no new tokens: start a new run",
+                    revocation.target, revocation.reason
+                )),
+                Some(_) => parent_revoked(&revocation),
+            });
+        }
         let mut tokens = Vec::with_capacity(signed.len());
         for (token, Planned { claims, narrowed }) in signed {
             let expires_at = from_unix_seconds(claims.expires_at).unwrap_or(now);
@@ -358,9 +383,8 @@ impl Inner {
         Ok(v1::IssueTaskTokenResponse { tokens })
     }
 
-    /// The principal a top-level request names, after checking the run can still get
-    /// tokens.
-    async fn top_level_principal(
+    /// The principal a top-level request names.
+    fn top_level_principal(
         &self,
         request: &v1::IssueTaskTokenRequest,
     ) -> Result<&convene_mesh::policy_file::Principal, Error> {
@@ -387,13 +411,6 @@ impl Inner {
                 "run_id",
                 "must name the run the tokens are bound to",
             ));
-        }
-        // No token id is ever empty, so this asks about the run alone.
-        if let Some(revocation) = self.state.is_revoked("", &request.run_id).await? {
-            return Err(Error::FailedPrecondition(format!(
-                "{} was revoked ({}); it gets no new tokens: start a new run",
-                revocation.target, revocation.reason
-            )));
         }
         Ok(principal)
     }
@@ -558,4 +575,11 @@ impl v1::policy_server::Policy for PolicyService {
             keys: self.inner.keys.current().jwks.clone(),
         }))
     }
+}
+/// Why no child token can be derived from a revoked parent.
+fn parent_revoked(revocation: &Revocation) -> Error {
+    Error::PermissionDenied(format!(
+        "parent token was revoked ({}: {}); no child token can be derived from it",
+        revocation.target, revocation.reason
+    ))
 }

@@ -161,19 +161,7 @@ fn target_key(target: &RevokeTarget) -> (&'static str, &str) {
 impl PolicyState for SqlPolicyState {
     async fn record_issued(&self, tokens: &[IssuedToken]) -> Result<(), StateError> {
         // One transaction (one commit) for the tokens of a request.
-        let inserts: Vec<Statement> = tokens
-            .iter()
-            .map(|token| {
-                sql(
-                    "INSERT INTO issued_tokens (token_id, run_id, tenant, expires_at) \
-                     VALUES ($1, $2, $3, $4) ON CONFLICT (token_id) DO NOTHING",
-                )
-                .bind(&token.token_id)
-                .bind(&token.run_id)
-                .bind(&token.tenant)
-                .bind(micros(token.expires_at))
-            })
-            .collect();
+        let inserts = issued_inserts(tokens);
         self.db
             .write::<_, StateError, _>(move |tx| {
                 Box::pin(async move {
@@ -184,13 +172,39 @@ impl PolicyState for SqlPolicyState {
                 })
             })
             .await?;
-        let n = tokens.len() as u64;
-        let before = self.issued.fetch_add(n, Ordering::Relaxed);
-        if before / PRUNE_EVERY != (before + n) / PRUNE_EVERY {
-            // Tokens expire within hours; nothing older is worth keeping a row for.
-            self.prune(SystemTime::now()).await?;
+        self.count_issued(tokens.len()).await
+    }
+
+    async fn record_issued_unless_revoked(
+        &self,
+        tokens: &[IssuedToken],
+        token_id: &str,
+        run_id: &str,
+    ) -> Result<Option<Revocation>, StateError> {
+        // The check and the tokens in one transaction, on the writer's connection: no
+        // token is recorded (so none handed out) after its run's revocation committed.
+        let revoked = revocations_of(token_id, run_id);
+        let (token_id, run_id) = (token_id.to_owned(), run_id.to_owned());
+        let inserts = issued_inserts(tokens);
+        let revocation = self
+            .db
+            .write::<_, StateError, _>(move |tx| {
+                Box::pin(async move {
+                    let rows = tx.fetch_all(revoked).await?;
+                    if let Some(revocation) = revocation_in(rows, &token_id, &run_id)? {
+                        return Ok(Some(revocation));
+                    }
+                    for insert in inserts {
+                        tx.execute(insert).await?;
+                    }
+                    Ok(None)
+                })
+            })
+            .await?;
+        if revocation.is_none() {
+            self.count_issued(tokens.len()).await?;
         }
-        Ok(())
+        Ok(revocation)
     }
 
     async fn owner_tenant(&self, target: &RevokeTarget) -> Result<Option<String>, StateError> {
@@ -347,7 +361,35 @@ impl PolicyState for SqlPolicyState {
     }
 }
 
+/// The statements that remember issued tokens' owners.
+fn issued_inserts(tokens: &[IssuedToken]) -> Vec<Statement> {
+    tokens
+        .iter()
+        .map(|token| {
+            sql(
+                "INSERT INTO issued_tokens (token_id, run_id, tenant, expires_at) \
+                 VALUES ($1, $2, $3, $4) ON CONFLICT (token_id) DO NOTHING",
+            )
+            .bind(&token.token_id)
+            .bind(&token.run_id)
+            .bind(&token.tenant)
+            .bind(micros(token.expires_at))
+        })
+        .collect()
+}
+
 impl SqlPolicyState {
+    /// Counts `n` recorded tokens, pruning expired rows once per [`PRUNE_EVERY`].
+    async fn count_issued(&self, n: usize) -> Result<(), StateError> {
+        let n = n as u64;
+        let before = self.issued.fetch_add(n, Ordering::Relaxed);
+        if before / PRUNE_EVERY != (before + n) / PRUNE_EVERY {
+            // Tokens expire within hours; nothing older is worth keeping a row for.
+            self.prune(SystemTime::now()).await?;
+        }
+        Ok(())
+    }
+
     async fn revoke(&self, target: &RevokeTarget, reason: &str) -> Result<(), StateError> {
         self.db.execute(revocation(target, reason)).await?;
         Ok(())

@@ -130,6 +130,23 @@ pub trait PolicyState: Send + Sync + fmt::Debug {
     /// together), so a human of that tenant may revoke them (or their run) later.
     async fn record_issued(&self, tokens: &[IssuedToken]) -> Result<(), StateError>;
 
+    /// Records `tokens` as [`record_issued`](Self::record_issued) does, unless a
+    /// revocation of token `token_id` or of run `run_id` is recorded: then returns it and
+    /// records nothing. A state in a database checks and records in one transaction, so
+    /// no token is recorded after the revocation that should refuse it committed.
+    async fn record_issued_unless_revoked(
+        &self,
+        tokens: &[IssuedToken],
+        token_id: &str,
+        run_id: &str,
+    ) -> Result<Option<Revocation>, StateError> {
+        if let Some(revocation) = self.is_revoked(token_id, run_id).await? {
+            return Ok(Some(revocation));
+        }
+        self.record_issued(tokens).await?;
+        Ok(None)
+    }
+
     /// The tenant a token or run belongs to, if a token of it was issued and has not
     /// been forgotten.
     async fn owner_tenant(&self, target: &RevokeTarget) -> Result<Option<String>, StateError>;

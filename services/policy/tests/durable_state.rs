@@ -385,6 +385,66 @@ async fn a_call_and_its_decision_commit_together_or_not_at_all() {
     }
 }
 
+#[tokio::test]
+async fn tokens_of_a_revoked_run_or_parent_are_not_recorded() {
+    for s in subjects().await {
+        let state = &*s.state;
+        let issued = |token: &str, run: &str| IssuedToken {
+            token_id: token.into(),
+            run_id: run.into(),
+            tenant: "acme".into(),
+            expires_at: at(100),
+        };
+        let owner = |id: &str| {
+            let target = RevokeTarget::Token(id.to_owned());
+            async move { state.owner_tenant(&target).await.unwrap() }
+        };
+        // Nothing revoked: recorded.
+        let none = state
+            .record_issued_unless_revoked(&[issued("t1", "r1"), issued("t2", "r1")], "", "r1")
+            .await
+            .unwrap();
+        assert_eq!(none, None, "{}", s.label);
+        assert_eq!(owner("t2").await.as_deref(), Some("acme"), "{}", s.label);
+
+        // The run revoked: refused with the run's revocation, nothing recorded.
+        state.revoke_run("r1", "incident closed").await.unwrap();
+        let refused = state
+            .record_issued_unless_revoked(&[issued("t3", "r1")], "", "r1")
+            .await
+            .unwrap()
+            .expect("the run's revocation");
+        assert_eq!(
+            (refused.target, refused.reason.as_str()),
+            (RevokeTarget::Run("r1".into()), "incident closed"),
+            "{}",
+            s.label
+        );
+        assert_eq!(owner("t3").await, None, "{}", s.label);
+
+        // A child of a revoked parent token, in a run that is not revoked.
+        state.revoke_token("p1", "leaked").await.unwrap();
+        let refused = state
+            .record_issued_unless_revoked(&[issued("c1", "r2")], "p1", "r2")
+            .await
+            .unwrap()
+            .expect("the parent's revocation");
+        assert_eq!(
+            refused.target,
+            RevokeTarget::Token("p1".into()),
+            "{}",
+            s.label
+        );
+        assert_eq!(owner("c1").await, None, "{}", s.label);
+        let none = state
+            .record_issued_unless_revoked(&[issued("c2", "r2")], "p2", "r2")
+            .await
+            .unwrap();
+        assert_eq!(none, None, "{}", s.label);
+        assert_eq!(owner("c2").await.as_deref(), Some("acme"), "{}", s.label);
+    }
+}
+
 /// What a revoked call records: not allowed, the calls counted before, and which
 /// revocation refused it.
 fn refusal_record(counted: &Counted) -> LogEntry {

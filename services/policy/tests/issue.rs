@@ -185,12 +185,33 @@ async fn child_tokens_can_only_narrow_their_parent() {
         status.message()
     );
 
-    let mut depth = child;
+    let mut depth = child.clone();
     depth.depth = 3;
     let status = h.issue_child(&parent.token, depth).await.unwrap_err();
     assert_eq!(status.code(), tonic::Code::InvalidArgument);
     assert!(
         status.message().contains("grants[0].depth"),
+        "{}",
+        status.message()
+    );
+
+    // Once the parent is revoked, the request that succeeded above is refused.
+    h.client()
+        .await
+        .revoke(request(
+            v1::RevokeRequest {
+                target: Some(Target::TokenId(parent.token_id.clone())),
+                reason: "leaked".into(),
+            },
+            SUPERVISOR,
+        ))
+        .await
+        .unwrap();
+    let status = h.issue_child(&parent.token, child).await.unwrap_err();
+    assert_eq!(status.code(), tonic::Code::PermissionDenied);
+    assert!(
+        status.message().contains("parent token was revoked")
+            && status.message().contains("leaked"),
         "{}",
         status.message()
     );
