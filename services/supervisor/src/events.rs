@@ -170,7 +170,8 @@ pub fn delegation_completed_data(
     d: &v1::Delegation,
     late: bool,
 ) -> serde_json::Value {
-    let task = d.task.clone().unwrap_or_default();
+    let none = v1::DelegationTask::default();
+    let task = d.task.as_ref().unwrap_or(&none);
     json!({
         "runId": run.run_id,
         "delegationId": task.delegation_id,

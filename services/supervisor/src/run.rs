@@ -221,6 +221,13 @@ fn backoff(settings: &Settings, attempt: u32) -> Duration {
     Duration::from_millis(capped / 2 + jitter)
 }
 
+/// A delegation's task, or an empty one (every delegation the supervisor plans has one).
+fn task_or_empty(task: &Option<v1::DelegationTask>) -> &v1::DelegationTask {
+    static EMPTY: std::sync::OnceLock<v1::DelegationTask> = std::sync::OnceLock::new();
+    task.as_ref()
+        .unwrap_or_else(|| EMPTY.get_or_init(v1::DelegationTask::default))
+}
+
 fn deadline_of(task: &v1::DelegationTask) -> SystemTime {
     task.deadline
         .as_ref()
@@ -923,15 +930,16 @@ impl RunActor {
         if d.dispatched_at.is_none() {
             d.dispatched_at = Some(to_timestamp(now()));
         }
-        let task = d.task.clone().unwrap_or_default();
-        self.event(Kind::Dispatched(v1::DelegationDispatched {
-            delegation_id: task.delegation_id,
-            name: task.name,
-            profile_id: task.profile_id,
+        let task = task_or_empty(&d.task);
+        let dispatched = v1::DelegationDispatched {
+            delegation_id: task.delegation_id.clone(),
+            name: task.name.clone(),
+            profile_id: task.profile_id.clone(),
             worker_id,
             attempt,
             depth: task.depth,
-        }))
+        };
+        self.event(Kind::Dispatched(dispatched))
     }
 
     async fn on_outcome(
@@ -943,8 +951,9 @@ impl RunActor {
     ) -> Result<(), StoreError> {
         let settings = self.deps.settings;
         let max_attempts = self.spec.limits.max_redelegations + 1;
-        let task = self.run.delegations[index].task.clone().unwrap_or_default();
-        let time_left = deadline_of(&task) > now();
+        let task = task_or_empty(&self.run.delegations[index].task);
+        let time_left = deadline_of(task) > now();
+        let (delegation_id, profile_id) = (task.delegation_id.clone(), task.profile_id.clone());
         let may_retry = !self.terminal()
             && !self.slots[index].cancelled
             && attempt.saturating_sub(self.slots[index].attempt_base) < max_attempts
@@ -956,7 +965,7 @@ impl RunActor {
                     && result.error.as_ref().is_some_and(|e| e.retryable);
                 if retryable && may_retry {
                     self.slots[index].span.in_scope(|| {
-                        tracing::info!(run_id = %self.run.run_id, delegation_id = %task.delegation_id, attempt, "transient worker failure; retrying under the same delegation id");
+                        tracing::info!(run_id = %self.run.run_id, %delegation_id, attempt, "transient worker failure; retrying under the same delegation id");
                     });
                     self.launch(index, backoff(&settings, attempt));
                     return Ok(());
@@ -976,7 +985,7 @@ impl RunActor {
                 let transient = status_is_transient(status.code());
                 if transient && may_retry {
                     self.slots[index].span.in_scope(|| {
-                        tracing::info!(run_id = %self.run.run_id, delegation_id = %task.delegation_id, attempt, code = ?status.code(), "dispatch failed; dispatching again under the same delegation id");
+                        tracing::info!(run_id = %self.run.run_id, %delegation_id, attempt, code = ?status.code(), "dispatch failed; dispatching again under the same delegation id");
                     });
                     self.launch(index, backoff(&settings, attempt));
                     return Ok(());
@@ -993,9 +1002,9 @@ impl RunActor {
                     _ => "dispatch_failed",
                 };
                 let failed = v1::TaskResult {
-                    delegation_id: task.delegation_id.clone(),
+                    delegation_id,
                     worker_id: worker_id.unwrap_or_default(),
-                    profile_id: task.profile_id.clone(),
+                    profile_id,
                     status: if code == "timeout" {
                         v1::TaskStatus::TimedOut as i32
                     } else {
@@ -1105,28 +1114,22 @@ impl RunActor {
             String::new()
         };
         d.result = Some(result.clone());
-        let delegation = d.clone();
-        self.end_delegation_span(index);
-        let status = result.status;
-        let summary = result.summary.clone();
-        let e = self.event(Kind::Completed(v1::DelegationCompleted {
+        let completed = v1::DelegationCompleted {
             delegation_id: result.delegation_id.clone(),
-            name: delegation
-                .task
-                .as_ref()
-                .map(|t| t.name.clone())
-                .unwrap_or_default(),
-            state: delegation.state,
-            status,
-            summary,
+            name: d.task.as_ref().map(|t| t.name.clone()).unwrap_or_default(),
+            state: d.state,
+            status: result.status,
+            summary: result.summary.clone(),
             late,
-        }));
+        };
+        self.end_delegation_span(index);
+        let e = self.event(Kind::Completed(completed));
         let cloud = events::cloud(
             events::DELEGATION_COMPLETED,
             &self.run,
             Some(&format!("delegations/{}", result.delegation_id)),
             now(),
-            events::delegation_completed_data(&self.run, &delegation, late),
+            events::delegation_completed_data(&self.run, &self.run.delegations[index], late),
         );
         let mut ev = Events {
             run: vec![e],
