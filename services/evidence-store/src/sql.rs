@@ -7,7 +7,7 @@
 //! (evidence). Creation times are kept to the microsecond.
 
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use async_trait::async_trait;
 use convene_mesh::handles::PolicyHandle;
@@ -27,15 +27,60 @@ impl From<convene_store::Error> for CatalogError {
 }
 
 /// Artifact metadata and evidence records in a database. See the [module docs](self).
+///
+/// Records this catalog wrote or read are kept in bounded per-process sets and answered
+/// from there: both kinds are immutable and never deleted, so a record seen once stays
+/// the record under its key, whoever else shares the database. What is not known (or
+/// was dropped when a set filled up) is read.
 #[derive(Debug, Clone)]
 pub struct SqlCatalog {
     db: Database,
+    artifacts: Arc<Known<ArtifactMeta>>,
+    evidence: Arc<Known<v1::Evidence>>,
 }
 
 impl SqlCatalog {
     /// A catalog in `db` (migrated, as [`Database::connect`] leaves it).
     pub fn new(db: Database) -> Self {
-        Self { db }
+        Self {
+            db,
+            artifacts: Arc::default(),
+            evidence: Arc::default(),
+        }
+    }
+}
+
+/// Immutable records by (tenant, key), at most [`Known::CAPACITY`]; a full set starts
+/// over.
+#[derive(Debug)]
+struct Known<V> {
+    map: Mutex<HashMap<(String, String), V>>,
+}
+
+impl<V> Default for Known<V> {
+    fn default() -> Self {
+        Self {
+            map: Mutex::new(HashMap::new()),
+        }
+    }
+}
+
+impl<V: Clone> Known<V> {
+    /// Enough for the records of thousands of runs in flight; a run's are read back
+    /// within seconds of being written.
+    const CAPACITY: usize = 8_192;
+
+    fn get(&self, tenant: &str, key: &str) -> Option<V> {
+        let map = self.map.lock().unwrap_or_else(PoisonError::into_inner);
+        map.get(&(tenant.to_owned(), key.to_owned())).cloned()
+    }
+
+    fn insert(&self, tenant: &str, key: &str, value: &V) {
+        let mut map = self.map.lock().unwrap_or_else(PoisonError::into_inner);
+        if map.len() >= Self::CAPACITY {
+            map.clear();
+        }
+        map.insert((tenant.to_owned(), key.to_owned()), value.clone());
     }
 }
 
@@ -170,7 +215,9 @@ impl Catalog for SqlCatalog {
                 ))
                 .await?
         };
-        stored_artifact(meta, inserted, existing)
+        let stored = stored_artifact(meta, inserted, existing)?;
+        self.know_artifact(&stored.0);
+        Ok(stored)
     }
 
     async fn artifact(
@@ -178,11 +225,19 @@ impl Catalog for SqlCatalog {
         tenant: &str,
         sha256: &str,
     ) -> Result<Option<ArtifactMeta>, CatalogError> {
-        self.db
+        if let Some(known) = self.artifacts.get(tenant, sha256) {
+            return Ok(Some(known));
+        }
+        let found = self
+            .db
             .fetch_optional(select_artifact(tenant, sha256))
             .await?
             .map(|row| artifact_from(&row))
-            .transpose()
+            .transpose()?;
+        if let Some(meta) = &found {
+            self.know_artifact(meta);
+        }
+        Ok(found)
     }
 
     async fn record_evidence(
@@ -197,7 +252,9 @@ impl Catalog for SqlCatalog {
             let ids = std::slice::from_ref(&evidence.evidence_id);
             self.db.fetch_optional(select_evidence(tenant, ids)).await?
         };
-        recorded(&evidence, inserted, existing)
+        let recorded = recorded(&evidence, inserted, existing)?;
+        self.know_evidence(tenant, &evidence, &recorded);
+        Ok(recorded)
     }
 
     async fn put_artifact_with_evidence(
@@ -229,7 +286,10 @@ impl Catalog for SqlCatalog {
             })
             .await?;
         let recorded = recorded(&evidence, evidence_row.0, evidence_row.1)?;
-        Ok((stored_artifact(meta, artifact.0, artifact.1)?, recorded))
+        let stored = stored_artifact(meta, artifact.0, artifact.1)?;
+        self.know_artifact(&stored.0);
+        self.know_evidence(&stored.0.artifact.tenant, &evidence, &recorded);
+        Ok((stored, recorded))
     }
 
     async fn evidence(
@@ -237,15 +297,51 @@ impl Catalog for SqlCatalog {
         tenant: &str,
         ids: &[String],
     ) -> Result<Vec<Option<v1::Evidence>>, CatalogError> {
-        if ids.is_empty() {
-            return Ok(Vec::new());
+        let mut found: Vec<Option<v1::Evidence>> =
+            ids.iter().map(|id| self.evidence.get(tenant, id)).collect();
+        let missing: Vec<String> = ids
+            .iter()
+            .zip(&found)
+            .filter(|(_, known)| known.is_none())
+            .map(|(id, _)| id.clone())
+            .collect();
+        if missing.is_empty() {
+            return Ok(found);
         }
-        let rows = self.db.fetch_all(select_evidence(tenant, ids)).await?;
-        let mut found = HashMap::with_capacity(rows.len());
+        let rows = self.db.fetch_all(select_evidence(tenant, &missing)).await?;
+        let mut read = HashMap::with_capacity(rows.len());
         for row in &rows {
-            found.insert(row.get::<String>("evidence_id")?, evidence_from(row)?);
+            let record = evidence_from(row)?;
+            self.evidence.insert(tenant, &record.evidence_id, &record);
+            read.insert(row.get::<String>("evidence_id")?, record);
         }
-        Ok(ids.iter().map(|id| found.get(id).cloned()).collect())
+        for (id, slot) in ids.iter().zip(&mut found) {
+            if slot.is_none() {
+                *slot = read.get(id).cloned();
+            }
+        }
+        Ok(found)
+    }
+}
+
+impl SqlCatalog {
+    fn know_artifact(&self, meta: &ArtifactMeta) {
+        self.artifacts
+            .insert(&meta.artifact.tenant, &meta.artifact.sha256, meta);
+    }
+
+    /// Keeps `evidence` when it is what the database holds under its id.
+    fn know_evidence(&self, tenant: &str, evidence: &v1::Evidence, recorded: &Recorded) {
+        match recorded {
+            Recorded::Created | Recorded::Unchanged => {
+                self.evidence
+                    .insert(tenant, &evidence.evidence_id, evidence);
+            }
+            Recorded::Conflict(existing) => {
+                self.evidence
+                    .insert(tenant, &existing.evidence_id, existing);
+            }
+        }
     }
 }
 

@@ -282,3 +282,66 @@ async fn an_artifact_and_the_evidence_citing_it_are_recorded_together() {
         }
     }
 }
+
+#[tokio::test]
+async fn another_catalog_on_the_same_database_reads_what_one_wrote() {
+    for t in test_databases().await {
+        // Two catalogs over one database, as two evidence store replicas: each keeps the
+        // records it saw, and what one wrote is in the database for the other.
+        let writer = SqlCatalog::new(t.db.clone());
+        let reader = SqlCatalog::new(t.db.clone());
+        let meta = ArtifactMeta {
+            artifact: ArtifactRef::of("acme", b"shared"),
+            media_type: "application/json".into(),
+            size: 6,
+            created_by_delegation: "del-1".into(),
+            created_by_tool_call: "call-1".into(),
+            created_at: SystemTime::UNIX_EPOCH + Duration::from_micros(1_700_000_000_000_001),
+        };
+        let e = evidence("logs://d/1", "impact_metric");
+        writer
+            .put_artifact_with_evidence(meta.clone(), e.clone())
+            .await
+            .unwrap();
+        let other = evidence("logs://d/2", "causal_signal");
+        writer.record_evidence("acme", other.clone()).await.unwrap();
+
+        let sha = &meta.artifact.sha256;
+        for _ in 0..2 {
+            // Read from the database, then from what the reader kept: the same answer.
+            assert_eq!(
+                reader.artifact("acme", sha).await.unwrap(),
+                Some(meta.clone()),
+                "{}",
+                t.label
+            );
+            let ids = [&e, &other]
+                .map(|r| r.evidence_id.clone())
+                .into_iter()
+                .chain(["logs://d/unknown".to_owned()])
+                .collect::<Vec<_>>();
+            assert_eq!(
+                reader.evidence("acme", &ids).await.unwrap(),
+                vec![Some(e.clone()), Some(other.clone()), None],
+                "{}",
+                t.label
+            );
+            assert_eq!(
+                reader.evidence("globex", &ids[..1]).await.unwrap(),
+                vec![None],
+                "{}: another tenant's records stay out of reach",
+                t.label
+            );
+        }
+        // A record the reader knows conflicts there as it does in the database.
+        assert_eq!(
+            reader
+                .record_evidence("acme", evidence("logs://d/1", "causal_signal"))
+                .await
+                .unwrap(),
+            Recorded::Conflict(Box::new(e.clone())),
+            "{}",
+            t.label
+        );
+    }
+}
