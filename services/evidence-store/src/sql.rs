@@ -313,7 +313,7 @@ impl Catalog for SqlCatalog {
         for row in &rows {
             let record = evidence_from(row)?;
             self.evidence.insert(tenant, &record.evidence_id, &record);
-            read.insert(row.get::<String>("evidence_id")?, record);
+            read.insert(record.evidence_id.clone(), record);
         }
         for (id, slot) in ids.iter().zip(&mut found) {
             if slot.is_none() {

@@ -339,11 +339,7 @@ impl Inner {
                 &issued,
                 // No token id is ever empty: a top-level request asks about its run alone.
                 parent_token_id.as_deref().unwrap_or(""),
-                if parent_token_id.is_some() {
-                    &run_id
-                } else {
-                    &request.run_id
-                },
+                &run_id,
             )
             .await?;
         if let Some(revocation) = revocation {
@@ -576,6 +572,7 @@ impl v1::policy_server::Policy for PolicyService {
         }))
     }
 }
+
 /// Why no child token can be derived from a revoked parent.
 fn parent_revoked(revocation: &Revocation) -> Error {
     Error::PermissionDenied(format!(
