@@ -18,12 +18,14 @@
 //!   read at one moment (at most the threads running tasks) and keeps them.
 //!
 //! Every connection has `synchronous = FULL`, foreign keys on, temporary storage in
-//! memory and a busy timeout; the file is in WAL mode (set when it is migrated, and checked by the writer).
+//! memory and a busy handler that polls for a lock another process holds (see
+//! [`wait_for_lock`]); the file is in WAL mode (set when it is migrated, and checked by the writer).
 
+use std::cell::Cell;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use rusqlite::types::{Value as SqlValue, ValueRef};
 use rusqlite::{Connection, ErrorCode, OpenFlags};
@@ -55,13 +57,41 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
+/// Waits for a lock another process holds, as SQLite's busy handler: `tries` is how
+/// often this wait asked before; false gives up (after [`BUSY_TIMEOUT`]).
+///
+/// SQLite's own handler sleeps 1, 2, 5, 10 … 100 ms between tries, so a writer that
+/// finds another process's transaction in progress sleeps at least a millisecond, often
+/// far longer than convene's transactions hold the lock (processes sharing a file each
+/// commit a batch every millisecond or two under load). This one tries again after
+/// 50 µs, doubling up to 1 ms.
+fn wait_for_lock(tries: i32) -> bool {
+    thread_local! {
+        static WAITING_SINCE: Cell<Option<Instant>> = const { Cell::new(None) };
+    }
+    let now = Instant::now();
+    let since = WAITING_SINCE.with(|since| {
+        if tries == 0 || since.get().is_none() {
+            since.set(Some(now));
+        }
+        since.get().unwrap_or(now)
+    });
+    if now.duration_since(since) >= BUSY_TIMEOUT {
+        return false;
+    }
+    let doublings = u32::try_from(tries.clamp(0, 5)).unwrap_or(5);
+    let pause = Duration::from_micros(50 << doublings).min(Duration::from_millis(1));
+    std::thread::sleep(pause);
+    true
+}
+
 fn connect(path: &Path) -> rusqlite::Result<Connection> {
     // NO_MUTEX: each connection is used by one thread at a time, behind a lock here.
     let conn = Connection::open_with_flags(
         path,
         OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX,
     )?;
-    conn.busy_timeout(BUSY_TIMEOUT)?;
+    conn.busy_handler(Some(wait_for_lock))?;
     // FULL, not NORMAL: see `database::sqlite_options`. Temporary storage in memory:
     // the savepoints of group commit keep their undo pages there instead of writing
     // them to a temporary file.
@@ -121,12 +151,12 @@ impl Sqlite {
     pub(crate) async fn begin(&self) -> Result<WriterTx, Error> {
         self.check_open()?;
         // Try without waiting: in one process the lock is free (writers take turns).
-        match begin_immediate(&self.writer, Duration::ZERO) {
+        match begin_immediate(&self.writer, false) {
             Ok(()) => {}
             Err(Error::Sqlite(e)) if e.sqlite_error_code() == Some(ErrorCode::DatabaseBusy) => {
                 // Another process writes: wait for it on a blocking thread.
                 let writer = self.writer.clone();
-                tokio::task::spawn_blocking(move || begin_immediate(&writer, BUSY_TIMEOUT))
+                tokio::task::spawn_blocking(move || begin_immediate(&writer, true))
                     .await
                     .map_err(|e| Error::Commit(format!("taking the write lock failed: {e}")))??;
             }
@@ -170,8 +200,9 @@ impl Sqlite {
     }
 }
 
-/// `BEGIN IMMEDIATE` on the writer, waiting up to `wait` for another process's lock.
-fn begin_immediate(writer: &Mutex<Option<Connection>>, wait: Duration) -> Result<(), Error> {
+/// `BEGIN IMMEDIATE` on the writer; with `wait`, waiting up to [`BUSY_TIMEOUT`] for
+/// another process's lock, else failing at once with `SQLITE_BUSY` when it is taken.
+fn begin_immediate(writer: &Mutex<Option<Connection>>, wait: bool) -> Result<(), Error> {
     let mut guard = lock(writer);
     let conn = guard.as_mut().ok_or(Error::Closed)?;
     if !conn.is_autocommit() {
@@ -179,9 +210,14 @@ fn begin_immediate(writer: &Mutex<Option<Connection>>, wait: Duration) -> Result
         // nothing of anyone's.
         conn.execute_batch("ROLLBACK")?;
     }
-    conn.busy_timeout(wait)?;
+    if !wait {
+        // A zero timeout removes the busy handler: a taken lock fails at once.
+        conn.busy_timeout(Duration::ZERO)?;
+    }
     let begun = conn.execute_batch("BEGIN IMMEDIATE");
-    conn.busy_timeout(BUSY_TIMEOUT)?;
+    if !wait {
+        conn.busy_handler(Some(wait_for_lock))?;
+    }
     Ok(begun?)
 }
 

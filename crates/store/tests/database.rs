@@ -185,7 +185,7 @@ async fn reopening_a_database_finds_its_data_and_migrates_nothing_twice() {
 #[tokio::test]
 async fn two_handles_on_one_file_write_concurrently_like_two_processes() {
     // Two handles do not share their writer lock, as two processes would not: SQLite's
-    // own lock and the busy timeout have to order them.
+    // own lock and the busy handler have to order them.
     let dir = tempfile::tempdir().unwrap();
     let url = convene_store::sqlite_url(&dir.path().join("shared.db"));
     let (a, b) = tokio::join!(Database::connect(&url), Database::connect(&url));
