@@ -57,6 +57,11 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
+thread_local! {
+    /// When the wait for another process's lock that this thread is in began.
+    static WAITING_SINCE: Cell<Option<Instant>> = const { Cell::new(None) };
+}
+
 /// Waits for a lock another process holds, as SQLite's busy handler: `tries` is how
 /// often this wait asked before; false gives up (after [`BUSY_TIMEOUT`]).
 ///
@@ -64,25 +69,27 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 /// finds another process's transaction in progress sleeps at least a millisecond, often
 /// far longer than convene's transactions hold the lock (processes sharing a file each
 /// commit a batch every millisecond or two under load). This one tries again after
-/// 50 µs, doubling up to 1 ms.
+/// [`pause`].
 fn wait_for_lock(tries: i32) -> bool {
-    thread_local! {
-        static WAITING_SINCE: Cell<Option<Instant>> = const { Cell::new(None) };
-    }
     let now = Instant::now();
-    let since = WAITING_SINCE.with(|since| {
-        if tries == 0 || since.get().is_none() {
+    let since = WAITING_SINCE.with(|since| match since.get() {
+        Some(start) if tries > 0 => start,
+        _ => {
             since.set(Some(now));
+            now
         }
-        since.get().unwrap_or(now)
     });
     if now.duration_since(since) >= BUSY_TIMEOUT {
         return false;
     }
-    let doublings = u32::try_from(tries.clamp(0, 5)).unwrap_or(5);
-    let pause = Duration::from_micros(50 << doublings).min(Duration::from_millis(1));
-    std::thread::sleep(pause);
+    std::thread::sleep(pause(tries));
     true
+}
+
+/// The pause before try `tries + 1` for a lock: 50 µs, doubling up to 1 ms.
+fn pause(tries: i32) -> Duration {
+    let doublings = u32::try_from(tries.clamp(0, 5)).unwrap_or(5);
+    Duration::from_micros(50 << doublings).min(Duration::from_millis(1))
 }
 
 fn connect(path: &Path) -> rusqlite::Result<Connection> {
@@ -350,5 +357,31 @@ impl SqliteRow {
     pub(crate) fn value(&self, column: &str) -> Option<ValueRef<'_>> {
         let i = self.columns.iter().position(|c| c == column)?;
         self.values.get(i).map(ValueRef::from)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_lock_is_tried_again_within_a_millisecond() {
+        let pauses: Vec<u128> = (0..8).map(|t| pause(t).as_micros()).collect();
+        assert_eq!(pauses, [50, 100, 200, 400, 800, 1000, 1000, 1000]);
+    }
+
+    #[test]
+    fn waiting_for_a_lock_gives_up_after_the_busy_timeout_and_a_new_wait_starts_over() {
+        assert!(wait_for_lock(0));
+        assert!(wait_for_lock(1));
+        // The same wait, once it has lasted the busy timeout, gives up.
+        let long_ago = Instant::now()
+            .checked_sub(BUSY_TIMEOUT)
+            .expect("the monotonic clock reaches back 30 s");
+        WAITING_SINCE.with(|since| since.set(Some(long_ago)));
+        assert!(!wait_for_lock(9));
+        // A new wait (its first try) starts its own clock.
+        assert!(wait_for_lock(0));
+        assert!(wait_for_lock(1));
     }
 }
