@@ -665,6 +665,23 @@ async fn tenants_never_see_each_others_runs() {
         .await
         .expect_err("another tenant's run");
     assert_eq!(err.code(), tonic::Code::NotFound);
+    // Watching checks the tenant too, and says the same of a run that does not exist.
+    for (id, who) in [(&run_id, "analyst@globex"), (&"no-such-run".to_owned(), ONCALL)] {
+        let err = mesh
+            .supervisor()
+            .watch_run(request(
+                v1::WatchRunRequest {
+                    run_id: id.clone(),
+                    after_sequence: 0,
+                },
+                &mesh.credential(who),
+            ))
+            .await
+            .err()
+            .unwrap_or_else(|| panic!("{who} watched run {id}"));
+        assert_eq!(err.code(), tonic::Code::NotFound, "{}", err.message());
+        assert_eq!(err.message(), format!("run {id} not found"));
+    }
     let listed = mesh
         .supervisor()
         .list_runs(request(

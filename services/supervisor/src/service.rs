@@ -138,6 +138,25 @@ impl SupervisorService {
         }
     }
 
+    /// Checks that a run of `tenant` exists, as [`Self::run_of_tenant`] does, without
+    /// reading the run.
+    async fn check_run_of_tenant(&self, run_id: &str, tenant: &str) -> Result<(), Status> {
+        if run_id.trim().is_empty() {
+            return Err(invalid_field("run_id", "must not be empty"));
+        }
+        match self
+            .deps
+            .store
+            .tenant_of(run_id)
+            .await
+            .map_err(store_status)?
+        {
+            Some(of) if of == tenant => Ok(()),
+            // Another tenant's run is indistinguishable from a missing one.
+            _ => Err(Status::not_found(format!("run {run_id} not found"))),
+        }
+    }
+
     fn build_run(
         &self,
         identity: RunIdentity,
@@ -404,12 +423,14 @@ impl Supervisor for SupervisorService {
             .principal(&request, &["runs:read", "runs:start"], "watch runs")
             .await?;
         let req = request.into_inner();
-        let run = self.run_of_tenant(&req.run_id, &principal.tenant).await?;
+        self.check_run_of_tenant(&req.run_id, &principal.tenant)
+            .await?;
+        let run_id = req.run_id;
         let store = self.deps.store.clone();
         let shutdown = self.shutdown.clone();
         let (tx, rx) = mpsc::channel(64);
         // Subscribe before reading the backlog so nothing committed in between is missed.
-        let mut watch = self.watchers.watch(&run.run_id);
+        let mut watch = self.watchers.watch(&run_id);
         tokio::spawn(async move {
             let mut lost = watch.receiver().borrow_and_update().lost;
             let mut last = req.after_sequence;
@@ -419,7 +440,7 @@ impl Supervisor for SupervisorService {
             loop {
                 let batch = match noted.take() {
                     Some(events) => Ok(events),
-                    None => store.run_events(&run.run_id, last).await,
+                    None => store.run_events(&run_id, last).await,
                 };
                 match batch {
                     Ok(batch) => {

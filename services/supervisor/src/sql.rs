@@ -755,6 +755,15 @@ impl RunStore for SqlRunStore {
             .transpose()
     }
 
+    async fn tenant_of(&self, run_id: &str) -> Result<Option<String>, StoreError> {
+        self.db
+            .fetch_optional(sql("SELECT tenant FROM runs WHERE run_id = $1").bind(run_id))
+            .await?
+            .map(|row| row.get::<String>("tenant"))
+            .transpose()
+            .map_err(StoreError::from)
+    }
+
     async fn list(
         &self,
         tenant: &str,

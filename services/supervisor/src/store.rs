@@ -115,6 +115,12 @@ pub trait RunStore: Send + Sync + 'static {
     /// A run by id, whatever its tenant (callers check the tenant).
     async fn get(&self, run_id: &str) -> Result<Option<v1::Run>, StoreError>;
 
+    /// The tenant of a run, when the run exists: what a caller that does not need the
+    /// run itself (a watch) checks, without reading the whole run.
+    async fn tenant_of(&self, run_id: &str) -> Result<Option<String>, StoreError> {
+        Ok(self.get(run_id).await?.map(|run| run.tenant))
+    }
+
     /// A tenant's runs, newest first, after the cursor, filtered by state.
     async fn list(
         &self,

@@ -167,6 +167,19 @@ async fn runs_are_listed_per_tenant_newest_first_in_pages() {
             s.label
         );
         assert_eq!(store.get("no-such-run").await.unwrap(), None, "{}", s.label);
+        // The tenant alone, as a watch checks it, agrees with the stored run.
+        assert_eq!(
+            store.tenant_of(&acme[3].run_id).await.unwrap().as_deref(),
+            Some("acme"),
+            "{}",
+            s.label
+        );
+        assert_eq!(
+            store.tenant_of("no-such-run").await.unwrap(),
+            None,
+            "{}",
+            s.label
+        );
         assert!(
             store
                 .list("initech", &[], 10, None)
