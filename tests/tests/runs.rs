@@ -666,7 +666,10 @@ async fn tenants_never_see_each_others_runs() {
         .expect_err("another tenant's run");
     assert_eq!(err.code(), tonic::Code::NotFound);
     // Watching checks the tenant too, and says the same of a run that does not exist.
-    for (id, who) in [(&run_id, "analyst@globex"), (&"no-such-run".to_owned(), ONCALL)] {
+    for (id, who) in [
+        (&run_id, "analyst@globex"),
+        (&"no-such-run".to_owned(), ONCALL),
+    ] {
         let err = mesh
             .supervisor()
             .watch_run(request(
