@@ -37,9 +37,23 @@ impl std::fmt::Debug for SupervisorService {
     }
 }
 
+/// Refuses an empty run id.
+fn require_run_id(run_id: &str) -> Result<(), Status> {
+    if run_id.trim().is_empty() {
+        return Err(invalid_field("run_id", "must not be empty"));
+    }
+    Ok(())
+}
+
+/// The answer for a run that is not the caller's: another tenant's run is
+/// indistinguishable from a missing one.
+fn no_such_run(run_id: &str) -> Status {
+    Status::not_found(format!("run {run_id} not found"))
+}
+
 fn store_status(e: StoreError) -> Status {
     match e {
-        StoreError::NotFound(id) => Status::not_found(format!("run {id} not found")),
+        StoreError::NotFound(id) => no_such_run(&id),
         StoreError::Conflict { .. } | StoreError::LeaseLost { .. } => {
             Status::aborted(e.to_string())
         }
@@ -128,22 +142,17 @@ impl SupervisorService {
     }
 
     async fn run_of_tenant(&self, run_id: &str, tenant: &str) -> Result<v1::Run, Status> {
-        if run_id.trim().is_empty() {
-            return Err(invalid_field("run_id", "must not be empty"));
-        }
+        require_run_id(run_id)?;
         match self.deps.store.get(run_id).await.map_err(store_status)? {
             Some(run) if run.tenant == tenant => Ok(run),
-            // Another tenant's run is indistinguishable from a missing one.
-            _ => Err(Status::not_found(format!("run {run_id} not found"))),
+            _ => Err(no_such_run(run_id)),
         }
     }
 
     /// Checks that a run of `tenant` exists, as [`Self::run_of_tenant`] does, without
     /// reading the run.
     async fn check_run_of_tenant(&self, run_id: &str, tenant: &str) -> Result<(), Status> {
-        if run_id.trim().is_empty() {
-            return Err(invalid_field("run_id", "must not be empty"));
-        }
+        require_run_id(run_id)?;
         match self
             .deps
             .store
@@ -152,8 +161,7 @@ impl SupervisorService {
             .map_err(store_status)?
         {
             Some(of) if of == tenant => Ok(()),
-            // Another tenant's run is indistinguishable from a missing one.
-            _ => Err(Status::not_found(format!("run {run_id} not found"))),
+            _ => Err(no_such_run(run_id)),
         }
     }
 
