@@ -322,6 +322,12 @@ fn check_incident(trace: &Trace, run: &v1::Run) {
         }
     }
 
+    // The evidence the three results cite is verified in one call, once the last
+    // result is in: before that the join (TIMEOUT_PARTIAL) waits whatever the store says.
+    let verifications = trace.named("convene.v1.EvidenceStore/VerifyChain");
+    assert_eq!(verifications.len(), 1, "{verifications:#?}");
+    assert_eq!(verifications[0].parent_span_id, root.span_id);
+
     // Every decision revision has its join.decide span, under the run.
     assert!(!run.revisions.is_empty());
     let decisions = trace.named("join.decide");

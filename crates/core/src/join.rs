@@ -190,6 +190,25 @@ pub fn decide(input: &JoinInput<'_>) -> JoinState {
     }
 }
 
+/// Whether [`decide`] can decide on these results, whatever the evidence store says of
+/// the evidence they cite. False only while ALL or TIMEOUT_PARTIAL waits for an expected
+/// delegation without any result and the deadline has not passed: then `decide` is
+/// pending for every `input.evidence`, so the supervisor need not ask the store yet.
+pub fn may_decide(input: &JoinInput<'_>) -> bool {
+    match input.contract.strategy {
+        JoinStrategy::Quorum | JoinStrategy::FirstValid => true,
+        JoinStrategy::All | JoinStrategy::TimeoutPartial => {
+            input.contract.deadline.is_some_and(|d| input.now >= d)
+                || input.delegations.iter().all(|d| {
+                    input
+                        .results
+                        .iter()
+                        .any(|r| r.delegation_id == d.delegation_id)
+                })
+        }
+    }
+}
+
 /// The decision the join would make if it had to decide now, whatever its strategy says
 /// (revision 1). [`decide`] returns exactly this once the strategy allows a decision; the
 /// supervisor can show it as a provisional view before that.

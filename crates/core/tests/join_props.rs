@@ -9,6 +9,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use convene_core::join::{
     EvidenceFact, ExpectedDelegation, JoinInput, JoinState, assess, check_result, decide,
+    may_decide,
 };
 use convene_core::model::{
     JoinContract, JoinMinimum, JoinStrategy, LateResultPolicy, OnConflict, OnTimeout,
@@ -589,6 +590,46 @@ proptest! {
                     delegation.name
                 );
             }
+        }
+    }
+
+    /// (d2) Where `may_decide` says the join cannot decide yet, no store facts make it
+    /// decide; where the strategy waits for every delegation, it says so exactly then.
+    #[test]
+    fn the_join_waits_whatever_the_evidence_when_may_decide_says_so(
+        world in world(),
+        other in store(),
+    ) {
+        let plan = plan();
+        let input = world.input(&plan);
+        let verified: BTreeMap<String, EvidenceFact> = world
+            .results
+            .iter()
+            .flat_map(|r| r.claims.iter().flat_map(|c| c.evidence_refs.iter()))
+            .map(|id| {
+                let fact = EvidenceFact::Verified {
+                    kind: "impact_metric".to_owned(),
+                    content_hash: "sha256:00".to_owned(),
+                };
+                (id.clone(), fact)
+            })
+            .collect();
+        let nothing = BTreeMap::new();
+        if !may_decide(&input) {
+            for evidence in [&world.evidence, &other, &verified, &nothing] {
+                let input = JoinInput { evidence, ..input };
+                prop_assert!(
+                    matches!(decide(&input), JoinState::Pending { .. }),
+                    "decided although may_decide said it cannot"
+                );
+            }
+        }
+        if matches!(world.contract.strategy, JoinStrategy::All | JoinStrategy::TimeoutPartial) {
+            prop_assert_eq!(
+                may_decide(&input),
+                matches!(decide(&input), JoinState::Decided(_)),
+                "ALL and TIMEOUT_PARTIAL decide exactly when may_decide says they can"
+            );
         }
     }
 

@@ -164,9 +164,10 @@ pub(crate) struct RunActor {
     issued: Option<Result<Vec<String>, Status>>,
     /// Top-level results are staged that the join has not seen.
     unjoined: bool,
-    /// Staged results whose cited evidence is not verified yet (the delegation's index
-    /// and the ids it cites): verified together, in one `VerifyChain`, before the join
-    /// sees them.
+    /// Received results whose cited evidence is not verified yet (the delegation's
+    /// index and the ids it cites): verified together, in one `VerifyChain`, once the
+    /// join could decide on them (see [`RunActor::join_step`]); until then they stay
+    /// here, committed as received.
     unverified: Vec<(usize, BTreeSet<String>)>,
     /// The join ran on staged results; the commit carrying them (and its decision, if
     /// any) has not happened.
@@ -817,7 +818,8 @@ impl RunActor {
                             break;
                         }
                     }
-                    if self.held.is_some() || self.unverified.is_empty() {
+                    if self.held.is_some() || self.unverified.is_empty() || !self.join_may_decide()
+                    {
                         break;
                     }
                     self.verify_staged().await;
@@ -903,7 +905,6 @@ impl RunActor {
 
     /// Runs the join on the staged results (if any) and commits what is staged.
     async fn settle(&mut self) -> Result<(), StoreError> {
-        self.verify_staged().await;
         if std::mem::take(&mut self.unjoined) {
             self.joined = true;
             self.join_step("result").await?;
@@ -1283,11 +1284,32 @@ impl RunActor {
             .collect()
     }
 
+    /// Whether the join could decide on the results received, whatever the evidence
+    /// store says of them ([`join::may_decide`]).
+    fn join_may_decide(&self) -> bool {
+        let expected = self.expected();
+        join::may_decide(&JoinInput {
+            contract: &self.spec.join,
+            delegations: &expected,
+            results: &self.run.received,
+            evidence: &self.facts,
+            now: now(),
+        })
+    }
+
     /// Evaluates the join (`trigger` says what prompted it, for the trace) and ends the
     /// run when it decides.
     async fn join_step(&mut self, trigger: &'static str) -> Result<(), StoreError> {
         if self.terminal() {
             return Ok(());
+        }
+        // The staged results' evidence is asked about once the answer can matter: while
+        // the join waits for delegations that have not reported, whatever the store
+        // says, it stays pending, and the results are asked about with those still to
+        // come, in one call. A run that ran out of budget publishes what there is, so
+        // it asks at once.
+        if !self.unverified.is_empty() && (self.budget_stopped || self.join_may_decide()) {
+            self.verify_staged().await;
         }
         let span = trace::join_span(&self.span, &self.spec.join, trigger);
         let expected = self.expected();
@@ -1339,6 +1361,7 @@ impl RunActor {
         if t >= self.spec.limits.deadline {
             // The run's hard deadline: decide on what there is and stop everything.
             self.cancel.cancel();
+            self.verify_staged().await;
             let span = trace::join_span(&self.span, &self.spec.join, "deadline");
             let expected = self.expected();
             let input = JoinInput {
