@@ -1,12 +1,13 @@
-//! Signing and verifying task tokens: JWTs signed with EdDSA over Ed25519 (RFC 8037),
-//! checked by `jsonwebtoken`.
+//! Signing and verifying task tokens: JWTs signed with EdDSA over Ed25519 (RFC 8037).
 //!
 //! Only one algorithm exists here, so the verifier refuses every other `alg` before it
 //! looks at a key: there is no way to make it check an HMAC with a public key or accept
-//! `none`. `jsonwebtoken` checks the shape, the signature and the claims' JSON; the
-//! validity window is checked here against an explicit `now` (and the audience by
-//! [`Claims::check_audience`]), so callers and tests decide the clock and every refusal
-//! names its exact reason.
+//! `none`. `jsonwebtoken` reads the header; the shape and encoding are checked here, the
+//! signature by `ed25519-dalek` against the trusted key decompressed once (with the same
+//! check `jsonwebtoken` makes, which would decompress the key for every token), then the
+//! claims' JSON. The validity window is checked here against an explicit `now` (and the
+//! audience by [`Claims::check_audience`]), so callers and tests decide the clock and
+//! every refusal names its exact reason.
 
 use std::collections::HashMap;
 use std::sync::{LazyLock, Mutex, PoisonError};
@@ -15,10 +16,9 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use base64::Engine;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use convene_proto::v1;
-use ed25519_dalek::Signer as _;
-use ed25519_dalek::VerifyingKey;
+use ed25519_dalek::{Signature, Signer as _, Verifier as _, VerifyingKey};
 use jsonwebtoken::errors::ErrorKind;
-use jsonwebtoken::{Algorithm, DecodingKey, Header, Validation};
+use jsonwebtoken::{Algorithm, Header};
 use serde::Deserialize;
 
 use crate::keys::{ALG, CRV, KTY, USE, thumbprint};
@@ -102,9 +102,6 @@ pub struct Verifier {
     /// Few keys (one or two, three during a rotation overlap), so a linear scan beats a
     /// hash map. Each is parsed and checked once here rather than per token.
     keys: Vec<TrustedKey>,
-    /// What `jsonwebtoken` checks: EdDSA only, and none of its own time, audience or
-    /// required-claim rules (see [`Verifier::verify`] for why).
-    validation: Validation,
     leeway: Duration,
 }
 
@@ -113,7 +110,8 @@ struct TrustedKey {
     kid: Box<str>,
     /// The public key, to tell the same key listed twice from two keys under one kid.
     public: [u8; 32],
-    decoding: DecodingKey,
+    /// The key as a curve point, decompressed once.
+    verifying: VerifyingKey,
 }
 
 impl TrustedKey {
@@ -121,10 +119,7 @@ impl TrustedKey {
         Self {
             kid,
             public: public.to_bytes(),
-            // jsonwebtoken's Ed25519 "DER" decoding key is the raw 32-byte public key
-            // (RFC 8032 encoding), the same bytes `DecodingKey::from_ed_components` gets
-            // out of a JWK's `x`.
-            decoding: DecodingKey::from_ed_der(public.as_bytes()),
+            verifying: *public,
         }
     }
 }
@@ -139,15 +134,8 @@ impl Default for Verifier {
 
 impl Verifier {
     fn with_keys(keys: Vec<TrustedKey>) -> Self {
-        let mut validation = Validation::new(Algorithm::EdDSA);
-        validation.validate_exp = false;
-        validation.validate_nbf = false;
-        validation.validate_aud = false;
-        validation.required_spec_claims.clear();
-        validation.leeway = 0;
         Self {
             keys,
-            validation,
             leeway: Duration::ZERO,
         }
     }
@@ -373,9 +361,19 @@ impl Verifier {
             .iter()
             .find(|k| *k.kid == *kid)
             .ok_or_else(|| TokenError::UnknownKey { kid: kid.clone() })?;
-        jsonwebtoken::decode::<Claims>(token, &key.decoding, &self.validation)
-            .map(|data| (data.claims, key))
-            .map_err(|e| refused_token(e, kid))
+        // The signed message is the header and payload as they appear in the token;
+        // `verify` is the check `jsonwebtoken` makes (RFC 8032, canonical `s`).
+        let message = &token[..header_b64.len() + 1 + payload_b64.len()];
+        key.verifying
+            .verify(message.as_bytes(), &Signature::from_bytes(&signature))
+            .map_err(|_| TokenError::BadSignature { kid })?;
+        // Only a payload whose signature holds is decoded.
+        let json = URL_SAFE_NO_PAD
+            .decode(payload_b64)
+            .map_err(|e| TokenError::malformed(format!("payload is not base64url: {e}")))?;
+        let claims = serde_json::from_slice::<Claims>(&json)
+            .map_err(|e| TokenError::malformed(format!("claims are not the expected JSON: {e}")))?;
+        Ok((claims, key))
     }
 }
 
@@ -455,28 +453,6 @@ fn refused_header(header_b64: &str, error: jsonwebtoken::errors::Error) -> Token
             }
         }
         _ => TokenError::malformed(format!("header is not readable: {error}")),
-    }
-}
-
-/// The reason for a token `jsonwebtoken::decode` refused once header, encoding and key
-/// were checked here: a failed signature, or a signed payload that is not our claims.
-fn refused_token(error: jsonwebtoken::errors::Error, kid: String) -> TokenError {
-    match error.kind() {
-        ErrorKind::InvalidSignature => TokenError::BadSignature { kid },
-        // A key jsonwebtoken cannot use verifies no signature. `from_jwks` refuses such
-        // keys, so this only guards against a change in what jsonwebtoken accepts.
-        ErrorKind::InvalidEddsaKey | ErrorKind::InvalidKeyFormat => {
-            TokenError::BadSignature { kid }
-        }
-        // The header parsed a moment ago, so a JSON error is about the claims.
-        ErrorKind::Json(e) => {
-            TokenError::malformed(format!("claims are not the expected JSON: {e}"))
-        }
-        ErrorKind::Base64(e) => TokenError::malformed(format!("payload is not base64url: {e}")),
-        // The rest (shape, header rules, algorithm, its own claim validation, which is
-        // off) is checked before the call; if one still fires, the token is not one of
-        // ours.
-        _ => TokenError::malformed(format!("refused by the JWT decoder: {error}")),
     }
 }
 
@@ -636,6 +612,7 @@ mod tests {
     use convene_core::permissions::{DataConstraints, Permission, PermissionSet, TimeWindow};
     use convene_proto::v1::AuthorizeReason;
     use ed25519_dalek::Signer as _;
+    use jsonwebtoken::{DecodingKey, Validation};
 
     use super::*;
     use crate::claims::tests::sample;
@@ -777,6 +754,35 @@ mod tests {
                 .verify(&forge(&header, &claims, signer.key()), at(NOW))
                 .is_ok()
         );
+    }
+
+    #[test]
+    fn a_signature_with_its_scalar_not_reduced_is_refused() {
+        // s + L is the same signature to the curve arithmetic; accepting it would let
+        // anyone make a second valid token from each one (RFC 8032 requires s < L).
+        const L: [u8; 32] = [
+            0xed, 0xd3, 0xf5, 0x5c, 0x1a, 0x63, 0x12, 0x58, 0xd6, 0x9c, 0xf7, 0xa2, 0xde, 0xf9,
+            0xde, 0x14, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x10,
+        ];
+        let (signer, verifier, claims) = setup();
+        let token = signer.sign(&claims).unwrap();
+        let (signed, signature) = token.rsplit_once('.').unwrap();
+        let mut bytes = URL_SAFE_NO_PAD.decode(signature).unwrap();
+        let mut carry = 0u16;
+        for (b, l) in bytes[32..].iter_mut().zip(L) {
+            let sum = u16::from(*b) + u16::from(l) + carry;
+            *b = sum.to_le_bytes()[0];
+            carry = sum >> 8;
+        }
+        assert_eq!(carry, 0, "s + L fits in 32 bytes");
+        let malleated = format!("{signed}.{}", URL_SAFE_NO_PAD.encode(&bytes));
+        assert_eq!(
+            verifier.verify(&malleated, at(NOW)).unwrap_err(),
+            TokenError::BadSignature {
+                kid: signer.kid().to_owned()
+            }
+        );
+        assert!(verifier.verify(&token, at(NOW)).is_ok());
     }
 
     #[test]
