@@ -11,6 +11,12 @@
 //! tells each caller. A caller is woken once, when its job's commit is on disk (or its
 //! job failed).
 //!
+//! The first job of a transaction runs without a savepoint: nothing else is in the
+//! transaction yet, so when that job fails, rolling the whole transaction back undoes it
+//! alone, and the jobs queued behind it start a new one. A savepoint costs two statements
+//! and a copy of every page the job changes, and when writes are few — one run at a
+//! time — most jobs are the first of their transaction.
+//!
 //! Jobs are run in the order they were given. A job runs to its end even when its caller
 //! stops waiting, so a write that was asked for is never left half done. A job that
 //! panics fails alone: its caller hears that the writer stopped, the others go on.
@@ -123,7 +129,7 @@ fn stopped() -> Error {
 }
 
 async fn combine(db: Database, mut queue: mpsc::UnboundedReceiver<Job>) {
-    while let Some(first) = queue.recv().await {
+    'batches: while let Some(first) = queue.recv().await {
         let mut tx = match db.begin().await {
             Ok(tx) => tx,
             Err(e) => {
@@ -139,12 +145,15 @@ async fn combine(db: Database, mut queue: mpsc::UnboundedReceiver<Job>) {
         let mut kept: Vec<Tell> = Vec::new();
         let mut next = Some(first);
         let mut broken: Option<Arc<str>> = None;
+        // Whether a job ran in the transaction already: every job after the first runs
+        // in a savepoint.
+        let mut guarded = false;
         while let Some(job) = next.take().or_else(|| {
             (kept.len() < MAX_JOBS)
                 .then(|| queue.try_recv().ok())
                 .flatten()
         }) {
-            if let Err(e) = tx.execute(sql("SAVEPOINT convene_job")).await {
+            if guarded && let Err(e) = tx.execute(sql("SAVEPOINT convene_job")).await {
                 let message: Arc<str> = e.to_string().into();
                 (job.fail)(message.clone());
                 broken = Some(message);
@@ -159,6 +168,22 @@ async fn combine(db: Database, mut queue: mpsc::UnboundedReceiver<Job>) {
                     (false, None)
                 }
             };
+            if !guarded {
+                guarded = true;
+                match (keep, tell) {
+                    (true, Some(tell)) => kept.push(tell),
+                    (_, tell) => {
+                        // The transaction holds this job's changes alone: undo them
+                        // with it, and let the jobs behind it begin another.
+                        let _ = tx.rollback().await;
+                        if let Some(tell) = tell {
+                            tell(Ok(()));
+                        }
+                        continue 'batches;
+                    }
+                }
+                continue;
+            }
             let ended = if keep {
                 tx.execute(sql("RELEASE SAVEPOINT convene_job")).await
             } else {

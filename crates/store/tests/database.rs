@@ -506,6 +506,78 @@ async fn combined_writes_keep_their_own_outcome_and_share_commits() {
     }
 }
 
+/// The first job of a transaction runs without a savepoint: when it fails after it
+/// changed something — a statement error, or a panic — the rollback undoes its changes
+/// alone, and the jobs queued behind it commit in a transaction of their own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_first_job_undoes_only_itself_and_the_jobs_behind_it_commit() {
+    let insert = |id: &str| {
+        sql(
+            "INSERT INTO revocations (kind, target_id, reason, revoked_at) \
+             VALUES ('token', $1, 'r', 0)",
+        )
+        .bind(id.to_owned())
+    };
+    for t in test_databases().await {
+        let db = t.db.clone();
+        db.execute(insert("taken")).await.unwrap();
+        let mut expected = vec!["taken".to_owned()];
+        for (round, panics) in [(0, false), (1, true)] {
+            let (started, running) = tokio::sync::oneshot::channel::<()>();
+            let (go, wait) = tokio::sync::oneshot::channel::<()>();
+            let changed = insert(&format!("r{round}-first"));
+            let taken = insert("taken");
+            let first = tokio::spawn({
+                let db = db.clone();
+                async move {
+                    db.write(move |tx| {
+                        Box::pin(async move {
+                            let _ = started.send(());
+                            let _ = wait.await;
+                            tx.execute(changed).await?;
+                            if panics {
+                                panic!("the first job panics on purpose");
+                            }
+                            tx.execute(taken).await?;
+                            Ok::<_, Error>(())
+                        })
+                    })
+                    .await
+                }
+            });
+            // The first job is running, alone in its transaction; these two queue
+            // behind it (a write is queued when it is first polled).
+            running.await.unwrap();
+            let mut behind = Vec::new();
+            for n in 0..2 {
+                let id = format!("r{round}-behind-{n}");
+                let row = insert(&id);
+                let mut write = Box::pin(db.write(move |tx| {
+                    Box::pin(async move {
+                        tx.execute(row).await?;
+                        Ok::<_, Error>(n)
+                    })
+                }));
+                assert!(futures::poll!(&mut write).is_pending(), "{}", t.label);
+                behind.push(write);
+                expected.push(id);
+            }
+            go.send(()).unwrap();
+            let err = first.await.unwrap().unwrap_err();
+            if panics {
+                assert!(err.to_string().contains("panicked"), "{}: {err}", t.label);
+            } else {
+                assert!(err.is_unique_violation(), "{}: {err}", t.label);
+            }
+            for (n, write) in behind.into_iter().enumerate() {
+                assert_eq!(write.await.unwrap(), n, "{}", t.label);
+            }
+        }
+        expected.sort();
+        assert_eq!(revoked_ids(&db).await, expected, "{}", t.label);
+    }
+}
+
 /// A batch handed over to a queued writer that is cancelled before it takes its turn is
 /// still committed: the writers in it hear so, and the write lock is free again.
 #[tokio::test]
