@@ -859,3 +859,106 @@ async fn a_run_stays_pending_until_a_worker_takes_its_first_delegation() {
     assert_eq!(b.outcome, a.outcome, "{b:#?}");
     assert_eq!(dispatched(&mesh.run_events(ONCALL, &b.run_id).await), 3);
 }
+
+/// Every finished run's tokens are revoked, each run recorded once in the decision log,
+/// also when many runs finish at once (the supervisor then revokes those that finished
+/// while its last revocation was on its way in one call).
+async fn finished_runs_revoked(mode: Mode) {
+    const RUNS: usize = 16;
+    let dir = tempfile::tempdir().unwrap();
+    let release = dir.path().join("release");
+    let held = example_profiles().replace(
+        "    provider: playbook\n",
+        &format!(
+            "    provider: playbook\n    faults: {{ hold: {{ release: {} }} }}\n",
+            release.display()
+        ),
+    );
+    let mesh = TestMesh::start(
+        mode,
+        MeshOptions {
+            workers: vec![Workers {
+                profiles: Some(held),
+                count: 1,
+                capacity: 3 * RUNS as u32,
+            }],
+            ..MeshOptions::default()
+        },
+    )
+    .await;
+    let starts = (0..RUNS).map(|_| async {
+        let mut spec = example_spec();
+        spec.idempotency_key.clear();
+        let run = mesh.start_run(ONCALL, spec).await.expect("StartRun");
+        run.run.expect("run").run_id
+    });
+    let ids: BTreeSet<String> = futures::future::join_all(starts)
+        .await
+        .into_iter()
+        .collect();
+    assert_eq!(ids.len(), RUNS);
+    let db = mesh.open_database().await;
+    let revoked_runs = || async {
+        db.fetch_all(convene_store::sql(
+            "SELECT target_id FROM revocations WHERE kind = 'run'",
+        ))
+        .await
+        .expect("revocations read")
+        .iter()
+        .map(|r| r.get::<String>("target_id").expect("target_id"))
+        .collect::<Vec<String>>()
+    };
+    assert!(revoked_runs().await.is_empty(), "revoked while running");
+
+    // Every held delegation goes on at once, so the runs finish together.
+    std::fs::write(&release, b"").unwrap();
+    let mut states = BTreeSet::new();
+    for id in &ids {
+        states.insert(mesh.wait_terminal(ONCALL, id, LIMIT).await.state);
+    }
+    assert_eq!(states.len(), 1, "runs alike end alike: {states:?}");
+    // The revocation follows the terminal state; wait for the last of them.
+    let deadline = tokio::time::Instant::now() + LIMIT;
+    let revoked = loop {
+        let revoked = revoked_runs().await;
+        if revoked.len() >= RUNS || tokio::time::Instant::now() > deadline {
+            break revoked;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let revoked_set: BTreeSet<String> = revoked.iter().cloned().collect();
+    assert_eq!(revoked_set, ids, "the revoked runs are the finished ones");
+    assert_eq!(revoked.len(), RUNS, "each run revoked once: {revoked:?}");
+    // The decision log: rows of the database in one process, a file of the policy
+    // process otherwise.
+    let mut logged: Vec<String> = db
+        .fetch_all(convene_store::sql(
+            "SELECT run_id FROM decision_log WHERE kind = 'revoke'",
+        ))
+        .await
+        .expect("decision log read")
+        .iter()
+        .map(|r| r.get::<String>("run_id").expect("run_id"))
+        .collect();
+    if let Ok(text) = std::fs::read_to_string(mesh.data_dir().join("policy/decisions.jsonl")) {
+        for line in text.lines() {
+            let record: serde_json::Value = serde_json::from_str(line).expect("a JSON record");
+            if record["kind"] == "revoke" && record["target"] == "run" {
+                logged.push(record["id"].as_str().expect("id").to_owned());
+            }
+        }
+    }
+    logged.sort();
+    let expected: Vec<String> = ids.iter().cloned().collect();
+    assert_eq!(logged, expected, "each run in the decision log once");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn finished_runs_have_their_tokens_revoked_each_once_in_one_process() {
+    finished_runs_revoked(Mode::InProcess).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn finished_runs_have_their_tokens_revoked_each_once_as_processes() {
+    finished_runs_revoked(Mode::Processes).await;
+}

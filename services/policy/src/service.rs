@@ -438,22 +438,7 @@ impl Inner {
                 ));
             }
         };
-        let target = match &request.target {
-            None => {
-                return Err(Error::invalid(
-                    "target",
-                    "set token_id (one token) or run_id (every token of a run)",
-                ));
-            }
-            Some(Target::TokenId(id)) if id.trim().is_empty() => {
-                return Err(Error::invalid("token_id", "must not be empty"));
-            }
-            Some(Target::RunId(id)) if id.trim().is_empty() => {
-                return Err(Error::invalid("run_id", "must not be empty"));
-            }
-            Some(Target::TokenId(id)) => RevokeTarget::Token(id.clone()),
-            Some(Target::RunId(id)) => RevokeTarget::Run(id.clone()),
-        };
+        let targets = revoke_targets(request)?;
         if !principal.has_role(ISSUE_ROLE) {
             // People may stop the work of their own tenant; anything else needs the
             // issuing role.
@@ -464,13 +449,15 @@ impl Inner {
                     principal.id
                 )));
             }
-            let owner = self.state.owner_tenant(&target).await?;
-            if owner.as_deref() != Some(principal.tenant.as_str()) {
-                return Err(Error::PermissionDenied(format!(
-                    "principal {} may revoke only runs and tokens of tenant {}; {target} is not \
-                     one this service issued tokens for in that tenant",
-                    principal.id, principal.tenant
-                )));
+            for target in &targets {
+                let owner = self.state.owner_tenant(target).await?;
+                if owner.as_deref() != Some(principal.tenant.as_str()) {
+                    return Err(Error::PermissionDenied(format!(
+                        "principal {} may revoke only runs and tokens of tenant {}; {target} is \
+                         not one this service issued tokens for in that tenant",
+                        principal.id, principal.tenant
+                    )));
+                }
             }
         }
         let reason = if request.reason.trim().is_empty() {
@@ -478,23 +465,29 @@ impl Inner {
         } else {
             request.reason.as_str()
         };
-        let (kind, id) = match &target {
-            RevokeTarget::Token(id) => ("token", id),
-            RevokeTarget::Run(id) => ("run", id),
-        };
-        let now = (self.clock)();
-        let entry = LogEntry::Revoke(RevokeRecord {
-            decision_id: uuid::Uuid::now_v7().to_string(),
-            time: humantime::format_rfc3339_millis(now).to_string(),
-            principal: principal.id.clone(),
-            target: kind.to_owned(),
-            id: id.clone(),
-            reason: reason.to_owned(),
-        });
+        let time = humantime::format_rfc3339_millis((self.clock)()).to_string();
+        let revocations: Vec<(RevokeTarget, LogEntry)> = targets
+            .into_iter()
+            .map(|target| {
+                let (kind, id) = target.kind_and_id();
+                let entry = LogEntry::Revoke(RevokeRecord {
+                    decision_id: uuid::Uuid::now_v7().to_string(),
+                    time: time.clone(),
+                    principal: principal.id.clone(),
+                    target: kind.to_owned(),
+                    id: id.to_owned(),
+                    reason: reason.to_owned(),
+                });
+                (target, entry)
+            })
+            .collect();
         self.state
-            .revoke_logged(&target, reason, &*self.log, entry)
+            .revoke_all_logged(&revocations, reason, &*self.log)
             .await?;
-        tracing::info!(principal = %principal.id, target = kind, id = %id, reason, "revoked");
+        for (target, _) in &revocations {
+            let (kind, id) = target.kind_and_id();
+            tracing::info!(principal = %principal.id, target = kind, id, reason, "revoked");
+        }
         Ok(v1::RevokeResponse { revoked: true })
     }
 }
@@ -570,6 +563,51 @@ impl v1::policy_server::Policy for PolicyService {
         Ok(Response::new(v1::GetSigningKeysResponse {
             keys: self.inner.keys.current().jwks.clone(),
         }))
+    }
+}
+
+/// Most runs one `Revoke` call names.
+pub const MAX_REVOKE_RUNS: usize = 1_000;
+
+/// What a `Revoke` request names, checked.
+fn revoke_targets(request: &v1::RevokeRequest) -> Result<Vec<RevokeTarget>, Error> {
+    match &request.target {
+        None => Err(Error::invalid(
+            "target",
+            "set token_id (one token), run_id (every token of a run) or run_ids (of several)",
+        )),
+        Some(Target::TokenId(id)) if id.trim().is_empty() => {
+            Err(Error::invalid("token_id", "must not be empty"))
+        }
+        Some(Target::RunId(id)) if id.trim().is_empty() => {
+            Err(Error::invalid("run_id", "must not be empty"))
+        }
+        Some(Target::TokenId(id)) => Ok(vec![RevokeTarget::Token(id.clone())]),
+        Some(Target::RunId(id)) => Ok(vec![RevokeTarget::Run(id.clone())]),
+        Some(Target::RunIds(ids)) => {
+            let ids = &ids.run_ids;
+            if ids.is_empty() {
+                return Err(Error::invalid("run_ids", "name at least one run"));
+            }
+            if ids.len() > MAX_REVOKE_RUNS {
+                return Err(Error::invalid(
+                    "run_ids",
+                    format!(
+                        "names {} runs; at most {MAX_REVOKE_RUNS} per call (split the list)",
+                        ids.len()
+                    ),
+                ));
+            }
+            if let Some(i) = ids.iter().position(|id| id.trim().is_empty()) {
+                return Err(Error::invalid(format!("run_ids[{i}]"), "must not be empty"));
+            }
+            let mut seen = std::collections::HashSet::with_capacity(ids.len());
+            Ok(ids
+                .iter()
+                .filter(|id| seen.insert(id.as_str()))
+                .map(|id| RevokeTarget::Run(id.clone()))
+                .collect())
+        }
     }
 }
 

@@ -151,10 +151,7 @@ impl From<convene_store::Error> for Failed {
 }
 
 fn target_key(target: &RevokeTarget) -> (&'static str, &str) {
-    match target {
-        RevokeTarget::Token(id) => ("token", id),
-        RevokeTarget::Run(id) => ("run", id),
-    }
+    target.kind_and_id()
 }
 
 #[async_trait]
@@ -269,6 +266,39 @@ impl PolicyState for SqlPolicyState {
                 Box::pin(async move {
                     tx.execute(revoke).await?;
                     tx.execute(append).await?;
+                    Ok(())
+                })
+            })
+            .await
+            .map_err(|e| log_error(&self.db, "append a record", e))?;
+        Ok(())
+    }
+
+    async fn revoke_all_logged(
+        &self,
+        revocations: &[(RevokeTarget, LogEntry)],
+        reason: &str,
+        log: &dyn DecisionLog,
+    ) -> Result<(), crate::Error> {
+        if !log.database().is_some_and(|db| db.same_as(&self.db)) {
+            for (target, entry) in revocations {
+                revoke_then_log(self, target, reason, log, entry.clone()).await?;
+            }
+            return Ok(());
+        }
+        // Every revocation and its record commit together.
+        let mut statements = Vec::with_capacity(2 * revocations.len());
+        for (target, entry) in revocations {
+            statements.push(revocation(target, reason));
+            statements
+                .push(log_statement(entry).map_err(|e| log_error(&self.db, "encode a record", e))?);
+        }
+        self.db
+            .write::<_, convene_store::Error, _>(move |tx| {
+                Box::pin(async move {
+                    for statement in statements {
+                        tx.execute(statement).await?;
+                    }
                     Ok(())
                 })
             })

@@ -92,6 +92,17 @@ pub enum RevokeTarget {
     Run(String),
 }
 
+impl RevokeTarget {
+    /// What kind of thing is revoked (`token` or `run`) and its id, as the decision log
+    /// and the revocations table name them.
+    pub fn kind_and_id(&self) -> (&'static str, &str) {
+        match self {
+            RevokeTarget::Token(id) => ("token", id),
+            RevokeTarget::Run(id) => ("run", id),
+        }
+    }
+}
+
 impl fmt::Display for RevokeTarget {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
@@ -197,6 +208,22 @@ pub trait PolicyState: Send + Sync + fmt::Debug {
         entry: LogEntry,
     ) -> Result<(), crate::Error> {
         revoke_then_log(self, target, reason, log, entry).await
+    }
+
+    /// [`revoke_logged`](Self::revoke_logged) for each of `revocations` (a target and
+    /// its record); returns once all are durable. A state kept in the same database as
+    /// `log` commits them all in one transaction; any other revokes and logs each in
+    /// turn, stopping at the first failure.
+    async fn revoke_all_logged(
+        &self,
+        revocations: &[(RevokeTarget, LogEntry)],
+        reason: &str,
+        log: &dyn DecisionLog,
+    ) -> Result<(), crate::Error> {
+        for (target, entry) in revocations {
+            revoke_then_log(self, target, reason, log, entry.clone()).await?;
+        }
+        Ok(())
     }
 
     /// The revocation that applies to a token with this `jti` and run, if any (the token's

@@ -8,6 +8,7 @@ use std::time::Duration;
 use base64::Engine as _;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use convene_mesh::auth::request;
+use convene_policy::decision_log::{JsonlDecisionLog, LogEntry};
 use convene_proto::v1::{self, AuthorizeReason, revoke_request::Target};
 use convene_tokens::{Signer, SigningKey};
 use futures::StreamExt as _;
@@ -393,6 +394,76 @@ async fn revoked_tokens_and_runs_are_refused() {
         status.message().contains("run run-a was revoked"),
         "{}",
         status.message()
+    );
+}
+
+#[tokio::test]
+async fn one_call_revokes_several_runs_after_checking_them_all() {
+    let h = Harness::start().await;
+    let a = h.issue_one("run-a", h.logs_grant("del-1")).await.token;
+    let b = h.issue_one("run-b", h.logs_grant("del-2")).await.token;
+    let c = h.issue_one("run-c", h.logs_grant("del-3")).await.token;
+    let mut client = h.client().await;
+    let runs = |ids: &[&str]| v1::RevokeRequest {
+        target: Some(Target::RunIds(v1::RunIds {
+            run_ids: ids.iter().map(|id| (*id).to_owned()).collect(),
+        })),
+        reason: "runs finished".into(),
+    };
+
+    // A bad list is refused whole, naming what to fix; nothing of it is revoked.
+    let many: Vec<String> = (0..1_001).map(|i| format!("run-{i}")).collect();
+    let many: Vec<&str> = many.iter().map(String::as_str).collect();
+    for (ids, field, says) in [
+        (&[][..], "run_ids", "at least one run"),
+        (&["run-a", " "][..], "run_ids[1]", "must not be empty"),
+        (&many[..], "run_ids", "at most 1000"),
+    ] {
+        let status = client
+            .revoke(request(runs(ids), SUPERVISOR))
+            .await
+            .unwrap_err();
+        assert_eq!(status.code(), tonic::Code::InvalidArgument, "{field}");
+        assert!(status.message().contains(field), "{}", status.message());
+        assert!(status.message().contains(says), "{}", status.message());
+    }
+    assert!(h.authorize(h.search_call(&a)).await.allowed);
+
+    // A run named twice is revoked once; a run not named keeps its tokens.
+    let answer = client
+        .revoke(request(runs(&["run-a", "run-b", "run-a"]), SUPERVISOR))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(answer.revoked);
+    for (token, run) in [(&a, "run run-a"), (&b, "run run-b")] {
+        let answer = h.authorize(h.search_call(token)).await;
+        assert_eq!(
+            reason(&answer),
+            AuthorizeReason::Revoked,
+            "{}",
+            answer.detail
+        );
+        assert!(answer.detail.contains(run), "{}", answer.detail);
+        assert!(answer.detail.contains("runs finished"), "{}", answer.detail);
+    }
+    assert!(h.authorize(h.search_call(&c)).await.allowed);
+
+    // Each run is its own record in the decision log.
+    let revoked: Vec<(String, String)> = JsonlDecisionLog::read(h.config.decision_log_path())
+        .unwrap()
+        .into_iter()
+        .filter_map(|e| match e {
+            LogEntry::Revoke(r) => Some((r.target, r.id)),
+            LogEntry::Authorize(_) => None,
+        })
+        .collect();
+    assert_eq!(
+        revoked,
+        [
+            ("run".to_owned(), "run-a".to_owned()),
+            ("run".to_owned(), "run-b".to_owned())
+        ]
     );
 }
 

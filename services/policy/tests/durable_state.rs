@@ -386,6 +386,67 @@ async fn a_call_and_its_decision_commit_together_or_not_at_all() {
 }
 
 #[tokio::test]
+async fn several_revocations_commit_with_their_records_together_or_not_at_all() {
+    for t in test_databases().await {
+        let state = SqlPolicyState::new(t.db.clone());
+        let log = SqlDecisionLog::new(t.db.clone());
+        let runs = ["r1", "r2", "r3"];
+        let revocations: Vec<(RevokeTarget, LogEntry)> = runs
+            .iter()
+            .map(|r| (RevokeTarget::Run((*r).into()), revoke_record(r)))
+            .collect();
+        state
+            .revoke_all_logged(&revocations, "done", &log)
+            .await
+            .unwrap();
+        for r in runs {
+            let revoked = state.is_revoked("any-token", r).await.unwrap();
+            assert_eq!(
+                revoked.map(|v| v.target),
+                Some(RevokeTarget::Run(r.into())),
+                "{}: {r}",
+                t.label
+            );
+        }
+        let logged: Vec<String> = log
+            .entries()
+            .await
+            .unwrap()
+            .into_iter()
+            .filter_map(|e| match e {
+                LogEntry::Revoke(r) => Some(r.id),
+                LogEntry::Authorize(_) => None,
+            })
+            .collect();
+        assert_eq!(logged, runs, "{}", t.label);
+
+        // When the records cannot be written, none of the revocations stays.
+        t.db.execute(convene_store::sql("DROP TABLE decision_log"))
+            .await
+            .unwrap();
+        let revocations = vec![
+            (RevokeTarget::Run("r4".into()), revoke_record("r4")),
+            (RevokeTarget::Token("t5".into()), revoke_record("t5")),
+        ];
+        let err = state
+            .revoke_all_logged(&revocations, "done", &log)
+            .await
+            .unwrap_err();
+        assert!(
+            err.to_string().contains("decision_log"),
+            "{}: {err}",
+            t.label
+        );
+        assert_eq!(
+            state.is_revoked("t5", "r4").await.unwrap(),
+            None,
+            "{}",
+            t.label
+        );
+    }
+}
+
+#[tokio::test]
 async fn tokens_of_a_revoked_run_or_parent_are_not_recorded() {
     for s in subjects().await {
         let state = &*s.state;

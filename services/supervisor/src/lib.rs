@@ -22,6 +22,7 @@ pub mod plan;
 mod recovery;
 pub mod registry;
 mod relay;
+mod revoke;
 mod run;
 mod service;
 pub mod sql;
@@ -335,6 +336,8 @@ pub(crate) struct Deps {
     pub(crate) lease: Option<recovery::Lease>,
     pub(crate) crash: crash::Crash,
     pub(crate) policy: PolicyHandle,
+    /// Revokes finished runs' tokens, many runs to a call.
+    pub(crate) revoker: revoke::Revoker,
     pub(crate) evidence: EvidenceHandle,
     pub(crate) approval: ApprovalHandle,
     pub(crate) registry: Arc<Registry>,
@@ -416,6 +419,7 @@ pub fn build(parts: Parts) -> (SupervisorService, Arc<Registry>) {
     let deps = Arc::new(Deps {
         lease,
         crash: crash::Crash::new(&parts.config.crash),
+        revoker: revoke::Revoker::spawn(parts.policy.clone(), parts.credential.clone()),
         policy: parts.policy,
         evidence: parts.evidence,
         approval: parts.approval,

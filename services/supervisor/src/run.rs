@@ -400,17 +400,8 @@ impl RunActor {
                 // Tokens of a finished run are useless to anyone but an attacker. (Only
                 // then: a revoked run stays revoked, so a run resumed later could not
                 // get working tokens again.)
-                let revoke = v1::RevokeRequest {
-                    target: Some(v1::revoke_request::Target::RunId(run_id.clone())),
-                    reason: "run finished".to_owned(),
-                };
-                if let Err(e) = self
-                    .deps
-                    .policy
-                    .revoke(request(revoke, &self.deps.credential))
-                    .await
-                {
-                    tracing::warn!(run_id, error = %e.message(), "could not revoke the run's tokens");
+                if let Err(error) = self.deps.revoker.revoke(run_id.clone()).await {
+                    tracing::warn!(run_id, %error, "could not revoke the run's tokens");
                 }
             }
             Exit::Shutdown => {
