@@ -13,7 +13,7 @@ use convene_store::{Database, Statement, sql};
 use crate::decision_log::{DecisionLog, LogEntry, LogError};
 use crate::state::{
     Call, CallError, Counted, DecisionOf, IssuedToken, PolicyState, Revocation, RevokeTarget,
-    StateError, count_then_log, revoke_then_log,
+    StateError, count_then_log, revoke_each_then_log, revoke_then_log,
 };
 
 /// The statement that counts one call: the first call inserts the counter at 1; later
@@ -281,10 +281,7 @@ impl PolicyState for SqlPolicyState {
         log: &dyn DecisionLog,
     ) -> Result<(), crate::Error> {
         if !log.database().is_some_and(|db| db.same_as(&self.db)) {
-            for (target, entry) in revocations {
-                revoke_then_log(self, target, reason, log, entry.clone()).await?;
-            }
-            return Ok(());
+            return revoke_each_then_log(self, revocations, reason, log).await;
         }
         // Every revocation and its record commit together.
         let mut statements = Vec::with_capacity(2 * revocations.len());

@@ -220,10 +220,7 @@ pub trait PolicyState: Send + Sync + fmt::Debug {
         reason: &str,
         log: &dyn DecisionLog,
     ) -> Result<(), crate::Error> {
-        for (target, entry) in revocations {
-            revoke_then_log(self, target, reason, log, entry.clone()).await?;
-        }
-        Ok(())
+        revoke_each_then_log(self, revocations, reason, log).await
     }
 
     /// The revocation that applies to a token with this `jti` and run, if any (the token's
@@ -275,6 +272,20 @@ pub(crate) async fn revoke_then_log<S: PolicyState + ?Sized>(
         RevokeTarget::Run(id) => state.revoke_run(id, reason).await?,
     }
     log.append(entry).await?;
+    Ok(())
+}
+
+/// [`PolicyState::revoke_all_logged`] one revocation at a time, each as
+/// [`revoke_then_log`]; stops at the first failure.
+pub(crate) async fn revoke_each_then_log<S: PolicyState + ?Sized>(
+    state: &S,
+    revocations: &[(RevokeTarget, LogEntry)],
+    reason: &str,
+    log: &dyn DecisionLog,
+) -> Result<(), crate::Error> {
+    for (target, entry) in revocations {
+        revoke_then_log(state, target, reason, log, entry.clone()).await?;
+    }
     Ok(())
 }
 
