@@ -13,7 +13,7 @@ use convene_store::{Database, Statement, sql};
 use crate::decision_log::{DecisionLog, LogEntry, LogError};
 use crate::state::{
     Call, CallError, Counted, DecisionOf, IssuedToken, PolicyState, Revocation, RevokeTarget,
-    StateError, count_then_log, revoke_each_then_log, revoke_then_log,
+    StateError, count_then_log, revoke_each_then_log,
 };
 
 /// The statement that counts one call: the first call inserts the counter at 1; later
@@ -150,10 +150,6 @@ impl From<convene_store::Error> for Failed {
     }
 }
 
-fn target_key(target: &RevokeTarget) -> (&'static str, &str) {
-    target.kind_and_id()
-}
-
 #[async_trait]
 impl PolicyState for SqlPolicyState {
     async fn record_issued(&self, tokens: &[IssuedToken]) -> Result<(), StateError> {
@@ -254,24 +250,9 @@ impl PolicyState for SqlPolicyState {
         log: &dyn DecisionLog,
         entry: LogEntry,
     ) -> Result<(), crate::Error> {
-        if !log.database().is_some_and(|db| db.same_as(&self.db)) {
-            return revoke_then_log(self, target, reason, log, entry).await;
-        }
-        // The revocation and its record commit together.
-        let append =
-            log_statement(&entry).map_err(|e| log_error(&self.db, "encode a record", e))?;
-        let revoke = revocation(target, reason);
-        self.db
-            .write::<_, convene_store::Error, _>(move |tx| {
-                Box::pin(async move {
-                    tx.execute(revoke).await?;
-                    tx.execute(append).await?;
-                    Ok(())
-                })
-            })
+        // One revocation is a list of one: with its record, in one transaction.
+        self.revoke_all_logged(&[(target.clone(), entry)], reason, log)
             .await
-            .map_err(|e| log_error(&self.db, "append a record", e))?;
-        Ok(())
     }
 
     async fn revoke_all_logged(
@@ -425,7 +406,7 @@ impl SqlPolicyState {
 
 /// The insert that revokes `target`; revoking twice keeps the first reason.
 fn revocation(target: &RevokeTarget, reason: &str) -> Statement {
-    let (kind, id) = target_key(target);
+    let (kind, id) = target.kind_and_id();
     sql(
         "INSERT INTO revocations (kind, target_id, reason, revoked_at) \
          VALUES ($1, $2, $3, $4) ON CONFLICT (kind, target_id) DO NOTHING",
