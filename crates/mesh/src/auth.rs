@@ -79,9 +79,14 @@ impl Caller {
     }
 }
 
-/// Puts `credential` into a request's `authorization` metadata.
+/// Puts `credential` into a request's `authorization` metadata, marked sensitive: it is
+/// sent as a never-indexed literal (RFC 7541 §7.1.3), which tells every HTTP/2 hop on
+/// the way, a proxy or service mesh included, not to keep it in its header compression
+/// tables.
 pub fn with_bearer<T>(mut request: Request<T>, credential: &str) -> Request<T> {
-    if let Ok(v) = format!("Bearer {credential}").parse() {
+    if let Ok(mut v) = format!("Bearer {credential}").parse::<tonic::metadata::AsciiMetadataValue>()
+    {
+        v.set_sensitive(true);
         request.metadata_mut().insert(AUTHORIZATION, v);
     }
     request
@@ -260,6 +265,10 @@ mod tests {
         assert!(bearer(&r).unwrap_err().message().contains("missing"));
         let r = request((), "abc");
         assert_eq!(bearer(&r).unwrap(), "abc");
+        assert!(
+            r.metadata().get(AUTHORIZATION).unwrap().is_sensitive(),
+            "a credential must never enter HPACK's tables"
+        );
         let mut r = Request::new(());
         r.metadata_mut()
             .insert(AUTHORIZATION, "Basic xyz".parse().unwrap());

@@ -637,21 +637,20 @@ impl Agent {
             .map_err(|e| CallError::Failed(e.to_string()))?;
         let tool_call_id = format!("{}/{}", ctx.task.delegation_id, call.id);
 
+        // The token travels in the message, which is what the policy service judges;
+        // a bearer copy of it would only add some 700 bytes of header to every call.
         let decision = self
             .policy
-            .authorize(auth::request(
-                v1::AuthorizeRequest {
-                    token: ctx.token.to_owned(),
-                    tool: prepared.tool.to_owned(),
-                    action: prepared.action.to_owned(),
-                    resource: prepared.resource.clone(),
-                    data_scope: Some(prepared.data_scope()),
-                    audience: ctx.audience.clone(),
-                    tenant: String::new(),
-                    tool_call_id: tool_call_id.clone(),
-                },
-                ctx.token,
-            ))
+            .authorize(tonic::Request::new(v1::AuthorizeRequest {
+                token: ctx.token.to_owned(),
+                tool: prepared.tool.to_owned(),
+                action: prepared.action.to_owned(),
+                resource: prepared.resource.clone(),
+                data_scope: Some(prepared.data_scope()),
+                audience: ctx.audience.clone(),
+                tenant: String::new(),
+                tool_call_id: tool_call_id.clone(),
+            }))
             .await
             .map_err(|s| CallError::Infra(Infra::from_status("policy service", &s)))?
             .into_inner();
