@@ -18,6 +18,7 @@
 //! - `payment-incident`: the example run over the example data.
 
 pub mod procs;
+pub mod progress;
 pub mod scale;
 
 use std::collections::BTreeMap;
@@ -408,12 +409,23 @@ pub async fn warm_up(driver: &Driver, spec: &v1::RunSpec, concurrency: usize, se
         return;
     }
     let until = Instant::now() + Duration::from_secs_f64(seconds);
+    let counts = progress::Counts::default();
+    let line = progress::Progress::start(
+        "warming up",
+        progress::Goal::Seconds(seconds),
+        counts.clone(),
+    );
     let clients = (0..concurrency).map(|_| async {
         while Instant::now() < until {
-            let _ = driver.one(spec).await;
+            let done = match driver.one(spec).await {
+                Ok(_) => &counts.ok,
+                Err(_) => &counts.errors,
+            };
+            done.fetch_add(1, Ordering::Relaxed);
         }
     });
     futures::future::join_all(clients).await;
+    line.finish();
 }
 
 /// CPU seconds of each process, by name.
@@ -465,6 +477,15 @@ pub async fn measure(
     let client_before = mesh.client.map(cpu_seconds);
     let begin = Instant::now();
     let until = begin + Duration::from_secs_f64(args.duration);
+    let line = progress::Progress::start(
+        "measuring",
+        args.runs
+            .map_or(progress::Goal::Seconds(args.duration), progress::Goal::Runs),
+        progress::Counts {
+            ok: ok.clone(),
+            errors: errors.clone(),
+        },
+    );
     let clients = (0..args.concurrency).map(|_| {
         let (histogram, ok, errors, started, stop) = (
             histogram.clone(),
@@ -509,6 +530,7 @@ pub async fn measure(
     });
     futures::future::join_all(clients).await;
     let elapsed = begin.elapsed().as_secs_f64();
+    line.finish();
     let cpu_after = cpu_by_process(&mesh.processes);
     let client_after = mesh.client.map(cpu_seconds);
     let h = histogram.lock().await;

@@ -29,8 +29,8 @@ use serde::Serialize;
 
 use super::{
     BenchArgs, Driver, MeshMode, MeshPlan, NOOP_POLICY_PROFILE, NOOP_PROFILE, NOOP_SPEC, Outcome,
-    Prepared, Proc, Workload, cpu_by_process, interrupted, peak_rss_by_process, prepare, rss,
-    start_mesh, warm_up,
+    Prepared, Proc, Workload, cpu_by_process, interrupted, peak_rss_by_process, prepare, progress,
+    rss, start_mesh, warm_up,
 };
 
 /// The type of the event that ends a run.
@@ -304,27 +304,40 @@ async fn measure(
 
     // Submit.
     let begin = Instant::now();
+    let counts = progress::Counts::default();
+    let line = progress::Progress::start("submitting", progress::Goal::Runs(n), counts.clone());
     let submitted: Vec<anyhow::Result<String>> = futures::stream::iter(0..n)
         .map(|_| async {
-            let response = driver
-                .supervisor
-                .start_run(request(
-                    v1::StartRunRequest {
-                        spec: Some(hold_spec.clone()),
-                    },
-                    &driver.credential,
-                ))
-                .await?;
-            response
-                .into_inner()
-                .run
-                .map(|r| r.run_id)
-                .context("StartRun returned no run")
+            let accepted = async {
+                let response = driver
+                    .supervisor
+                    .start_run(request(
+                        v1::StartRunRequest {
+                            spec: Some(hold_spec.clone()),
+                        },
+                        &driver.credential,
+                    ))
+                    .await?;
+                response
+                    .into_inner()
+                    .run
+                    .map(|r| r.run_id)
+                    .context("StartRun returned no run")
+            }
+            .await;
+            let count = if accepted.is_ok() {
+                &counts.ok
+            } else {
+                &counts.errors
+            };
+            count.fetch_add(1, Ordering::Relaxed);
+            accepted
         })
         .buffer_unordered(args.concurrency)
         .collect()
         .await;
     let submit_s = begin.elapsed().as_secs_f64();
+    line.finish();
     let mut refused = 0u64;
     let mut runs = Vec::with_capacity(submitted.len());
     for s in submitted {
@@ -359,11 +372,20 @@ async fn measure(
         .with_context(|| format!("cannot create {}", hold.release.display()))?;
     let released = Instant::now();
     let drain_limit = Duration::from_secs(600).max(Duration::from_millis(100) * saturate(n));
+    let ended = progress::Counts::default();
+    let line = progress::Progress::start(
+        "draining",
+        progress::Goal::Runs(runs.len() as u64),
+        ended.clone(),
+    );
     wait_until("every run had ended", drain_limit, &completions, || {
-        completions.count(&runs) == runs.len()
+        let count = completions.count(&runs);
+        ended.ok.store(count as u64, Ordering::Relaxed);
+        count == runs.len()
     })
     .await?;
     let drain_s = released.elapsed().as_secs_f64();
+    line.finish();
 
     let cpu_after = cpu_by_process(&measured.processes);
     let succeeded = v1::RunState::Succeeded.as_str_name();
