@@ -45,6 +45,75 @@ pub use error::Error;
 pub use sqlite::SqliteRow;
 pub use statement::{Arg, Row, Statement, Value, sql};
 
+/// A multi-row `INSERT`: `<head> VALUES ($1, ...), ($n, ...), ... <tail>`, one statement
+/// for up to [`max_rows`](Self::max_rows) rows, each row's arguments bound in turn.
+/// The text for each number of rows is built once per process and shared, so a
+/// statement borrows it and costs no formatting; writers split longer lists with
+/// [`chunks`](slice::chunks) of `max_rows`.
+#[derive(Debug)]
+pub struct InsertRows {
+    head: &'static str,
+    columns: usize,
+    tail: &'static str,
+    max_rows: usize,
+    texts: std::sync::OnceLock<Vec<String>>,
+}
+
+impl InsertRows {
+    /// `head` is `INSERT INTO t (a, b, ...)`, `tail` what follows the values (e.g. an
+    /// `ON CONFLICT` clause, or empty).
+    pub const fn new(
+        head: &'static str,
+        columns: usize,
+        tail: &'static str,
+        max_rows: usize,
+    ) -> Self {
+        Self {
+            head,
+            columns,
+            tail,
+            max_rows,
+            texts: std::sync::OnceLock::new(),
+        }
+    }
+
+    /// The most rows one statement takes.
+    pub fn max_rows(&self) -> usize {
+        self.max_rows
+    }
+
+    /// The statement for `rows` rows (1 to [`max_rows`](Self::max_rows)), arguments
+    /// not bound yet.
+    ///
+    /// # Panics
+    ///
+    /// When `rows` is 0 or above `max_rows`: a writer's bug, not a runtime condition.
+    pub fn statement(&'static self, rows: usize) -> Statement {
+        assert!(
+            (1..=self.max_rows).contains(&rows),
+            "InsertRows::statement: {rows} rows, expected 1 to {}",
+            self.max_rows
+        );
+        let texts = self.texts.get_or_init(|| {
+            (1..=self.max_rows)
+                .map(|n| {
+                    let values = (0..n)
+                        .map(|r| format!("({})", placeholders(r * self.columns + 1, self.columns)))
+                        .collect::<Vec<_>>()
+                        .join(", ");
+                    let tail = if self.tail.is_empty() {
+                        String::new()
+                    } else {
+                        format!(" {}", self.tail)
+                    };
+                    format!("{} VALUES {values}{tail}", self.head)
+                })
+                .collect()
+        });
+        sql(&texts[rows - 1])
+    }
+}
+
 /// `$first, $first+1, ...` for `count` placeholders, for an `IN (...)` list whose
 /// arguments are bound in that order after the `first - 1` bound before them.
 pub fn placeholders(first: usize, count: usize) -> String {

@@ -276,6 +276,18 @@ fn locations_resolve_from_the_setting() {
         "postgres://convene@db/c"
     );
     assert_eq!(convene_store::placeholders(3, 3), "$3, $4, $5");
+    static ROWS: convene_store::InsertRows =
+        convene_store::InsertRows::new("INSERT INTO t (a, b)", 2, "ON CONFLICT DO NOTHING", 3);
+    assert_eq!(
+        ROWS.statement(3).text(),
+        "INSERT INTO t (a, b) VALUES ($1, $2), ($3, $4), ($5, $6) ON CONFLICT DO NOTHING"
+    );
+    assert_eq!(
+        ROWS.statement(1).text(),
+        "INSERT INTO t (a, b) VALUES ($1, $2) ON CONFLICT DO NOTHING"
+    );
+    assert!(std::panic::catch_unwind(|| ROWS.statement(4)).is_err());
+    assert!(std::panic::catch_unwind(|| ROWS.statement(0)).is_err());
 }
 
 #[tokio::test]

@@ -8,7 +8,7 @@ use std::time::SystemTime;
 
 use async_trait::async_trait;
 use convene_store::time::micros;
-use convene_store::{Database, Statement, sql};
+use convene_store::{Database, InsertRows, Statement, sql};
 
 use crate::decision_log::{DecisionLog, LogEntry, LogError};
 use crate::state::{
@@ -369,19 +369,30 @@ impl PolicyState for SqlPolicyState {
     }
 }
 
-/// The statements that remember issued tokens' owners.
+/// A request's issued tokens, in one insert (in pieces of at most 64: far inside both
+/// back ends' limits on bound parameters).
+static ISSUED_ROWS: InsertRows = InsertRows::new(
+    "INSERT INTO issued_tokens (token_id, run_id, tenant, expires_at)",
+    4,
+    "ON CONFLICT (token_id) DO NOTHING",
+    64,
+);
+
+/// The statements that remember issued tokens' owners: a request's tokens in one
+/// multi-row insert, not one statement each.
 fn issued_inserts(tokens: &[IssuedToken]) -> Vec<Statement> {
     tokens
-        .iter()
-        .map(|token| {
-            sql(
-                "INSERT INTO issued_tokens (token_id, run_id, tenant, expires_at) \
-                 VALUES ($1, $2, $3, $4) ON CONFLICT (token_id) DO NOTHING",
-            )
-            .bind(&token.token_id)
-            .bind(&token.run_id)
-            .bind(&token.tenant)
-            .bind(micros(token.expires_at))
+        .chunks(ISSUED_ROWS.max_rows())
+        .map(|chunk| {
+            let mut insert = ISSUED_ROWS.statement(chunk.len());
+            for token in chunk {
+                insert = insert
+                    .bind(&token.token_id)
+                    .bind(&token.run_id)
+                    .bind(&token.tenant)
+                    .bind(micros(token.expires_at));
+            }
+            insert
         })
         .collect()
 }

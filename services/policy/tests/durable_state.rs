@@ -158,6 +158,21 @@ async fn owners_are_known_for_issued_tokens_and_their_runs() {
             "{}",
             s.label
         );
+        // A wide request, more tokens than one insert takes, recorded twice (a retry
+        // records nothing new and fails nothing).
+        let wide: Vec<IssuedToken> = (0..150)
+            .map(|n| issued(&format!("w{n}"), "r4", "initech"))
+            .collect();
+        state.record_issued(&wide).await.unwrap();
+        state.record_issued(&wide).await.unwrap();
+        for token in ["w0", "w63", "w64", "w149"] {
+            assert_eq!(
+                tenant(RevokeTarget::Token(token.into())).await.as_deref(),
+                Some("initech"),
+                "{}: {token}",
+                s.label
+            );
+        }
     }
 }
 

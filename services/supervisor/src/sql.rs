@@ -31,7 +31,7 @@ use std::time::{Duration, SystemTime};
 use async_trait::async_trait;
 use convene_proto::v1;
 use convene_store::time::{from_micros, micros};
-use convene_store::{Backend, Database, Row, Statement, Tx, placeholders, sql};
+use convene_store::{Arg, Backend, Database, InsertRows, Row, Statement, Tx, placeholders, sql};
 use prost::Message as _;
 use tokio::sync::broadcast;
 
@@ -443,11 +443,12 @@ fn ts_micros(ts: Option<&prost_types::Timestamp>) -> i64 {
 enum Append {
     /// Written whatever the run's last commit was: run events, outbox events.
     Always(Statement),
-    /// A delegation's ledger row: written when its state differs from the last commit's.
+    /// A delegation's ledger row, its values in [`LEDGER_ROWS`]' column order: written when its state
+    /// differs from the last commit's, together with the commit's other new ledger rows.
     Ledger {
         delegation_id: String,
         state: i32,
-        insert: Statement,
+        row: Vec<Arg>,
     },
     /// A join decision revision: written when newer than the last commit's.
     Decision { revision: u32, insert: Statement },
@@ -469,14 +470,6 @@ impl Append {
             (Self::Decision { revision, .. }, Some(b)) => *revision > b.revision,
         }
     }
-
-    fn into_statement(self) -> Statement {
-        match self {
-            Self::Always(s) | Self::Ledger { insert: s, .. } | Self::Decision { insert: s, .. } => {
-                s
-            }
-        }
-    }
 }
 
 /// What a change may append: a ledger row per delegation, a row per decision revision,
@@ -493,20 +486,17 @@ fn appends(run: &v1::Run, events: &Events) -> Vec<Append> {
         out.push(Append::Ledger {
             delegation_id: task.delegation_id.clone(),
             state: d.state,
-            insert: sql(
-                "INSERT INTO delegation_ledger (run_id, delegation_id, run_version, state, \
-                 parent_delegation_id, profile_id, worker_id, attempts, recorded_at) \
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
-            )
-            .bind(&run.run_id)
-            .bind(&task.delegation_id)
-            .bind(run.version)
-            .bind(d.state)
-            .bind(&task.parent_delegation_id)
-            .bind(&task.profile_id)
-            .bind(&d.worker_id)
-            .bind(d.attempts)
-            .bind(updated_at),
+            row: vec![
+                Arg::from(&run.run_id),
+                Arg::from(&task.delegation_id),
+                Arg::from(run.version),
+                Arg::from(d.state),
+                Arg::from(&task.parent_delegation_id),
+                Arg::from(&task.profile_id),
+                Arg::from(&d.worker_id),
+                Arg::from(d.attempts),
+                Arg::from(updated_at),
+            ],
         });
     }
 
@@ -533,30 +523,53 @@ fn appends(run: &v1::Run, events: &Events) -> Vec<Append> {
         });
     }
 
-    for e in &events.run {
-        out.push(Append::Always(
-            sql("INSERT INTO run_events (run_id, sequence, body) VALUES ($1, $2, $3)")
+    // A commit's run events go in one statement, and its outbox rows in another: one
+    // statement per row was a third of the rows a run writes, each its own execution
+    // (bind, step, reset) in the writer every commit waits for.
+    for chunk in events.run.chunks(RUN_EVENT_ROWS.max_rows()) {
+        let mut insert = RUN_EVENT_ROWS.statement(chunk.len());
+        for e in chunk {
+            insert = insert
                 .bind(&run.run_id)
                 .bind(e.sequence)
-                .bind(e.encode_to_vec()),
-        ));
+                .bind(e.encode_to_vec());
+        }
+        out.push(Append::Always(insert));
     }
-    for e in &events.cloud {
-        out.push(Append::Always(
-            sql(
-                "INSERT INTO outbox (event_id, run_id, tenant, type, created_at, body) \
-                 VALUES ($1, $2, $3, $4, $5, $6)",
-            )
-            .bind(&e.id)
-            .bind(&e.correlation_id)
-            .bind(&e.tenant_id)
-            .bind(&e.r#type)
-            .bind(ts_micros(e.time.as_ref()))
-            .bind(e.encode_to_vec()),
-        ));
+    for chunk in events.cloud.chunks(OUTBOX_ROWS.max_rows()) {
+        let mut insert = OUTBOX_ROWS.statement(chunk.len());
+        for e in chunk {
+            insert = insert
+                .bind(&e.id)
+                .bind(&e.correlation_id)
+                .bind(&e.tenant_id)
+                .bind(&e.r#type)
+                .bind(ts_micros(e.time.as_ref()))
+                .bind(e.encode_to_vec());
+        }
+        out.push(Append::Always(insert));
     }
     out
 }
+
+// A commit's rows of each kind go in one statement (in pieces of at most 32 rows: a
+// commit usually carries a handful, and a large fan-out's stays far inside both back
+// ends' limits on bound parameters).
+static RUN_EVENT_ROWS: InsertRows =
+    InsertRows::new("INSERT INTO run_events (run_id, sequence, body)", 3, "", 32);
+static OUTBOX_ROWS: InsertRows = InsertRows::new(
+    "INSERT INTO outbox (event_id, run_id, tenant, type, created_at, body)",
+    6,
+    "",
+    32,
+);
+static LEDGER_ROWS: InsertRows = InsertRows::new(
+    "INSERT INTO delegation_ledger (run_id, delegation_id, run_version, state, \
+     parent_delegation_id, profile_id, worker_id, attempts, recorded_at)",
+    9,
+    "",
+    32,
+);
 
 /// Writes the rows of `appends` that are new since `before` (all of them for a new run).
 async fn write_appends(
@@ -564,10 +577,26 @@ async fn write_appends(
     appends: Vec<Append>,
     before: Option<&Last>,
 ) -> Result<(), StoreError> {
+    let mut ledger = Vec::new();
     for append in appends {
-        if append.is_new(before) {
-            tx.execute(append.into_statement()).await?;
+        if !append.is_new(before) {
+            continue;
         }
+        match append {
+            Append::Ledger { row, .. } => ledger.push(row),
+            Append::Always(insert) | Append::Decision { insert, .. } => {
+                tx.execute(insert).await?;
+            }
+        }
+    }
+    let mut rows = ledger.into_iter().peekable();
+    while rows.peek().is_some() {
+        let chunk: Vec<Vec<Arg>> = rows.by_ref().take(LEDGER_ROWS.max_rows()).collect();
+        let mut insert = LEDGER_ROWS.statement(chunk.len());
+        for value in chunk.into_iter().flatten() {
+            insert = insert.bind(value);
+        }
+        tx.execute(insert).await?;
     }
     Ok(())
 }

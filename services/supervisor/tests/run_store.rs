@@ -346,6 +346,61 @@ async fn the_outbox_is_in_commit_order_and_resumes_after_an_event() {
     }
 }
 
+#[tokio::test]
+async fn a_commit_with_many_events_stores_every_one_in_order() {
+    // More events than one multi-row INSERT takes, so a commit's rows span statements;
+    // and a create and a commit of a single event each, around it.
+    const MANY: u64 = 75;
+    for s in subjects().await {
+        let store = &*s.store;
+        let run = new_run("acme");
+        create(store, &run).await;
+        let wide = next(&run, v1::RunState::Running);
+        let many = Events {
+            run: (2..2 + MANY).map(|n| run_event(&wide, n)).collect(),
+            cloud: (0..MANY)
+                .map(|n| cloud(&wide, &format!("wide.{n}")))
+                .collect(),
+        };
+        store.commit(&wide, &many).await.unwrap();
+        let last = next(&wide, v1::RunState::Succeeded);
+        store
+            .commit(&last, &events(&last, 2 + MANY, "done"))
+            .await
+            .unwrap();
+
+        let sequences: Vec<u64> = store
+            .run_events(&run.run_id, 0)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|e| e.sequence)
+            .collect();
+        assert_eq!(
+            sequences,
+            (1..=2 + MANY).collect::<Vec<_>>(),
+            "{}: every run event, once, in order",
+            s.label
+        );
+        let kinds: Vec<String> = store
+            .cloud_events(None, 1000)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|e| e.r#type)
+            .collect();
+        let expected: Vec<String> = std::iter::once("started".to_owned())
+            .chain((0..MANY).map(|n| format!("wide.{n}")))
+            .chain(std::iter::once("done".to_owned()))
+            .collect();
+        assert_eq!(
+            kinds, expected,
+            "{}: every outbox row, once, in order",
+            s.label
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fifty_concurrent_starts_with_one_key_store_one_run() {
     for s in subjects().await {
@@ -752,6 +807,47 @@ async fn the_ledger_records_every_delegation_transition_and_every_decision() {
             store.ledger(&v1_run.run_id).await.unwrap().len(),
             6,
             "{}",
+            t.label
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_wide_run_records_each_delegations_transition_once() {
+    // More delegations than one ledger insert takes: rows span statements.
+    const WIDE: usize = 70;
+    for t in test_databases().await {
+        let store = SqlRunStore::open(t.db.clone()).await.unwrap();
+        let mut run = new_run("acme");
+        run.delegations = (0..WIDE)
+            .map(|n| delegation(&format!("d{n:02}"), v1::DelegationState::Pending))
+            .collect();
+        create(&store, &run).await;
+        let mut dispatched = next(&run, v1::RunState::Running);
+        for d in &mut dispatched.delegations {
+            d.state = v1::DelegationState::Dispatched as i32;
+        }
+        // One delegation stays as it was: no row for it at version 2.
+        dispatched.delegations[WIDE - 1].state = v1::DelegationState::Pending as i32;
+        store.commit(&dispatched, &Events::default()).await.unwrap();
+
+        let rows: BTreeSet<(String, u64, i32)> = store
+            .ledger(&run.run_id)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|e| (e.delegation_id, e.run_version, e.state))
+            .collect();
+        use v1::DelegationState as S;
+        let expected: BTreeSet<(String, u64, i32)> = (0..WIDE)
+            .map(|n| (format!("d{n:02}"), 1, S::Pending as i32))
+            .chain((0..WIDE - 1).map(|n| (format!("d{n:02}"), 2, S::Dispatched as i32)))
+            .collect();
+        assert_eq!(rows, expected, "{}", t.label);
+        assert_eq!(
+            store.ledger(&run.run_id).await.unwrap().len(),
+            2 * WIDE - 1,
+            "{}: no row twice",
             t.label
         );
     }
