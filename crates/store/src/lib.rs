@@ -48,8 +48,8 @@ pub use statement::{Arg, Row, Statement, Value, sql};
 /// A multi-row `INSERT`: `<head> VALUES ($1, ...), ($n, ...), ... <tail>`, one statement
 /// for up to [`max_rows`](Self::max_rows) rows, each row's arguments bound in turn.
 /// The text for each number of rows is built once per process and shared, so a
-/// statement borrows it and costs no formatting; writers split longer lists with
-/// [`chunks`](slice::chunks) of `max_rows`.
+/// statement borrows it and costs no formatting; [`all`](Self::all) splits a longer
+/// list into statements of at most `max_rows` rows.
 #[derive(Debug)]
 pub struct InsertRows {
     head: &'static str,
@@ -80,6 +80,24 @@ impl InsertRows {
     /// The most rows one statement takes.
     pub fn max_rows(&self) -> usize {
         self.max_rows
+    }
+
+    /// The statements that insert every item, [`max_rows`](Self::max_rows) to a
+    /// statement, in order; `bind` binds one item's values (as many as the columns).
+    /// No items, no statement.
+    pub fn all<T>(
+        &'static self,
+        items: impl IntoIterator<Item = T>,
+        mut bind: impl FnMut(Statement, T) -> Statement,
+    ) -> Vec<Statement> {
+        let mut items = items.into_iter().peekable();
+        let mut out = Vec::new();
+        while items.peek().is_some() {
+            let chunk: Vec<T> = items.by_ref().take(self.max_rows).collect();
+            let insert = self.statement(chunk.len());
+            out.push(chunk.into_iter().fold(insert, &mut bind));
+        }
+        out
     }
 
     /// The statement for `rows` rows (1 to [`max_rows`](Self::max_rows)), arguments

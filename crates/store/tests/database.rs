@@ -287,6 +287,14 @@ fn locations_resolve_from_the_setting() {
         "INSERT INTO t (a, b) VALUES ($1, $2) ON CONFLICT DO NOTHING"
     );
     assert!(std::panic::catch_unwind(|| ROWS.statement(4)).is_err());
+    // Seven items: three statements of 3, 3 and 1 rows, the values in order.
+    let all = ROWS.all(1..=7_i64, |s, n| s.bind(n).bind(-n));
+    assert_eq!(
+        all.iter().map(|s| s.arg_count()).collect::<Vec<_>>(),
+        [6, 6, 2]
+    );
+    assert_eq!(all[2].text(), ROWS.statement(1).text());
+    assert!(ROWS.all(Vec::<i64>::new(), |s, n| s.bind(n)).is_empty());
     assert!(std::panic::catch_unwind(|| ROWS.statement(0)).is_err());
 }
 

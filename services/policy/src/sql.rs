@@ -381,20 +381,13 @@ static ISSUED_ROWS: InsertRows = InsertRows::new(
 /// The statements that remember issued tokens' owners: a request's tokens in one
 /// multi-row insert, not one statement each.
 fn issued_inserts(tokens: &[IssuedToken]) -> Vec<Statement> {
-    tokens
-        .chunks(ISSUED_ROWS.max_rows())
-        .map(|chunk| {
-            let mut insert = ISSUED_ROWS.statement(chunk.len());
-            for token in chunk {
-                insert = insert
-                    .bind(&token.token_id)
-                    .bind(&token.run_id)
-                    .bind(&token.tenant)
-                    .bind(micros(token.expires_at));
-            }
-            insert
-        })
-        .collect()
+    ISSUED_ROWS.all(tokens, |insert, token| {
+        insert
+            .bind(&token.token_id)
+            .bind(&token.run_id)
+            .bind(&token.tenant)
+            .bind(micros(token.expires_at))
+    })
 }
 
 impl SqlPolicyState {

@@ -526,29 +526,22 @@ fn appends(run: &v1::Run, events: &Events) -> Vec<Append> {
     // A commit's run events go in one statement, and its outbox rows in another: one
     // statement per row was a third of the rows a run writes, each its own execution
     // (bind, step, reset) in the writer every commit waits for.
-    for chunk in events.run.chunks(RUN_EVENT_ROWS.max_rows()) {
-        let mut insert = RUN_EVENT_ROWS.statement(chunk.len());
-        for e in chunk {
-            insert = insert
-                .bind(&run.run_id)
-                .bind(e.sequence)
-                .bind(e.encode_to_vec());
-        }
-        out.push(Append::Always(insert));
-    }
-    for chunk in events.cloud.chunks(OUTBOX_ROWS.max_rows()) {
-        let mut insert = OUTBOX_ROWS.statement(chunk.len());
-        for e in chunk {
-            insert = insert
-                .bind(&e.id)
-                .bind(&e.correlation_id)
-                .bind(&e.tenant_id)
-                .bind(&e.r#type)
-                .bind(ts_micros(e.time.as_ref()))
-                .bind(e.encode_to_vec());
-        }
-        out.push(Append::Always(insert));
-    }
+    let run_events = RUN_EVENT_ROWS.all(&events.run, |insert, e| {
+        insert
+            .bind(&run.run_id)
+            .bind(e.sequence)
+            .bind(e.encode_to_vec())
+    });
+    let outbox = OUTBOX_ROWS.all(&events.cloud, |insert, e| {
+        insert
+            .bind(&e.id)
+            .bind(&e.correlation_id)
+            .bind(&e.tenant_id)
+            .bind(&e.r#type)
+            .bind(ts_micros(e.time.as_ref()))
+            .bind(e.encode_to_vec())
+    });
+    out.extend(run_events.into_iter().chain(outbox).map(Append::Always));
     out
 }
 
@@ -589,13 +582,9 @@ async fn write_appends(
             }
         }
     }
-    let mut rows = ledger.into_iter().peekable();
-    while rows.peek().is_some() {
-        let chunk: Vec<Vec<Arg>> = rows.by_ref().take(LEDGER_ROWS.max_rows()).collect();
-        let mut insert = LEDGER_ROWS.statement(chunk.len());
-        for value in chunk.into_iter().flatten() {
-            insert = insert.bind(value);
-        }
+    for insert in LEDGER_ROWS.all(ledger, |insert, row| {
+        row.into_iter().fold(insert, Statement::bind)
+    }) {
         tx.execute(insert).await?;
     }
     Ok(())
