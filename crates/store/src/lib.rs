@@ -46,7 +46,7 @@ pub use sqlite::SqliteRow;
 pub use statement::{Arg, Row, Statement, Value, sql};
 
 /// A multi-row `INSERT`: `<head> VALUES ($1, ...), ($n, ...), ... <tail>`, one statement
-/// for up to [`max_rows`](Self::max_rows) rows, each row's arguments bound in turn.
+/// for up to `max_rows` rows, each row's arguments bound in turn.
 /// The text for each number of rows is built once per process and shared, so a
 /// statement borrows it and costs no formatting; [`all`](Self::all) splits a longer
 /// list into statements of at most `max_rows` rows.
@@ -77,13 +77,8 @@ impl InsertRows {
         }
     }
 
-    /// The most rows one statement takes.
-    pub fn max_rows(&self) -> usize {
-        self.max_rows
-    }
-
-    /// The statements that insert every item, [`max_rows`](Self::max_rows) to a
-    /// statement, in order; `bind` binds one item's values (as many as the columns).
+    /// The statements that insert every item, at most `max_rows` to a statement, in
+    /// order; `bind` binds one item's values (as many as the columns).
     /// No items, no statement.
     pub fn all<T>(
         &'static self,
@@ -100,8 +95,7 @@ impl InsertRows {
         out
     }
 
-    /// The statement for `rows` rows (1 to [`max_rows`](Self::max_rows)), arguments
-    /// not bound yet.
+    /// The statement for `rows` rows (1 to `max_rows`), arguments not bound yet.
     ///
     /// # Panics
     ///

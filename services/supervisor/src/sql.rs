@@ -443,8 +443,8 @@ fn ts_micros(ts: Option<&prost_types::Timestamp>) -> i64 {
 enum Append {
     /// Written whatever the run's last commit was: run events, outbox events.
     Always(Statement),
-    /// A delegation's ledger row, its values in [`LEDGER_ROWS`]' column order: written when its state
-    /// differs from the last commit's, together with the commit's other new ledger rows.
+    /// A delegation's ledger row, its values in [`LEDGER_ROWS`]' column order: written
+    /// when its state differs from the last commit's, with the commit's other new ones.
     Ledger {
         delegation_id: String,
         state: i32,

@@ -48,15 +48,14 @@ impl Progress {
             #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
             Goal::Seconds(s) => (
                 (s.max(0.0) * 1000.0) as u64,
-                "{prefix:>10} [{bar:24}] {elapsed:>3} of {len_s}  {msg}",
+                format!("{{prefix:>10}} [{{bar:24}}] {{elapsed:>3}} of {s:.0}s  {{msg}}"),
             ),
-            Goal::Runs(n) => (n, "{prefix:>10} [{bar:24}] {pos}/{len} runs  {msg}"),
+            Goal::Runs(n) => (
+                n,
+                "{prefix:>10} [{bar:24}] {pos}/{len} runs  {msg}".to_owned(),
+            ),
         };
         let bar = ProgressBar::with_draw_target(Some(len), target);
-        let template = match goal {
-            Goal::Seconds(s) => template.replace("{len_s}", &format!("{s:.0}s")),
-            Goal::Runs(_) => template.to_owned(),
-        };
         bar.set_style(
             ProgressStyle::with_template(&template)
                 .unwrap_or_else(|_| ProgressStyle::default_bar())
