@@ -64,6 +64,10 @@ pub const ACTOR_STOP_GRACE: Duration = Duration::from_secs(10);
 /// The supervisor's well-known port.
 pub const DEFAULT_PORT: u16 = 7400;
 
+/// How long a run's progress that decides nothing may wait for its next commit (see
+/// [`Config::commit_linger`]).
+pub const DEFAULT_COMMIT_LINGER: Duration = Duration::from_millis(50);
+
 /// The JetStream stream the relay publishes to by default.
 pub const DEFAULT_NATS_STREAM: &str = "CONVENE_EVENTS";
 
@@ -155,6 +159,15 @@ pub struct Config {
     /// Time a worker gets beyond a delegation's deadline to answer.
     #[serde(with = "convene_server::config::duration")]
     pub dispatch_grace: Duration,
+    /// How long a run's progress that decides nothing (a delegation dispatched, a
+    /// result the join must wait past) may wait to be committed with the run's next
+    /// commit: a run's dispatches then usually commit with its first results, and its
+    /// results with the decision on them, one commit instead of three. Until committed,
+    /// that progress is not in `GetRun` or `WatchRun`, and a crash loses it (the
+    /// resumed run dispatches those delegations again under their ids). The run's
+    /// acceptance and its decision are never held. 0: commit each at once.
+    #[serde(with = "convene_server::config::duration")]
+    pub commit_linger: Duration,
     /// This replica's id: the owner of the runs it leases. Unset: a fresh UUIDv7 at
     /// every start, and a restarted supervisor takes its runs back once their leases
     /// expire. A stable id (one process per id!) lets a supervisor that restarts in place
@@ -206,6 +219,7 @@ impl Default for Config {
             retry_backoff: Duration::from_millis(100),
             max_retry_backoff: Duration::from_secs(2),
             dispatch_grace: Duration::from_secs(2),
+            commit_linger: DEFAULT_COMMIT_LINGER,
             replica_id: None,
             run_lease_ttl: Duration::from_secs(15),
             claim_interval: Duration::from_secs(5),
@@ -234,7 +248,7 @@ impl Config {
             .map_or_else(|| uuid::Uuid::now_v7().to_string(), str::to_owned)
     }
 
-    /// Checks what serde cannot: lease timing and relay names.
+    /// Checks what serde cannot: lease and commit timing, and relay names.
     ///
     /// # Errors
     ///
@@ -244,6 +258,16 @@ impl Config {
             return Err(Error::Config(format!(
                 "run_lease_ttl = {:?} is too short: give at least 300ms (leases are renewed every third of it)",
                 self.run_lease_ttl
+            )));
+        }
+        // Held progress must commit well inside the lease it is committed under.
+        let linger_limit = (self.run_lease_ttl / 3).min(Duration::from_secs(1));
+        if self.commit_linger > linger_limit {
+            return Err(Error::Config(format!(
+                "commit_linger (--commit-linger) = {:?} is too long: it may be at most 1s and \
+                 a third of run_lease_ttl ({:?}), here {linger_limit:?}; give less, or 0s to \
+                 commit every step at once",
+                self.commit_linger, self.run_lease_ttl
             )));
         }
         if self.claim_interval.is_zero() {
@@ -327,6 +351,7 @@ pub(crate) struct Settings {
     pub(crate) retry_backoff: Duration,
     pub(crate) max_retry_backoff: Duration,
     pub(crate) dispatch_grace: Duration,
+    pub(crate) commit_linger: Duration,
 }
 
 /// What a run actor needs from the rest of the supervisor.
@@ -431,6 +456,7 @@ pub fn build(parts: Parts) -> (SupervisorService, Arc<Registry>) {
             retry_backoff: parts.config.retry_backoff,
             max_retry_backoff: parts.config.max_retry_backoff,
             dispatch_grace: parts.config.dispatch_grace,
+            commit_linger: parts.config.commit_linger,
         },
         live: Mutex::new(HashMap::new()),
         shutdown_token,
@@ -513,4 +539,43 @@ pub async fn run(config: Config, shutdown: Shutdown) -> Result<(), Error> {
     .await?;
     service.actors_stopped(ACTOR_STOP_GRACE).await;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn commit_linger_must_fit_well_inside_the_lease() {
+        assert!(Config::default().check().is_ok());
+        let linger = |commit_linger, run_lease_ttl| Config {
+            commit_linger,
+            run_lease_ttl,
+            ..Config::default()
+        };
+        assert!(
+            linger(Duration::ZERO, Duration::from_secs(1))
+                .check()
+                .is_ok()
+        );
+        assert!(
+            linger(Duration::from_secs(1), Duration::from_secs(15))
+                .check()
+                .is_ok()
+        );
+        let err = linger(Duration::from_millis(1500), Duration::from_secs(15))
+            .check()
+            .expect_err("more than 1s")
+            .to_string();
+        assert!(
+            err.contains("commit_linger (--commit-linger) = 1.5s is too long"),
+            "{err}"
+        );
+        // A third of a 1.5s lease: 500ms.
+        let err = linger(Duration::from_millis(600), Duration::from_millis(1500))
+            .check()
+            .expect_err("more than a third of the lease")
+            .to_string();
+        assert!(err.contains("(1.5s), here 500ms"), "{err}");
+    }
 }

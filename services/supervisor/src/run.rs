@@ -159,6 +159,9 @@ pub(crate) struct RunActor {
     /// Events of dispatches and results taken from the mailbox but not committed yet:
     /// the next commit carries them, before its own.
     staged: Events,
+    /// When staged progress that decided nothing is committed at the latest, if no
+    /// other commit carries it first (`commit_linger` after it was held back).
+    flush_at: Option<SystemTime>,
     /// The new run's task tokens (or why they were refused), asked for by StartRun
     /// while it stored the run; taken when the actor begins.
     issued: Option<Result<Vec<String>, Status>>,
@@ -357,6 +360,7 @@ impl RunActor {
             rx,
             held: None,
             staged: Events::default(),
+            flush_at: None,
             issued: None,
             unjoined: false,
             unverified: Vec::new(),
@@ -405,6 +409,13 @@ impl RunActor {
                 }
             }
             Exit::Shutdown => {
+                // Progress held for a later commit is committed first, so whoever
+                // resumes the run does not do it again.
+                if !self.staged.is_empty()
+                    && let Err(e) = self.commit(Events::default()).await
+                {
+                    tracing::warn!(run_id, error = %e, "shutting down: the run's latest progress could not be committed; it is redone when the run resumes");
+                }
                 // Hand the run over at once rather than when the lease runs out.
                 if let Some(lease) = &self.deps.lease
                     && !self.terminal()
@@ -453,6 +464,12 @@ impl RunActor {
             } else {
                 tokio::select! {
                     msg = self.rx.recv() => msg,
+                    () = sleep_until(self.flush_at) => {
+                        if let Err(e) = Box::pin(self.commit(Events::default())).await {
+                            return e.into();
+                        }
+                        continue;
+                    }
                     () = sleep_until(timer) => {
                         if let Err(e) = Box::pin(self.on_timer()).await {
                             return e.into();
@@ -508,6 +525,7 @@ impl RunActor {
     /// Commits the run as it is now with the staged events and then `events`, as one
     /// new version.
     async fn commit(&mut self, events: Events) -> Result<(), StoreError> {
+        self.flush_at = None;
         let mut all = std::mem::take(&mut self.staged);
         all.run.extend(events.run);
         all.cloud.extend(events.cloud);
@@ -894,16 +912,26 @@ impl RunActor {
         }
     }
 
-    /// Runs the join on the staged results (if any) and commits what is staged.
+    /// Runs the join on the staged results (if any) and commits what is staged, or,
+    /// when that decided nothing, holds it for the run's next commit: at the latest
+    /// `commit_linger` from now (see [`crate::Config::commit_linger`]).
     async fn settle(&mut self) -> Result<(), StoreError> {
         if std::mem::take(&mut self.unjoined) {
             self.joined = true;
             self.join_step("result").await?;
         }
-        if !self.staged.is_empty() {
-            self.commit(Events::default()).await?;
+        if self.staged.is_empty() {
+            self.joined = false;
+            return Ok(());
         }
-        self.joined = false;
+        let linger = self.deps.settings.commit_linger;
+        if self.terminal() || linger.is_zero() {
+            self.commit(Events::default()).await?;
+        } else if self.flush_at.is_none() {
+            // `joined` stays set: the commit that carries the results still follows
+            // the join that ran on them.
+            self.flush_at = Some(now() + linger);
+        }
         Ok(())
     }
 
