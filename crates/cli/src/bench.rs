@@ -108,6 +108,17 @@ pub struct BenchArgs {
         conflicts_with_all = ["endpoint", "runs", "duration", "workload"]
     )]
     pub scale: Option<u64>,
+    /// The started mesh's supervisor holds a run's progress that decides nothing for at
+    /// most this long, to commit it with the run's next step (see `convene up --help`);
+    /// 0s commits every step at once.
+    #[arg(
+        long,
+        value_name = "DURATION",
+        default_value = "50ms",
+        value_parser = humantime::parse_duration,
+        conflicts_with = "endpoint"
+    )]
+    pub commit_linger: Duration,
     /// Print one JSON object instead of the human summary.
     #[arg(long)]
     pub json: bool,
@@ -627,6 +638,7 @@ async fn start_mesh(
             workers: args.workers,
             capacity: plan.capacity,
             concurrency_limit: plan.concurrency_limit,
+            commit_linger: args.commit_linger,
         };
         let mesh = procs::ProcessMesh::start(&options).await?;
         let credential = convene_mesh::policy_file::dev_credential(&credentials, PRINCIPAL)
@@ -651,6 +663,7 @@ async fn start_mesh(
         up_args.capacity = plan.capacity;
         up_args.database_url = args.store_url();
         up_args.default_principal = Some(PRINCIPAL.to_owned());
+        up_args.commit_linger = args.commit_linger;
         let mesh = up::start(&up_args, plan.dir, Shutdown::new()).await?;
         let credential = convene_mesh::policy_file::dev_credential(&credentials, PRINCIPAL)?;
         let driver = Driver {

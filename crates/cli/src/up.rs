@@ -83,6 +83,19 @@ pub struct UpArgs {
     /// OTEL_SDK_DISABLED=true turns export off. [default: no export]
     #[arg(long, value_name = "URL")]
     pub otlp_endpoint: Option<String>,
+    /// How long a run's progress that decides nothing yet (its delegations dispatched,
+    /// a result the join must wait past) may wait to be committed together with the
+    /// run's next step, e.g. 100ms; 0s commits every step at once. Fewer commits per run
+    /// for progress that GetRun shows that much later, and that a crash makes the
+    /// resumed run redo. At most 1s.
+    #[arg(
+        long,
+        env = "CONVENE_COMMIT_LINGER",
+        value_name = "DURATION",
+        default_value = "50ms",
+        value_parser = humantime::parse_duration
+    )]
+    pub commit_linger: std::time::Duration,
 }
 
 impl UpArgs {
@@ -100,6 +113,7 @@ impl UpArgs {
             nats_url: None,
             log_format: LogFormat::Text,
             otlp_endpoint: None,
+            commit_linger: convene_supervisor::DEFAULT_COMMIT_LINGER,
         }
     }
 
@@ -346,6 +360,7 @@ pub async fn start(args: &UpArgs, data_dir: &Path, shutdown: Shutdown) -> anyhow
                 .context("reading the supervisor's replica id in the data directory")?,
         ),
         nats_url: args.nats_url.clone(),
+        commit_linger: args.commit_linger,
         ..convene_supervisor::Config::default()
     };
     supervisor_config.check()?;

@@ -44,6 +44,8 @@ pub struct Options {
     pub capacity: u32,
     /// Calls each server serves at once (None: the servers' default).
     pub concurrency_limit: Option<usize>,
+    /// The supervisor's `commit_linger`.
+    pub commit_linger: Duration,
 }
 
 /// One process of the mesh.
@@ -115,7 +117,11 @@ impl ProcessMesh {
         let mut cmd = service(&["serve", "supervisor"], supervisor);
         cmd.env("CONVENE_POLICY_ENDPOINT", url(policy))
             .env("CONVENE_EVIDENCE_ENDPOINT", url(evidence))
-            .env("CONVENE_APPROVAL_ENDPOINT", url(approval));
+            .env("CONVENE_APPROVAL_ENDPOINT", url(approval))
+            .env(
+                "CONVENE_COMMIT_LINGER",
+                humantime::format_duration(options.commit_linger).to_string(),
+            );
         mesh.spawn("supervisor", cmd, supervisor, &logs).await?;
         for n in 1..=options.workers.max(1) {
             let port = free_port()?;
