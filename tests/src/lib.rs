@@ -77,6 +77,8 @@ pub struct MeshOptions {
     /// `CONVENE_REPLICA_ID`, `CONVENE_RUN_LEASE_TTL`, `CONVENE_NATS_URL` or a crash point.
     /// [`TestMesh::restart`] replaces it.
     pub supervisor_env: Vec<(String, String)>,
+    /// The supervisor's `commit_linger` (in either mode); None: its default.
+    pub commit_linger: Option<Duration>,
 }
 
 /// The repository's root directory.
@@ -192,6 +194,13 @@ impl Drop for TestMesh {
     }
 }
 
+/// The supervisor process's own environment: settings it keeps across restarts, and
+/// the extra that [`TestMesh::restart`] replaces.
+struct SupervisorEnv {
+    settings: Vec<(String, String)>,
+    extra: Vec<(String, String)>,
+}
+
 /// How one process of a mesh is started (Processes mode), kept so that it can be
 /// started again ([`TestMesh::restart`]) or copied ([`TestMesh::spawn_supervisor`]).
 #[derive(Debug, Clone)]
@@ -261,6 +270,7 @@ impl TestMesh {
                     &profile_files,
                     policy_file,
                     database_url.as_deref(),
+                    options.commit_linger,
                 )
                 .await
             }
@@ -271,7 +281,17 @@ impl TestMesh {
                     &profile_files,
                     policy_file.as_deref(),
                     options.env,
-                    options.supervisor_env,
+                    SupervisorEnv {
+                        settings: options
+                            .commit_linger
+                            .map(|linger| {
+                                let linger = humantime::format_duration(linger).to_string();
+                                ("CONVENE_COMMIT_LINGER".to_owned(), linger)
+                            })
+                            .into_iter()
+                            .collect(),
+                        extra: options.supervisor_env,
+                    },
                     database_url.as_deref(),
                 )
                 .await
@@ -294,6 +314,7 @@ impl TestMesh {
         profiles: &[PathBuf],
         policy_file: Option<PathBuf>,
         database_url: Option<&str>,
+        commit_linger: Option<Duration>,
     ) -> Self {
         // In one process every worker group needs its own profiles; `up` starts one group,
         // and further groups are added the same way `up` adds its workers.
@@ -304,6 +325,9 @@ impl TestMesh {
         args.workers = workers[0].count;
         args.capacity = workers[0].capacity;
         args.database_url = database_url.map(str::to_owned);
+        if let Some(linger) = commit_linger {
+            args.commit_linger = linger;
+        }
         let shutdown = Shutdown::new();
         let mesh = convene_cli::up::start(&args, &dir.path().join("data"), shutdown.clone())
             .await
@@ -335,7 +359,7 @@ impl TestMesh {
         profiles: &[PathBuf],
         policy_file: Option<&Path>,
         env: Vec<(String, String)>,
-        supervisor_env: Vec<(String, String)>,
+        supervisor_env: SupervisorEnv,
         database_url: Option<&str>,
     ) -> Self {
         let data = dir.path().join("data");
@@ -404,7 +428,8 @@ impl TestMesh {
                 ("CONVENE_APPROVAL_ENDPOINT".to_owned(), url(approval)),
             ],
         );
-        r.extra = supervisor_env;
+        r.env.extend(supervisor_env.settings);
+        r.extra = supervisor_env.extra;
         mesh.spawn("supervisor", r).await;
         // Dispatches wait for a live worker, so runs may start before workers register.
         let mut n = 0;

@@ -962,3 +962,144 @@ async fn finished_runs_have_their_tokens_revoked_each_once_in_one_process() {
 async fn finished_runs_have_their_tokens_revoked_each_once_as_processes() {
     finished_runs_revoked(Mode::Processes).await;
 }
+
+/// Each event kind of a run, in order.
+fn kinds(events: &[v1::RunEvent]) -> Vec<&'static str> {
+    events
+        .iter()
+        .map(|e| match e.kind {
+            Some(Kind::Started(_)) => "started",
+            Some(Kind::Dispatched(_)) => "dispatched",
+            Some(Kind::Completed(_)) => "completed",
+            Some(Kind::Decision(_)) => "decision",
+            Some(Kind::Terminal(_)) => "terminal",
+            _ => "other",
+        })
+        .collect()
+}
+
+/// One example run on a fresh in-process mesh whose supervisor holds progress that
+/// decides nothing for `linger`: the run as it ended, and its events.
+async fn example_run_lingering(linger: Duration) -> (v1::Run, Vec<v1::RunEvent>) {
+    let mesh = TestMesh::start(
+        Mode::InProcess,
+        MeshOptions {
+            commit_linger: Some(linger),
+            ..MeshOptions::default()
+        },
+    )
+    .await;
+    let run = mesh
+        .start_run(ONCALL, example_spec())
+        .await
+        .expect("StartRun")
+        .run
+        .expect("run");
+    let run = mesh.wait_terminal(ONCALL, &run.run_id, LIMIT).await;
+    let events = mesh.run_events(ONCALL, &run.run_id).await;
+    (run, events)
+}
+
+/// With a commit linger, a run's dispatches and its results that decide nothing wait
+/// for the commit of the join's decision, so the run takes fewer commits (versions) to
+/// end; it ends the same, with every event, in order, without gaps.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn progress_that_decides_nothing_commits_with_the_decision() {
+    // Long enough that the example's fast workers answer well inside it.
+    let (lingered, lingered_events) = example_run_lingering(Duration::from_millis(800)).await;
+    let (eager, eager_events) = example_run_lingering(Duration::ZERO).await;
+
+    assert_eq!(lingered.state, eager.state, "{lingered:#?}");
+    assert_eq!(lingered.outcome, eager.outcome, "{lingered:#?}");
+    for events in [&lingered_events, &eager_events] {
+        let sequences: Vec<u64> = events.iter().map(|e| e.sequence).collect();
+        let gapless: Vec<u64> = (1..=events.len() as u64).collect();
+        assert_eq!(sequences, gapless, "{events:#?}");
+        let kinds = kinds(events);
+        for (kind, n) in [("dispatched", 3), ("completed", 3), ("terminal", 1)] {
+            assert_eq!(kinds.iter().filter(|k| **k == kind).count(), n, "{kinds:?}");
+        }
+    }
+    // Accepted (version 1), then the decision with everything before it: what would
+    // have taken a commit for the dispatches and for each result it waited past.
+    assert!(
+        lingered.version < eager.version,
+        "lingering: version {}, committing each step: version {}",
+        lingered.version,
+        eager.version
+    );
+    assert_eq!(lingered.version, 2, "{:?}", kinds(&lingered_events));
+}
+
+/// Progress held back for a later commit is committed when the supervisor shuts down
+/// (SIGTERM), not lost: the stored run shows its dispatches although the linger has
+/// not passed and no result came.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_supervisor_shutting_down_commits_the_progress_it_held() {
+    use convene_supervisor::store::RunStore as _;
+
+    let dir = tempfile::tempdir().unwrap();
+    let (release, log) = (dir.path().join("release"), dir.path().join("held.log"));
+    let held = example_profiles().replace(
+        "    provider: playbook\n",
+        &format!(
+            "    provider: playbook\n    faults: {{ hold: {{ release: {}, log: {} }} }}\n",
+            release.display(),
+            log.display()
+        ),
+    );
+    let mut mesh = TestMesh::start(
+        Mode::Processes,
+        MeshOptions {
+            workers: vec![Workers {
+                profiles: Some(held),
+                count: 1,
+                capacity: 3,
+            }],
+            commit_linger: Some(Duration::from_secs(1)),
+            ..MeshOptions::default()
+        },
+    )
+    .await;
+    let run_id = mesh
+        .start_run(ONCALL, example_spec())
+        .await
+        .expect("StartRun")
+        .run
+        .expect("run")
+        .run_id;
+    let deadline = tokio::time::Instant::now() + LIMIT;
+    while std::fs::read_to_string(&log).map_or(0, |l| l.lines().count()) < 3 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the worker never held all three delegations"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // The worker reported its dispatches before holding them; give the reports a moment
+    // to reach the run, well inside the linger.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let stored = convene_supervisor::SqlRunStore::open(mesh.open_database().await)
+        .await
+        .expect("the run store opens");
+    let before = stored.get(&run_id).await.expect("read").expect("stored");
+    assert_eq!(
+        before.state,
+        v1::RunState::Pending as i32,
+        "held: {before:#?}"
+    );
+
+    mesh.signal("supervisor", rustix::process::Signal::TERM);
+    assert!(
+        mesh.wait_exited("supervisor", LIMIT).await,
+        "the supervisor stops"
+    );
+    let after = stored.get(&run_id).await.expect("read").expect("stored");
+    assert_eq!(after.state, v1::RunState::Running as i32, "{after:#?}");
+    let events = stored.run_events(&run_id, 0).await.expect("events read");
+    assert_eq!(
+        kinds(&events),
+        ["started", "dispatched", "dispatched", "dispatched"]
+    );
+    std::fs::write(&release, b"").unwrap();
+}
