@@ -351,12 +351,16 @@ impl Database {
     /// writer of the process while it runs. It runs to its end even when the caller
     /// stops waiting.
     ///
-    /// ```ignore
+    /// ```no_run
+    /// # use convene_store::{Database, Error, sql};
+    /// # async fn example(db: &Database, a: String) -> Result<(), Error> {
     /// db.write(move |tx| Box::pin(async move {
     ///     tx.execute(sql("INSERT INTO t (a) VALUES ($1)").bind(a)).await?;
     ///     Ok::<_, Error>(())
     /// }))
     /// .await?;
+    /// # Ok(())
+    /// # }
     /// ```
     ///
     /// # Errors
