@@ -2,6 +2,7 @@
 //! results, invalid results, duplicates, width limits, idempotency.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
 use std::time::Duration;
 
 use convene_mesh::auth::request;
@@ -27,6 +28,19 @@ fn profiles_with_faults(faults: &[(&str, &str)]) -> String {
         text = text.replace(&anchor, &format!("{anchor}    faults: {f}\n"));
     }
     text
+}
+
+/// The example profiles with every delegation held until `release` exists (each held
+/// delegation's id appended to `log`, if given).
+fn held_profiles(release: &Path, log: Option<&Path>) -> String {
+    let log = log.map_or_else(String::new, |l| format!(", log: {}", l.display()));
+    example_profiles().replace(
+        "    provider: playbook\n",
+        &format!(
+            "    provider: playbook\n    faults: {{ hold: {{ release: {}{log} }} }}\n",
+            release.display()
+        ),
+    )
 }
 
 fn one_group(profiles: String) -> MeshOptions {
@@ -791,13 +805,7 @@ async fn fifty_concurrent_start_runs_with_one_key_make_one_run_as_processes() {
 async fn a_run_stays_pending_until_a_worker_takes_its_first_delegation() {
     let dir = tempfile::tempdir().unwrap();
     let release = dir.path().join("release");
-    let held = example_profiles().replace(
-        "    provider: playbook\n",
-        &format!(
-            "    provider: playbook\n    faults: {{ hold: {{ release: {} }} }}\n",
-            release.display()
-        ),
-    );
+    let held = held_profiles(&release, None);
     assert_eq!(held.matches("hold:").count(), 3);
     // One worker with a slot for each of A's three delegations, and none more.
     let mesh = TestMesh::start(
@@ -867,13 +875,7 @@ async fn finished_runs_revoked(mode: Mode) {
     const RUNS: usize = 16;
     let dir = tempfile::tempdir().unwrap();
     let release = dir.path().join("release");
-    let held = example_profiles().replace(
-        "    provider: playbook\n",
-        &format!(
-            "    provider: playbook\n    faults: {{ hold: {{ release: {} }} }}\n",
-            release.display()
-        ),
-    );
+    let held = held_profiles(&release, None);
     let mesh = TestMesh::start(
         mode,
         MeshOptions {
@@ -1040,14 +1042,7 @@ async fn a_supervisor_shutting_down_commits_the_progress_it_held() {
 
     let dir = tempfile::tempdir().unwrap();
     let (release, log) = (dir.path().join("release"), dir.path().join("held.log"));
-    let held = example_profiles().replace(
-        "    provider: playbook\n",
-        &format!(
-            "    provider: playbook\n    faults: {{ hold: {{ release: {}, log: {} }} }}\n",
-            release.display(),
-            log.display()
-        ),
-    );
+    let held = held_profiles(&release, Some(&log));
     let mut mesh = TestMesh::start(
         Mode::Processes,
         MeshOptions {
