@@ -142,6 +142,7 @@ grpc_adapter!(
     GrpcPolicy, PolicyClient, Policy {
         issue_task_token: IssueTaskTokenRequest => IssueTaskTokenResponse,
         authorize: AuthorizeRequest => AuthorizeResponse,
+        authorize_batch: AuthorizeBatchRequest => AuthorizeBatchResponse,
         revoke: RevokeRequest => RevokeResponse,
         get_signing_keys: GetSigningKeysRequest => GetSigningKeysResponse,
     }

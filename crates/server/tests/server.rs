@@ -11,8 +11,9 @@ use std::{
 };
 
 use convene_proto::v1::{
-    AuthorizeRequest, AuthorizeResponse, GetSigningKeysRequest, GetSigningKeysResponse,
-    IssueTaskTokenRequest, IssueTaskTokenResponse, RevokeRequest, RevokeResponse,
+    AuthorizeBatchRequest, AuthorizeBatchResponse, AuthorizeRequest, AuthorizeResponse,
+    GetSigningKeysRequest, GetSigningKeysResponse, IssueTaskTokenRequest, IssueTaskTokenResponse,
+    RevokeRequest, RevokeResponse,
     policy_client::PolicyClient,
     policy_server::{Policy, PolicyServer},
 };
@@ -98,6 +99,13 @@ impl Policy for SlowPolicy {
             detail: format!("{} bytes", request.action.len()),
             ..AuthorizeResponse::default()
         }))
+    }
+
+    async fn authorize_batch(
+        &self,
+        _: Request<AuthorizeBatchRequest>,
+    ) -> Result<Response<AuthorizeBatchResponse>, Status> {
+        Err(Status::unimplemented("not part of this test"))
     }
 
     async fn revoke(&self, _: Request<RevokeRequest>) -> Result<Response<RevokeResponse>, Status> {

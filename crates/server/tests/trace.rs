@@ -2,8 +2,9 @@
 //! W3C trace context and records the gRPC status.
 
 use convene_proto::v1::{
-    AuthorizeRequest, AuthorizeResponse, GetSigningKeysRequest, GetSigningKeysResponse,
-    IssueTaskTokenRequest, IssueTaskTokenResponse, RevokeRequest, RevokeResponse,
+    AuthorizeBatchRequest, AuthorizeBatchResponse, AuthorizeRequest, AuthorizeResponse,
+    GetSigningKeysRequest, GetSigningKeysResponse, IssueTaskTokenRequest, IssueTaskTokenResponse,
+    RevokeRequest, RevokeResponse,
     policy_client::PolicyClient,
     policy_server::{Policy, PolicyServer},
 };
@@ -34,6 +35,13 @@ impl Policy for EchoPolicy {
             detail: convene_telemetry::current_trace_id().unwrap_or_default(),
             ..AuthorizeResponse::default()
         }))
+    }
+
+    async fn authorize_batch(
+        &self,
+        _: Request<AuthorizeBatchRequest>,
+    ) -> Result<Response<AuthorizeBatchResponse>, Status> {
+        Err(Status::unimplemented("not part of this test"))
     }
 
     async fn revoke(&self, _: Request<RevokeRequest>) -> Result<Response<RevokeResponse>, Status> {

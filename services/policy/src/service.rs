@@ -492,37 +492,39 @@ impl Inner {
     }
 }
 
-#[tonic::async_trait]
-impl v1::policy_server::Policy for PolicyService {
-    async fn issue_task_token(
-        &self,
-        request: Request<v1::IssueTaskTokenRequest>,
-    ) -> Result<Response<v1::IssueTaskTokenResponse>, Status> {
-        let caller = self.inner.auth.authenticate(&request).await?;
-        Ok(Response::new(
-            self.inner.issue(&caller, request.get_ref()).await?,
-        ))
-    }
+/// Most calls one `AuthorizeBatch` decides.
+pub const MAX_AUTHORIZE_BATCH: usize = 256;
 
-    async fn authorize(
+/// The span of one authorization decision, whichever call asked for it.
+fn authorize_span(req: &v1::AuthorizeRequest) -> tracing::Span {
+    tracing::info_span!(
+        "policy.authorize",
+        convene.service = "policy",
+        convene.tool = %req.tool,
+        convene.authz.action = %req.action,
+        convene.authz.resource = %req.resource,
+        convene.authz.audience = %req.audience,
+        convene.tool.call_id = %req.tool_call_id,
+        convene.authz.decision = tracing::field::Empty,
+        convene.authz.reason = tracing::field::Empty,
+        convene.authz.decision_id = tracing::field::Empty,
+        convene.authz.calls_used = tracing::field::Empty,
+    )
+}
+
+fn error_result(error: v1::ItemStatus) -> v1::AuthorizeBatchResult {
+    v1::AuthorizeBatchResult {
+        result: Some(v1::authorize_batch_result::Result::Error(error)),
+    }
+}
+
+impl PolicyService {
+    /// Decides one call in `span` and records the decision on it.
+    async fn decide(
         &self,
-        request: Request<v1::AuthorizeRequest>,
-    ) -> Result<Response<v1::AuthorizeResponse>, Status> {
-        let req = request.get_ref();
-        let span = tracing::info_span!(
-            "policy.authorize",
-            convene.service = "policy",
-            convene.tool = %req.tool,
-            convene.authz.action = %req.action,
-            convene.authz.resource = %req.resource,
-            convene.authz.audience = %req.audience,
-            convene.tool.call_id = %req.tool_call_id,
-            convene.authz.decision = tracing::field::Empty,
-            convene.authz.reason = tracing::field::Empty,
-            convene.authz.decision_id = tracing::field::Empty,
-            convene.authz.calls_used = tracing::field::Empty,
-        );
-        // No bearer credential: the token in the message is what is being judged.
+        req: &v1::AuthorizeRequest,
+        span: tracing::Span,
+    ) -> Result<v1::AuthorizeResponse, Status> {
         let answer = self.inner.authorize(req).instrument(span.clone()).await;
         match &answer {
             // A deny is a decision made, not a failure of the service: it is an
@@ -543,7 +545,70 @@ impl v1::policy_server::Policy for PolicyService {
             }
             Err(error) => convene_telemetry::set_error(&span, error.to_string()),
         }
-        Ok(Response::new(answer?))
+        Ok(answer?)
+    }
+}
+
+#[tonic::async_trait]
+impl v1::policy_server::Policy for PolicyService {
+    async fn issue_task_token(
+        &self,
+        request: Request<v1::IssueTaskTokenRequest>,
+    ) -> Result<Response<v1::IssueTaskTokenResponse>, Status> {
+        let caller = self.inner.auth.authenticate(&request).await?;
+        Ok(Response::new(
+            self.inner.issue(&caller, request.get_ref()).await?,
+        ))
+    }
+
+    async fn authorize(
+        &self,
+        request: Request<v1::AuthorizeRequest>,
+    ) -> Result<Response<v1::AuthorizeResponse>, Status> {
+        // No bearer credential: the token in the message is what is being judged.
+        let req = request.get_ref();
+        Ok(Response::new(self.decide(req, authorize_span(req)).await?))
+    }
+
+    async fn authorize_batch(
+        &self,
+        request: Request<v1::AuthorizeBatchRequest>,
+    ) -> Result<Response<v1::AuthorizeBatchResponse>, Status> {
+        let items = &request.get_ref().items;
+        if items.is_empty() || items.len() > MAX_AUTHORIZE_BATCH {
+            return Err(Status::invalid_argument(format!(
+                "items: {} calls given; a batch decides 1 to {MAX_AUTHORIZE_BATCH} (send more \
+                 in further batches)",
+                items.len()
+            )));
+        }
+        // Every item is decided as its own Authorize call, all at once, so their counts
+        // and decision records share the decision log's commits.
+        let results = futures::future::join_all(items.iter().enumerate().map(|(i, item)| {
+            let Some(req) = item.request.as_ref() else {
+                let error = v1::ItemStatus {
+                    code: tonic::Code::InvalidArgument as i32,
+                    message: format!("items[{i}].request: missing; give the call to decide"),
+                };
+                return futures::future::Either::Left(std::future::ready(error_result(error)));
+            };
+            let span = authorize_span(req);
+            // The asking tool call's span is the parent; without one, the batch's is.
+            convene_telemetry::continue_trace(&span, &item.traceparent);
+            futures::future::Either::Right(async move {
+                match self.decide(req, span).await {
+                    Ok(decision) => v1::AuthorizeBatchResult {
+                        result: Some(v1::authorize_batch_result::Result::Decision(decision)),
+                    },
+                    Err(status) => error_result(v1::ItemStatus {
+                        code: status.code() as i32,
+                        message: status.message().to_owned(),
+                    }),
+                }
+            })
+        }))
+        .await;
+        Ok(Response::new(v1::AuthorizeBatchResponse { results }))
     }
 
     async fn revoke(

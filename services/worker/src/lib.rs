@@ -29,6 +29,7 @@ pub mod tools;
 
 use std::sync::Arc;
 
+use convene_mesh::batch::BatchingPolicy;
 use convene_mesh::handles::{
     EvidenceHandle, GrpcEvidenceStore, GrpcPolicy, GrpcSupervisor, GrpcWorkerRegistry,
     PolicyHandle, RegistryHandle, SupervisorHandle,
@@ -112,7 +113,12 @@ impl WorkerService {
 /// Invalid configuration or profiles, a missing tool data directory or credential, an
 /// address that cannot be bound, or a server failure.
 pub async fn run(config: Config, shutdown: Shutdown) -> Result<(), Error> {
-    let policy: PolicyHandle = Arc::new(GrpcPolicy::connect(&config.policy_endpoint)?);
+    // Tool calls that arrive while one is on its way are authorized in one message.
+    let policy: PolicyHandle = Arc::new(BatchingPolicy::new(
+        Arc::new(GrpcPolicy::connect(&config.policy_endpoint)?),
+        "worker",
+        convene_mesh::batch::DEFAULT_SLOTS,
+    ));
     let evidence: EvidenceHandle = Arc::new(GrpcEvidenceStore::connect(&config.evidence_endpoint)?);
     let supervisor: SupervisorHandle =
         Arc::new(GrpcSupervisor::connect(&config.supervisor_endpoint)?);
