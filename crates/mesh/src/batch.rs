@@ -102,14 +102,9 @@ impl Sender {
         }
     }
 
-    async fn send(self, mut calls: Vec<Pending>) {
+    async fn send(self, calls: Vec<Pending>) {
         if calls.len() == 1 || !self.batching.load(Ordering::Relaxed) {
-            if let [_] = calls.as_slice() {
-                let call = calls.pop().expect("one call");
-                self.send_alone(call).await;
-            } else {
-                futures::future::join_all(calls.into_iter().map(|c| self.send_alone(c))).await;
-            }
+            self.send_each(calls).await;
             return;
         }
         let span = tracing::info_span!(
@@ -142,9 +137,7 @@ impl Sender {
                         results.len(),
                         calls.len()
                     ));
-                    for call in calls {
-                        let _ = call.done.send(Err(status.clone()));
-                    }
+                    fail_all(calls, &status);
                     return;
                 }
                 for (call, result) in calls.into_iter().zip(results) {
@@ -158,14 +151,15 @@ impl Sender {
                     status.message()
                 );
                 self.batching.store(false, Ordering::Relaxed);
-                futures::future::join_all(calls.into_iter().map(|c| self.send_alone(c))).await;
+                self.send_each(calls).await;
             }
-            Err(status) => {
-                for call in calls {
-                    let _ = call.done.send(Err(status.clone()));
-                }
-            }
+            Err(status) => fail_all(calls, &status),
         }
+    }
+
+    /// Sends every call as an `Authorize` of its own, all at once.
+    async fn send_each(&self, calls: Vec<Pending>) {
+        futures::future::join_all(calls.into_iter().map(|c| self.send_alone(c))).await;
     }
 
     async fn send_alone(&self, call: Pending) {
@@ -175,6 +169,12 @@ impl Sender {
             .instrument(call.span)
             .await;
         let _ = call.done.send(answer);
+    }
+}
+
+fn fail_all(calls: Vec<Pending>, status: &Status) {
+    for call in calls {
+        let _ = call.done.send(Err(status.clone()));
     }
 }
 
