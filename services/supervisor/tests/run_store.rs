@@ -3,7 +3,7 @@
 //! the delegation ledger, join decision rows, relay cursors and other processes'
 //! commits reaching subscribers.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
@@ -899,6 +899,58 @@ async fn another_process_commits_reach_subscribers_and_relays_resume() {
                 Err(StoreError::NotFound(_))
             ),
             "{}",
+            t.label
+        );
+    }
+}
+
+#[tokio::test]
+async fn the_poll_reports_each_run_once_with_its_highest_sequence() {
+    for t in test_databases().await {
+        let other_db = convene_store::Database::connect(t.db.url()).await.unwrap();
+        let here = SqlRunStore::open(t.db.clone()).await.unwrap();
+        let there = SqlRunStore::open(other_db).await.unwrap();
+        let mut notes = here.subscribe();
+
+        // Run a: created, then (after run b is) one commit of three run events and no
+        // outbox row. Run b: created only.
+        let a = new_run("acme");
+        create(&there, &a).await;
+        let b = new_run("acme");
+        create(&there, &b).await;
+        let a2 = next(&a, v1::RunState::Running);
+        let three = Events {
+            run: (2..=4).map(|n| run_event(&a2, n)).collect(),
+            cloud: Vec::new(),
+        };
+        there.commit(&a2, &three).await.unwrap();
+
+        // The poll finds these commits in one or more rounds: a round reports a run
+        // once, with the highest sequence it read.
+        let mut highest: HashMap<String, (u64, bool)> = HashMap::new();
+        while highest.get(&a.run_id).map(|h| h.0) != Some(4) || !highest.contains_key(&b.run_id)
+        {
+            let note = tokio::time::timeout(Duration::from_secs(5), notes.recv())
+                .await
+                .unwrap_or_else(|_| panic!("{}: the poll reports both runs", t.label))
+                .unwrap();
+            let entry = highest.entry(note.run_id.clone()).or_default();
+            assert!(
+                note.last_sequence >= entry.0,
+                "{}: a note never goes back ({note:?})",
+                t.label
+            );
+            *entry = (note.last_sequence, entry.1 | note.cloud);
+        }
+        assert_eq!(highest[&a.run_id], (4, true), "{}", t.label);
+        assert_eq!(highest[&b.run_id], (1, true), "{}", t.label);
+        assert_eq!(highest.len(), 2, "{}: no other run", t.label);
+
+        // Nothing more was committed: no further note (the poll moved past every row).
+        let again = tokio::time::timeout(Duration::from_millis(600), notes.recv()).await;
+        assert!(
+            again.is_err(),
+            "{}: rows already reported come again: {again:?}",
             t.label
         );
     }
