@@ -132,7 +132,10 @@ impl Setup {
         let run = self
             .client
             .start_run(request(
-                v1::StartRunRequest { spec: Some(spec) },
+                v1::StartRunRequest {
+                    spec: Some(spec),
+                    wait: false,
+                },
                 &self.credential,
             ))
             .await

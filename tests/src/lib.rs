@@ -721,7 +721,10 @@ impl TestMesh {
     ) -> Result<v1::StartRunResponse, tonic::Status> {
         self.supervisor()
             .start_run(request(
-                v1::StartRunRequest { spec: Some(spec) },
+                v1::StartRunRequest {
+                    spec: Some(spec),
+                    wait: false,
+                },
                 &self.credential(principal),
             ))
             .await

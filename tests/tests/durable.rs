@@ -140,6 +140,7 @@ async fn start_until_accepted(
             .start_run(request(
                 v1::StartRunRequest {
                     spec: Some(spec.clone()),
+                    wait: false,
                 },
                 &credential,
             ))

@@ -1098,3 +1098,114 @@ async fn a_supervisor_shutting_down_commits_the_progress_it_held() {
     );
     std::fs::write(&release, b"").unwrap();
 }
+
+/// `StartRun` with `wait` answers once the run has ended, with the ended run; a second
+/// call with the same idempotency key waits for the same run.
+async fn start_run_waits(mode: Mode) {
+    let dir = tempfile::tempdir().unwrap();
+    let release = dir.path().join("release");
+    let mesh = TestMesh::start(mode, one_group(held_profiles(&release, None))).await;
+    let mut spec = example_spec();
+    spec.idempotency_key = "wait-for-me".to_owned();
+    let start = |wait: bool| {
+        let supervisor = mesh.supervisor();
+        let credential = mesh.credential(ONCALL);
+        let spec = spec.clone();
+        async move {
+            supervisor
+                .start_run(request(
+                    v1::StartRunRequest {
+                        spec: Some(spec),
+                        wait,
+                    },
+                    &credential,
+                ))
+                .await
+                .map(tonic::Response::into_inner)
+        }
+    };
+    let first = tokio::spawn(start(true));
+    // The run is stored while the call waits (the mesh is new: it is the only run).
+    let deadline = tokio::time::Instant::now() + LIMIT;
+    loop {
+        let listed = mesh
+            .supervisor()
+            .list_runs(request(
+                v1::ListRunsRequest::default(),
+                &mesh.credential(ONCALL),
+            ))
+            .await
+            .expect("ListRuns")
+            .into_inner()
+            .runs;
+        if !listed.is_empty() {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the run is never stored"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Without `wait` the same key answers at once, with the run still going.
+    let accepted = start(false).await.expect("StartRun");
+    assert!(!accepted.created);
+    let accepted = accepted.run.expect("run");
+    assert!(
+        !convene_supervisor::store::is_terminal(accepted.state),
+        "{accepted:#?}"
+    );
+    let second = tokio::spawn(start(true));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        !first.is_finished() && !second.is_finished(),
+        "a waiting StartRun answered while every delegation is held"
+    );
+
+    std::fs::write(&release, b"").unwrap();
+    let first = tokio::time::timeout(LIMIT, first)
+        .await
+        .expect("the waiting StartRun answers once the run ends")
+        .unwrap()
+        .expect("StartRun");
+    let second = tokio::time::timeout(LIMIT, second)
+        .await
+        .expect("the second waiting StartRun answers too")
+        .unwrap()
+        .expect("StartRun");
+    assert!(first.created && !second.created);
+    let ended = first.run.expect("run");
+    assert_eq!(ended.run_id, accepted.run_id);
+    // The example ends waiting for a human (its specialists conflict).
+    assert_eq!(
+        ended.state,
+        v1::RunState::WaitingApproval as i32,
+        "{ended:#?}"
+    );
+    assert_ne!(
+        ended.outcome,
+        v1::JoinOutcome::Unspecified as i32,
+        "the ended run carries its outcome"
+    );
+    assert!(ended.decision.is_some(), "and its decision");
+    // What the calls answered is the run as stored at its end.
+    let stored = mesh.get_run(ONCALL, &ended.run_id).await;
+    assert_eq!(ended, stored);
+    assert_eq!(second.run.expect("run"), stored);
+    // An ended run is answered at once.
+    let again = tokio::time::timeout(Duration::from_secs(5), start(true))
+        .await
+        .expect("an ended run is answered at once")
+        .expect("StartRun");
+    assert_eq!(again.run.expect("run"), stored);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn start_run_with_wait_answers_when_the_run_ends_in_one_process() {
+    start_run_waits(Mode::InProcess).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn start_run_with_wait_answers_when_the_run_ends_as_processes() {
+    start_run_waits(Mode::Processes).await;
+}

@@ -30,9 +30,8 @@ use std::time::{Duration, Instant};
 use anyhow::Context as _;
 use convene_mesh::auth::request;
 use convene_mesh::handles::{GrpcSupervisor, SupervisorHandle};
-use convene_proto::v1::{self, run_event::Kind};
+use convene_proto::v1;
 use convene_server::Shutdown;
-use futures::StreamExt as _;
 use hdrhistogram::Histogram;
 use serde::Serialize;
 use tokio::sync::Mutex;
@@ -367,13 +366,16 @@ impl Driver {
         })
     }
 
-    /// Starts one run and follows it to its end; returns its terminal state.
+    /// Starts one run and waits for its end (`StartRun` with `wait`: the answer comes
+    /// when the run has ended, one call and one message per run); returns its
+    /// terminal state.
     pub async fn one(&self, spec: &v1::RunSpec) -> anyhow::Result<i32> {
         let run = self
             .supervisor
             .start_run(request(
                 v1::StartRunRequest {
                     spec: Some(spec.clone()),
+                    wait: true,
                 },
                 &self.credential,
             ))
@@ -381,35 +383,13 @@ impl Driver {
             .into_inner()
             .run
             .context("no run returned")?;
-        if crate::report::is_terminal(run.state) {
-            return Ok(run.state);
-        }
-        let mut events = self
-            .supervisor
-            .watch_run(request(
-                v1::WatchRunRequest {
-                    run_id: run.run_id.clone(),
-                    after_sequence: 0,
-                },
-                &self.credential,
-            ))
-            .await?
-            .into_inner();
-        // Read the stream to its end (the supervisor ends it right after the terminal
-        // event): a stream dropped early is reset by the client, and a connection that
-        // resets too many streams (h2's limit is 1024) is closed with every call on it.
-        let mut terminal = None;
-        while let Some(e) = events.next().await {
-            if let Some(Kind::Terminal(t)) = e?.event.and_then(|e| e.kind) {
-                terminal = Some(t.state);
-            }
-        }
-        terminal.with_context(|| {
-            format!(
-                "run {} ended its event stream without a terminal event",
-                run.run_id
-            )
-        })
+        anyhow::ensure!(
+            crate::report::is_terminal(run.state),
+            "run {} was answered before it ended (state {}): the supervisor does not wait for runs; upgrade it",
+            run.run_id,
+            run.state
+        );
+        Ok(run.state)
     }
 }
 

@@ -41,7 +41,10 @@ pub async fn run(client: &Client, file: &Path, opts: &RunOptions) -> anyhow::Res
     let spec = spec::load(file)?;
     let supervisor = client.supervisor()?;
     let started = supervisor
-        .start_run(client.request(v1::StartRunRequest { spec: Some(spec) }))
+        .start_run(client.request(v1::StartRunRequest {
+            spec: Some(spec),
+            wait: false,
+        }))
         .await
         .map_err(|s| client.explain(&s))?
         .into_inner();

@@ -149,6 +149,57 @@ impl SupervisorService {
         }
     }
 
+    /// `run` once it has ended (`StartRun` with `wait`). `watch` was taken before the
+    /// version of `run` at hand was stored or read, and `seen` is the sequence of the
+    /// last event that version holds, when known. The note of this process's commit
+    /// that ended the run carries the run as stored; a note that carries the run's next
+    /// events says by itself that it goes on; any other (a gap, another replica's
+    /// commit, lost notes) is checked in the store.
+    async fn until_ended(
+        &self,
+        mut run: v1::Run,
+        mut watch: crate::watchers::Watch,
+        mut seen: Option<u64>,
+    ) -> Result<v1::Run, Status> {
+        while !is_terminal(run.state) {
+            let read = tokio::select! {
+                changed = watch.receiver().changed() => {
+                    if changed.is_err() {
+                        return Err(Status::unavailable(format!(
+                            "the supervisor stopped watching run {}; it goes on: follow it with WatchRun or GetRun",
+                            run.run_id
+                        )));
+                    }
+                    let note = watch.receiver().borrow_and_update();
+                    if let Some(ended) = &note.ended {
+                        return Ok(ended.as_ref().clone());
+                    }
+                    let next = seen.and_then(|last| note.events_after(last));
+                    seen = next.is_some().then_some(note.sequence);
+                    next.is_none_or(|events| {
+                        events.iter().any(|e| matches!(e.kind, Some(Kind::Terminal(_))))
+                    })
+                }
+                () = self.shutdown.wait() => {
+                    return Err(Status::unavailable(format!(
+                        "the supervisor is shutting down; run {} goes on: follow it with WatchRun or GetRun",
+                        run.run_id
+                    )));
+                }
+            };
+            if read {
+                run = self
+                    .deps
+                    .store
+                    .get(&run.run_id)
+                    .await
+                    .map_err(store_status)?
+                    .ok_or_else(|| no_such_run(&run.run_id))?;
+            }
+        }
+        Ok(run)
+    }
+
     /// Checks that a run of `tenant` exists, as [`Self::run_of_tenant`] does, without
     /// reading the run.
     async fn check_run_of_tenant(&self, run_id: &str, tenant: &str) -> Result<(), Status> {
@@ -311,10 +362,8 @@ impl Supervisor for SupervisorService {
         let principal = self
             .principal(&request, &["runs:start"], "start runs")
             .await?;
-        let spec = request
-            .into_inner()
-            .spec
-            .ok_or_else(|| invalid_field("spec", "required: give the run to start"))?;
+        let v1::StartRunRequest { spec, wait } = request.into_inner();
+        let spec = spec.ok_or_else(|| invalid_field("spec", "required: give the run to start"))?;
         let now = SystemTime::now();
         let domain =
             validate::run_spec(&spec, now).map_err(|e| invalid_field(&e.field, &e.message))?;
@@ -356,6 +405,12 @@ impl Supervisor for SupervisorService {
             plan_span.in_scope(|| self.build_run(identity, &spec, &domain, &principal, now));
         plan_span.record("convene.plan.dropped", run.truncated.len());
         drop(plan_span);
+        // Watched before it is stored, so that no commit of it can pass unseen; the
+        // events stored with it are the last the watch has seen.
+        let watch = wait.then(|| {
+            let stored = ev.run.last().map(|e| e.sequence);
+            (self.watchers.watch(&run.run_id), stored)
+        });
         // The run's task tokens are asked for while the run is stored: neither waits for
         // the other. Tokens of a run that is not stored (a store error, a duplicate
         // idempotency key) never leave this process, and expire.
@@ -386,6 +441,10 @@ impl Supervisor for SupervisorService {
                 } else {
                     trace::record_run_end(&run_span, &run);
                 }
+                let run = match watch {
+                    Some((watch, seen)) => self.until_ended(run, watch, seen).await?,
+                    None => run,
+                };
                 Ok(Response::new(v1::StartRunResponse {
                     run: Some(run),
                     created: true,
@@ -395,8 +454,23 @@ impl Supervisor for SupervisorService {
                 // The span of the run that was not created says which run answered.
                 run_span.record("convene.run.duplicate_of", existing.run_id.as_str());
                 if existing.spec.as_ref() == Some(&spec) {
+                    let run = if wait && !is_terminal(existing.state) {
+                        // Watched from now on, then read again: it may have ended
+                        // between the first read and the watch.
+                        let watch = self.watchers.watch(&existing.run_id);
+                        let run = self
+                            .deps
+                            .store
+                            .get(&existing.run_id)
+                            .await
+                            .map_err(store_status)?
+                            .ok_or_else(|| no_such_run(&existing.run_id))?;
+                        self.until_ended(run, watch, None).await?
+                    } else {
+                        *existing
+                    };
                     Ok(Response::new(v1::StartRunResponse {
-                        run: Some(*existing),
+                        run: Some(run),
                         created: false,
                     }))
                 } else {

@@ -283,12 +283,10 @@ impl SqlRunStore {
         self.creator.as_ref().map(|(me, _)| me.as_str())
     }
 
-    fn announce(&self, run_id: &str, events: &Events) {
+    fn announce(&self, run: &v1::Run, events: &Events) {
         let last_sequence = events.run.last().map_or(0, |e| e.sequence);
         // Nobody listening is fine.
-        let _ = self
-            .notify
-            .send(Committed::of(run_id, last_sequence, events));
+        let _ = self.notify.send(Committed::of(run, last_sequence, events));
     }
 }
 
@@ -415,6 +413,7 @@ async fn poll_once(
             last_sequence,
             cloud,
             events: None,
+            ended: None,
         });
     }
     Ok(())
@@ -684,7 +683,7 @@ impl RunStore for SqlRunStore {
             .await?;
         if matches!(created, Created::New) {
             self.remember(run);
-            self.announce(&run.run_id, events);
+            self.announce(run, events);
         }
         Ok(created)
     }
@@ -761,7 +760,7 @@ impl RunStore for SqlRunStore {
             })
             .await?;
         self.remember(run);
-        self.announce(&run.run_id, events);
+        self.announce(run, events);
         Ok(())
     }
 

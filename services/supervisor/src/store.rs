@@ -203,17 +203,21 @@ pub struct Committed {
     /// the commit (a watcher then needs no read to see them); `None` for commits found
     /// by polling the store, and for commits without run events.
     pub events: Option<Arc<[v1::RunEvent]>>,
+    /// The run as this commit stored it, when the commit ended the run and this process
+    /// made it (a caller waiting for the end then needs no read); `None` otherwise.
+    pub ended: Option<Arc<v1::Run>>,
 }
 
 impl Committed {
-    /// The note of this process's commit of `run_id` that carried `events`, the run's
+    /// The note of this process's commit of `run` that carried `events`, the run's
     /// highest committed sequence being `last_sequence`.
-    pub(crate) fn of(run_id: &str, last_sequence: u64, events: &Events) -> Self {
+    pub(crate) fn of(run: &v1::Run, last_sequence: u64, events: &Events) -> Self {
         Self {
-            run_id: run_id.to_owned(),
+            run_id: run.run_id.clone(),
             last_sequence,
             cloud: !events.cloud.is_empty(),
             events: (!events.run.is_empty()).then(|| Arc::from(events.run.as_slice())),
+            ended: is_terminal(run.state).then(|| Arc::new(run.clone())),
         }
     }
 }
@@ -283,15 +287,15 @@ impl MemoryStore {
         self
     }
 
-    fn append(inner: &mut Inner, run_id: &str, events: &Events) -> Committed {
-        let log = inner.run_events.entry(run_id.to_owned()).or_default();
+    fn append(inner: &mut Inner, run: &v1::Run, events: &Events) -> Committed {
+        let log = inner.run_events.entry(run.run_id.clone()).or_default();
         log.extend(events.run.iter().cloned());
         let last_sequence = log.last().map_or(0, |e| e.sequence);
         for e in &events.cloud {
             inner.outbox_index.insert(e.id.clone(), inner.outbox.len());
             inner.outbox.push(e.clone());
         }
-        Committed::of(run_id, last_sequence, events)
+        Committed::of(run, last_sequence, events)
     }
 }
 
@@ -328,7 +332,7 @@ impl RunStore for MemoryStore {
                     (owner.clone(), SystemTime::now() + *ttl),
                 );
             }
-            Self::append(&mut inner, &run.run_id, events)
+            Self::append(&mut inner, run, events)
         };
         let _ = self.notify.send(committed);
         Ok(Created::New)
@@ -363,7 +367,7 @@ impl RunStore for MemoryStore {
                 .get_mut(&run.run_id)
                 .ok_or_else(|| StoreError::NotFound(run.run_id.clone()))?;
             *stored = run.clone();
-            Self::append(&mut inner, &run.run_id, events)
+            Self::append(&mut inner, run, events)
         };
         let _ = self.notify.send(committed);
         Ok(())

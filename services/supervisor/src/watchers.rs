@@ -31,6 +31,9 @@ pub(crate) struct Note {
     /// The run events of the commit that reported `sequence`, ending with it, when this
     /// process made that commit.
     pub(crate) events: Option<Arc<[v1::RunEvent]>>,
+    /// The run as the commit that reported `sequence` stored it, when that commit ended
+    /// the run and this process made it.
+    pub(crate) ended: Option<Arc<v1::Run>>,
 }
 
 impl Note {
@@ -145,6 +148,7 @@ async fn route(
                         }
                         n.sequence = c.last_sequence;
                         n.events = c.events.clone();
+                        n.ended = c.ended.clone();
                         true
                     });
                 }
@@ -154,6 +158,7 @@ async fn route(
                     sender.send_modify(|n| {
                         n.lost += 1;
                         n.events = None;
+                        n.ended = None;
                     });
                 }
             }
@@ -175,6 +180,7 @@ mod tests {
             last_sequence,
             cloud: false,
             events: None,
+            ended: None,
         }
     }
 
@@ -237,6 +243,7 @@ mod tests {
             sequence,
             lost: 0,
             events: events(seqs),
+            ended: None,
         };
         // Right after what the watcher has: all of them.
         assert_eq!(
@@ -259,7 +266,8 @@ mod tests {
                 Note {
                     sequence: 4,
                     lost: 0,
-                    events: None
+                    events: None,
+                    ended: None,
                 }
                 .events_after(3)
             ),

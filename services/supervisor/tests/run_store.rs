@@ -928,8 +928,7 @@ async fn the_poll_reports_each_run_once_with_its_highest_sequence() {
         // The poll finds these commits in one or more rounds: a round reports a run
         // once, with the highest sequence it read.
         let mut highest: HashMap<String, (u64, bool)> = HashMap::new();
-        while highest.get(&a.run_id).map(|h| h.0) != Some(4) || !highest.contains_key(&b.run_id)
-        {
+        while highest.get(&a.run_id).map(|h| h.0) != Some(4) || !highest.contains_key(&b.run_id) {
             let note = tokio::time::timeout(Duration::from_secs(5), notes.recv())
                 .await
                 .unwrap_or_else(|_| panic!("{}: the poll reports both runs", t.label))

@@ -314,6 +314,7 @@ async fn measure(
                     .start_run(request(
                         v1::StartRunRequest {
                             spec: Some(hold_spec.clone()),
+                            wait: false,
                         },
                         &driver.credential,
                     ))
