@@ -646,16 +646,20 @@ async fn fifty_racing_start_runs(mode: Mode) {
         "{}",
         err.message()
     );
-    let listed = mesh
-        .supervisor()
+    assert_eq!(listed_runs(&mesh).await.len(), 1);
+}
+
+/// The first page of the runs `ONCALL` sees.
+async fn listed_runs(mesh: &TestMesh) -> Vec<v1::Run> {
+    mesh.supervisor()
         .list_runs(request(
             v1::ListRunsRequest::default(),
             &mesh.credential(ONCALL),
         ))
         .await
         .expect("ListRuns")
-        .into_inner();
-    assert_eq!(listed.runs.len(), 1);
+        .into_inner()
+        .runs
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1128,17 +1132,7 @@ async fn start_run_waits(mode: Mode) {
     // The run is stored while the call waits (the mesh is new: it is the only run).
     let deadline = tokio::time::Instant::now() + LIMIT;
     loop {
-        let listed = mesh
-            .supervisor()
-            .list_runs(request(
-                v1::ListRunsRequest::default(),
-                &mesh.credential(ONCALL),
-            ))
-            .await
-            .expect("ListRuns")
-            .into_inner()
-            .runs;
-        if !listed.is_empty() {
+        if !listed_runs(&mesh).await.is_empty() {
             break;
         }
         assert!(

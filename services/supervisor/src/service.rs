@@ -188,16 +188,20 @@ impl SupervisorService {
                 }
             };
             if read {
-                run = self
-                    .deps
-                    .store
-                    .get(&run.run_id)
-                    .await
-                    .map_err(store_status)?
-                    .ok_or_else(|| no_such_run(&run.run_id))?;
+                run = self.stored_run(&run.run_id).await?;
             }
         }
         Ok(run)
+    }
+
+    /// The run as stored, whatever its tenant (callers check it).
+    async fn stored_run(&self, run_id: &str) -> Result<v1::Run, Status> {
+        self.deps
+            .store
+            .get(run_id)
+            .await
+            .map_err(store_status)?
+            .ok_or_else(|| no_such_run(run_id))
     }
 
     /// Checks that a run of `tenant` exists, as [`Self::run_of_tenant`] does, without
@@ -458,13 +462,7 @@ impl Supervisor for SupervisorService {
                         // Watched from now on, then read again: it may have ended
                         // between the first read and the watch.
                         let watch = self.watchers.watch(&existing.run_id);
-                        let run = self
-                            .deps
-                            .store
-                            .get(&existing.run_id)
-                            .await
-                            .map_err(store_status)?
-                            .ok_or_else(|| no_such_run(&existing.run_id))?;
+                        let run = self.stored_run(&existing.run_id).await?;
                         self.until_ended(run, watch, None).await?
                     } else {
                         *existing
