@@ -1203,3 +1203,50 @@ async fn start_run_with_wait_answers_when_the_run_ends_in_one_process() {
 async fn start_run_with_wait_answers_when_the_run_ends_as_processes() {
     start_run_waits(Mode::Processes).await;
 }
+
+/// A `StartRun` waiting for a run when the supervisor shuts down answers UNAVAILABLE,
+/// saying the run goes on, instead of hanging or dropping the call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiting_start_run_answers_unavailable_when_the_supervisor_shuts_down() {
+    let dir = tempfile::tempdir().unwrap();
+    let release = dir.path().join("release");
+    let mesh = TestMesh::start(Mode::InProcess, one_group(held_profiles(&release, None))).await;
+    let supervisor = mesh.supervisor();
+    let credential = mesh.credential(ONCALL);
+    let waiting = tokio::spawn(async move {
+        supervisor
+            .start_run(request(
+                v1::StartRunRequest {
+                    spec: Some(example_spec()),
+                    wait: true,
+                },
+                &credential,
+            ))
+            .await
+    });
+    let deadline = tokio::time::Instant::now() + LIMIT;
+    while listed_runs(&mesh).await.is_empty() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the run is never stored"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(
+        !waiting.is_finished(),
+        "answered while every delegation is held"
+    );
+
+    mesh.stop(Duration::from_secs(10)).await;
+    let status = tokio::time::timeout(LIMIT, waiting)
+        .await
+        .expect("the waiting call answers when the supervisor shuts down")
+        .unwrap()
+        .expect_err("the run has not ended");
+    assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
+    assert!(
+        status.message().contains("shutting down") && status.message().contains("goes on"),
+        "{}",
+        status.message()
+    );
+}
