@@ -1103,6 +1103,42 @@ async fn a_supervisor_shutting_down_commits_the_progress_it_held() {
     std::fs::write(&release, b"").unwrap();
 }
 
+/// A `StartRun` of `spec` as `ONCALL` (waiting for the run's end with `wait`) that can
+/// run as a task of its own.
+fn start_run_call(
+    mesh: &TestMesh,
+    spec: v1::RunSpec,
+    wait: bool,
+) -> impl std::future::Future<Output = Result<v1::StartRunResponse, tonic::Status>> + Send + 'static
+{
+    let supervisor = mesh.supervisor();
+    let credential = mesh.credential(ONCALL);
+    async move {
+        supervisor
+            .start_run(request(
+                v1::StartRunRequest {
+                    spec: Some(spec),
+                    wait,
+                },
+                &credential,
+            ))
+            .await
+            .map(tonic::Response::into_inner)
+    }
+}
+
+/// Waits until a new mesh has stored its first run.
+async fn until_a_run_is_stored(mesh: &TestMesh) {
+    let deadline = tokio::time::Instant::now() + LIMIT;
+    while listed_runs(mesh).await.is_empty() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the run is never stored"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// `StartRun` with `wait` answers once the run has ended, with the ended run; a second
 /// call with the same idempotency key waits for the same run.
 async fn start_run_waits(mode: Mode) {
@@ -1111,36 +1147,10 @@ async fn start_run_waits(mode: Mode) {
     let mesh = TestMesh::start(mode, one_group(held_profiles(&release, None))).await;
     let mut spec = example_spec();
     spec.idempotency_key = "wait-for-me".to_owned();
-    let start = |wait: bool| {
-        let supervisor = mesh.supervisor();
-        let credential = mesh.credential(ONCALL);
-        let spec = spec.clone();
-        async move {
-            supervisor
-                .start_run(request(
-                    v1::StartRunRequest {
-                        spec: Some(spec),
-                        wait,
-                    },
-                    &credential,
-                ))
-                .await
-                .map(tonic::Response::into_inner)
-        }
-    };
+    let start = |wait: bool| start_run_call(&mesh, spec.clone(), wait);
     let first = tokio::spawn(start(true));
     // The run is stored while the call waits (the mesh is new: it is the only run).
-    let deadline = tokio::time::Instant::now() + LIMIT;
-    loop {
-        if !listed_runs(&mesh).await.is_empty() {
-            break;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the run is never stored"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    until_a_run_is_stored(&mesh).await;
     // Without `wait` the same key answers at once, with the run still going.
     let accepted = start(false).await.expect("StartRun");
     assert!(!accepted.created);
@@ -1211,27 +1221,8 @@ async fn a_waiting_start_run_answers_unavailable_when_the_supervisor_shuts_down(
     let dir = tempfile::tempdir().unwrap();
     let release = dir.path().join("release");
     let mesh = TestMesh::start(Mode::InProcess, one_group(held_profiles(&release, None))).await;
-    let supervisor = mesh.supervisor();
-    let credential = mesh.credential(ONCALL);
-    let waiting = tokio::spawn(async move {
-        supervisor
-            .start_run(request(
-                v1::StartRunRequest {
-                    spec: Some(example_spec()),
-                    wait: true,
-                },
-                &credential,
-            ))
-            .await
-    });
-    let deadline = tokio::time::Instant::now() + LIMIT;
-    while listed_runs(&mesh).await.is_empty() {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the run is never stored"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let waiting = tokio::spawn(start_run_call(&mesh, example_spec(), true));
+    until_a_run_is_stored(&mesh).await;
     assert!(
         !waiting.is_finished(),
         "answered while every delegation is held"

@@ -143,9 +143,11 @@ impl SupervisorService {
 
     async fn run_of_tenant(&self, run_id: &str, tenant: &str) -> Result<v1::Run, Status> {
         require_run_id(run_id)?;
-        match self.deps.store.get(run_id).await.map_err(store_status)? {
-            Some(run) if run.tenant == tenant => Ok(run),
-            _ => Err(no_such_run(run_id)),
+        let run = self.stored_run(run_id).await?;
+        if run.tenant == tenant {
+            Ok(run)
+        } else {
+            Err(no_such_run(run_id))
         }
     }
 
