@@ -152,6 +152,7 @@ grpc_adapter!(
     /// The evidence store over gRPC.
     GrpcEvidenceStore, EvidenceStoreClient, EvidenceStore {
         put_artifact: PutArtifactRequest => PutArtifactResponse,
+        put_artifact_batch: PutArtifactBatchRequest => PutArtifactBatchResponse,
         get_artifact: GetArtifactRequest => GetArtifactResponse,
         record_evidence: RecordEvidenceRequest => RecordEvidenceResponse,
         get_evidence: GetEvidenceRequest => GetEvidenceResponse,

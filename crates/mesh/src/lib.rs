@@ -8,8 +8,9 @@
 //! - [`auth`]: who is calling. A bearer credential in `authorization` metadata is either a
 //!   principal's credential (looked up by its SHA-256 in the policy file) or a task token
 //!   (verified offline against the policy service's public keys).
-//! - [`batch`]: a policy handle that sends the tool calls arriving together as one
-//!   `AuthorizeBatch`, for processes that reach the policy service over the network.
+//! - [`batch`]: handles that send the calls arriving together as one batch message
+//!   (`AuthorizeBatch`, `PutArtifactBatch`), for processes that reach the policy
+//!   service and the evidence store over the network.
 //! - [`policy_file`]: the policy file schema shared by the services that read it.
 #![forbid(unsafe_code)]
 

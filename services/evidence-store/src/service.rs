@@ -23,6 +23,9 @@ use crate::validate;
 /// Most evidence ids one GetEvidence call may ask for.
 pub const MAX_EVIDENCE_IDS: usize = 1000;
 
+/// Most puts one PutArtifactBatch call may carry.
+pub const MAX_PUT_BATCH: usize = 256;
+
 /// Most claims one VerifyChain call may verify.
 pub const MAX_CHAIN_CLAIMS: usize = 1000;
 
@@ -618,27 +621,30 @@ fn media_type(given: &str) -> Result<String, Error> {
     Ok(given.to_owned())
 }
 
-#[tonic::async_trait]
-impl v1::evidence_store_server::EvidenceStore for EvidenceStoreService {
-    async fn put_artifact(
+/// The span of one put, whichever call asked for it.
+fn put_span(req: &v1::PutArtifactRequest) -> tracing::Span {
+    tracing::info_span!(
+        "evidence.put",
+        convene.service = "evidence-store",
+        convene.artifact.hash = tracing::field::Empty,
+        convene.artifact.size = req.content.len(),
+        convene.artifact.media_type = %req.media_type,
+        convene.artifact.uri = tracing::field::Empty,
+        convene.artifact.created = tracing::field::Empty,
+        convene.evidence.id = req.evidence.as_ref().map_or("", |e| e.evidence_id.as_str()),
+        convene.tool.call_id = %req.tool_call_id,
+        error.type = tracing::field::Empty,
+    )
+}
+
+impl EvidenceStoreService {
+    /// Stores one put made with the bearer credential of `request`, in `span`, and
+    /// records the outcome on it.
+    async fn put(
         &self,
         request: Request<v1::PutArtifactRequest>,
-    ) -> Result<Response<v1::PutArtifactResponse>, Status> {
-        let span = {
-            let req = request.get_ref();
-            tracing::info_span!(
-                "evidence.put",
-                convene.service = "evidence-store",
-                convene.artifact.hash = tracing::field::Empty,
-                convene.artifact.size = req.content.len(),
-                convene.artifact.media_type = %req.media_type,
-                convene.artifact.uri = tracing::field::Empty,
-                convene.artifact.created = tracing::field::Empty,
-                convene.evidence.id = req.evidence.as_ref().map_or("", |e| e.evidence_id.as_str()),
-                convene.tool.call_id = %req.tool_call_id,
-                error.type = tracing::field::Empty,
-            )
-        };
+        span: tracing::Span,
+    ) -> Result<v1::PutArtifactResponse, Status> {
         let stored = async {
             let claims = self.inner.access.writer(&request, "PutArtifact").await?;
             self.inner
@@ -662,7 +668,73 @@ impl v1::evidence_store_server::EvidenceStore for EvidenceStoreService {
                 convene_telemetry::set_error(&span, status.message().to_owned());
             }
         }
-        Ok(Response::new(stored?))
+        stored
+    }
+}
+
+#[tonic::async_trait]
+impl v1::evidence_store_server::EvidenceStore for EvidenceStoreService {
+    async fn put_artifact(
+        &self,
+        request: Request<v1::PutArtifactRequest>,
+    ) -> Result<Response<v1::PutArtifactResponse>, Status> {
+        let span = put_span(request.get_ref());
+        Ok(Response::new(self.put(request, span).await?))
+    }
+
+    async fn put_artifact_batch(
+        &self,
+        request: Request<v1::PutArtifactBatchRequest>,
+    ) -> Result<Response<v1::PutArtifactBatchResponse>, Status> {
+        let items = request.into_inner().items;
+        if items.is_empty() || items.len() > MAX_PUT_BATCH {
+            return Err(Status::invalid_argument(format!(
+                "items: {} puts given; a batch stores 1 to {MAX_PUT_BATCH} (send more in \
+                 further batches)",
+                items.len()
+            )));
+        }
+        // Every item is stored as its own PutArtifact call, all at once, so their
+        // catalog entries share the catalog's commits.
+        let results = futures::future::join_all(items.into_iter().enumerate().map(|(i, item)| {
+            let v1::PutArtifactBatchItem {
+                token,
+                request,
+                traceparent,
+            } = item;
+            async move {
+                let Some(put) = request else {
+                    return Err(Status::invalid_argument(format!(
+                        "items[{i}].request: missing; give the put to store"
+                    )));
+                };
+                if token.is_empty() {
+                    return Err(Status::unauthenticated(format!(
+                        "items[{i}].token: missing; each put of a batch carries the task \
+                         token of its delegation"
+                    )));
+                }
+                let span = put_span(&put);
+                // The asking tool call's span is the parent; without one, the batch's is.
+                convene_telemetry::continue_trace(&span, &traceparent);
+                let request = convene_mesh::auth::request(put, &token);
+                self.put(request, span).await
+            }
+        }))
+        .await;
+        let results = results
+            .into_iter()
+            .map(|result| v1::PutArtifactBatchResult {
+                result: Some(match result {
+                    Ok(response) => v1::put_artifact_batch_result::Result::Response(response),
+                    Err(status) => v1::put_artifact_batch_result::Result::Error(v1::ItemStatus {
+                        code: status.code() as i32,
+                        message: status.message().to_owned(),
+                    }),
+                }),
+            })
+            .collect();
+        Ok(Response::new(v1::PutArtifactBatchResponse { results }))
     }
 
     async fn get_artifact(

@@ -29,7 +29,7 @@ pub mod tools;
 
 use std::sync::Arc;
 
-use convene_mesh::batch::BatchingPolicy;
+use convene_mesh::batch::{BatchingEvidence, BatchingPolicy};
 use convene_mesh::handles::{
     EvidenceHandle, GrpcEvidenceStore, GrpcPolicy, GrpcSupervisor, GrpcWorkerRegistry,
     PolicyHandle, RegistryHandle, SupervisorHandle,
@@ -119,7 +119,12 @@ pub async fn run(config: Config, shutdown: Shutdown) -> Result<(), Error> {
         "worker",
         convene_mesh::batch::DEFAULT_SLOTS,
     ));
-    let evidence: EvidenceHandle = Arc::new(GrpcEvidenceStore::connect(&config.evidence_endpoint)?);
+    // So are the outputs stored while one is on its way, each under its own token.
+    let evidence: EvidenceHandle = Arc::new(BatchingEvidence::new(
+        Arc::new(GrpcEvidenceStore::connect(&config.evidence_endpoint)?),
+        "worker",
+        convene_mesh::batch::DEFAULT_SLOTS,
+    ));
     let supervisor: SupervisorHandle =
         Arc::new(GrpcSupervisor::connect(&config.supervisor_endpoint)?);
     let worker =

@@ -109,6 +109,8 @@ pub struct Mesh {
     pub config: Config,
     /// The store's server.
     pub server: TestServer,
+    /// The store itself (to serve it behind another server).
+    pub store: EvidenceStoreService,
 }
 
 impl Mesh {
@@ -172,6 +174,7 @@ impl Mesh {
             catalog,
             config,
             server,
+            store,
         }
     }
 
