@@ -50,6 +50,7 @@ impl Capture {
 
     /// Makes the capture this thread's default subscriber until the guard drops.
     pub fn set_default(&self) -> tracing::subscriber::DefaultGuard {
+        keep_interest_shared();
         let tracer = self.provider.tracer(crate::ONE_PROCESS_SERVICE_NAME);
         let subscriber = tracing_subscriber::registry().with(crate::trace_layer(tracer));
         tracing::subscriber::set_default(subscriber)
@@ -59,6 +60,18 @@ impl Capture {
     pub fn spans(&self) -> Vec<SpanData> {
         self.exporter.get_finished_spans().unwrap_or_default()
     }
+}
+
+/// Keeps a second dispatcher registered for the rest of the process.
+///
+/// While only one dispatcher exists, `tracing` decides whether a callsite is enabled,
+/// the first time it is hit, by asking the default subscriber *of the thread that hit
+/// it*. A test running beside a capture, on another thread with no subscriber, would
+/// then disable a span for good before the capture's thread ever creates it. With two
+/// dispatchers registered, every registered dispatcher is asked, the capture included.
+fn keep_interest_shared() {
+    static SECOND: std::sync::OnceLock<tracing::Dispatch> = std::sync::OnceLock::new();
+    SECOND.get_or_init(|| tracing::Dispatch::new(tracing::subscriber::NoSubscriber::default()));
 }
 
 /// One exported span, flattened for assertions.
