@@ -88,7 +88,8 @@ pub struct BenchArgs {
     #[arg(long)]
     pub capacity: Option<u32>,
     /// Database of the started mesh: `sqlite` (the SQLite file in the data directory,
-    /// the default), a SQLite path or sqlite:// URL, a postgres://... URL, or `memory`
+    /// the default; with --processes a file per service, `<service>.db`), a SQLite path
+    /// or sqlite:// URL (shared by every process), a postgres://... URL, or `memory`
     /// (state in memory only).
     #[arg(long = "store", value_name = "URL")]
     pub database_url: Option<String>,

@@ -169,6 +169,57 @@ fn the_closed_loop_runs_in_one_process_and_as_processes() {
         assert!(many.join(format!("logs/{name}.log")).is_file(), "{name}");
     }
     assert_eq!(processes_of(&many), Vec::<u32>::new());
+    if database().is_none() {
+        each_service_kept_its_state_in_a_file_of_its_own(&many, 10);
+    }
+}
+
+/// Rows of `table` in the SQLite file `<dir>/<file>`.
+fn rows(dir: &Path, file: &str, table: &str) -> u64 {
+    let path = dir.join(file);
+    assert!(path.is_file(), "{} is missing", path.display());
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a runtime");
+    runtime.block_on(async {
+        let db = convene_store::Database::connect(&convene_store::sqlite_url(&path))
+            .await
+            .expect("the file opens");
+        let count = db
+            .fetch_optional(convene_store::Statement::built(format!(
+                "SELECT COUNT(*) AS n FROM {table}"
+            )))
+            .await
+            .expect("counted")
+            .expect("one row")
+            .get_u64("n")
+            .expect("a count");
+        db.close().await;
+        count
+    })
+}
+
+/// With `--processes` on the SQLite default, every service writes its own file, so no
+/// commit waits for another process's: the supervisor's runs, the policy service's
+/// decisions and the evidence store's records each in their service's file alone.
+fn each_service_kept_its_state_in_a_file_of_its_own(dir: &Path, runs: u64) {
+    assert!(
+        !dir.join("convene.db").exists(),
+        "a shared file was created"
+    );
+    // The warm-up's runs are stored too.
+    assert!(rows(dir, "supervisor.db", "runs") >= runs);
+    assert!(rows(dir, "policy.db", "decision_log") >= 3 * runs);
+    assert!(rows(dir, "evidence-store.db", "evidence") >= 3 * runs);
+    assert!(rows(dir, "approval.db", "approvals") == 0);
+    for other in ["policy.db", "evidence-store.db", "approval.db"] {
+        assert_eq!(rows(dir, other, "runs"), 0, "{other}");
+    }
+    for other in ["supervisor.db", "evidence-store.db"] {
+        assert_eq!(rows(dir, other, "decision_log"), 0, "{other}");
+    }
+    assert_eq!(rows(dir, "supervisor.db", "evidence"), 0);
 }
 
 #[test]

@@ -1,6 +1,6 @@
 //! A mesh of operating-system processes for `convene bench --processes`: every service
 //! and every worker runs as `convene serve <service>` (this very binary) on its own
-//! loopback port, sharing the bench's data directory and database, talking gRPC.
+//! loopback port, sharing the bench's data directory, talking gRPC.
 //!
 //! The processes are stopped in order at the end (workers, then the supervisor, then
 //! the services it calls: SIGTERM, a grace period, then SIGKILL). They run in their own
@@ -36,7 +36,8 @@ pub struct Options {
     pub profiles: PathBuf,
     /// Directory the workers' tools read.
     pub tools_data: PathBuf,
-    /// Database of every service (None: the SQLite file in the data directory).
+    /// Database every service shares (None: each its own SQLite file,
+    /// `<data_dir>/<service>.db`).
     pub database_url: Option<String>,
     /// Worker processes.
     pub workers: usize,
@@ -93,28 +94,31 @@ impl ProcessMesh {
             supervisor_endpoint: url(supervisor),
             services: Vec::new(),
         };
-        let service = |args: &[&str], port: u16| {
-            let mut cmd = base_command(options, args, port);
-            // Every service reads the bench's policy file and shares one database
-            // (SQLite in the data directory works across processes: WAL and a busy
-            // timeout). Workers do neither: their configuration refuses both keys.
+        let service = |name: &str, port: u16| {
+            let mut cmd = base_command(options, &["serve", name], port);
+            // Every service reads the bench's policy file. Each owns its tables and
+            // nothing reads another's, so on the SQLite default each has a file of its
+            // own in the data directory: their commits do not queue for one file's
+            // write lock. A configured database is shared. Workers have neither: their
+            // configuration refuses both keys.
             cmd.env("CONVENE_POLICY_FILE", &options.policy);
-            if let Some(url) = &options.database_url {
-                cmd.env("CONVENE_DATABASE_URL", url);
-            }
+            let database = options.database_url.clone().unwrap_or_else(|| {
+                convene_store::sqlite_url(&options.data_dir.join(format!("{name}.db")))
+            });
+            cmd.env("CONVENE_DATABASE_URL", database);
             cmd
         };
         // Policy first: it creates the development credentials everyone else reads.
-        let mut cmd = service(&["serve", "policy"], policy);
+        let mut cmd = service("policy", policy);
         // As `convene up` does: decisions in the database rather than a file.
         cmd.env("CONVENE_DECISION_LOG", "database");
         mesh.spawn("policy", cmd, policy, &logs).await?;
-        let mut cmd = service(&["serve", "evidence-store"], evidence);
+        let mut cmd = service("evidence-store", evidence);
         cmd.env("CONVENE_POLICY_ENDPOINT", url(policy));
         mesh.spawn("evidence-store", cmd, evidence, &logs).await?;
-        let cmd = service(&["serve", "approval"], approval);
+        let cmd = service("approval", approval);
         mesh.spawn("approval", cmd, approval, &logs).await?;
-        let mut cmd = service(&["serve", "supervisor"], supervisor);
+        let mut cmd = service("supervisor", supervisor);
         cmd.env("CONVENE_POLICY_ENDPOINT", url(policy))
             .env("CONVENE_EVIDENCE_ENDPOINT", url(evidence))
             .env("CONVENE_APPROVAL_ENDPOINT", url(approval))
