@@ -119,6 +119,10 @@ pub struct BenchArgs {
         conflicts_with = "endpoint"
     )]
     pub commit_linger: Duration,
+    /// The payment-incident example the workloads are built from: its policy,
+    /// profiles, run spec and data (a relative path is from the current directory).
+    #[arg(long, value_name = "DIR", default_value = "examples/payment-incident")]
+    pub example: PathBuf,
     /// Print one JSON object instead of the human summary.
     #[arg(long)]
     pub json: bool,
@@ -268,10 +272,20 @@ join: { strategy: JOIN_STRATEGY_ALL, minimum: { count: 3 } }
 limits: { timeout: 60s }
 "#;
 
-/// Writes what `workload` needs into `dir`.
-pub fn prepare(workload: Workload, dir: &Path, repo: &Path) -> anyhow::Result<Prepared> {
+/// Writes what `workload` needs into `dir`, from the payment-incident example in
+/// `example`.
+pub fn prepare(workload: Workload, dir: &Path, example: &Path) -> anyhow::Result<Prepared> {
+    let example = std::path::absolute(example)
+        .with_context(|| format!("cannot resolve {}", example.display()))?;
+    anyhow::ensure!(
+        example.join("policy.yaml").is_file(),
+        "no payment-incident example at {} (its policy.yaml, profiles.yaml, run.yaml and \
+         data/, which the bench builds its workloads from): run convene bench from the \
+         root of the convene repository, or pass --example <path to its \
+         examples/payment-incident>",
+        example.display()
+    );
     std::fs::create_dir_all(dir)?;
-    let example = repo.join("examples/payment-incident");
     let read = |p: &Path| {
         std::fs::read_to_string(p).with_context(|| format!("cannot read {}", p.display()))
     };
@@ -730,13 +744,12 @@ async fn interrupted() -> &'static str {
 pub async fn run(args: &BenchArgs, data_dir: Option<&Path>) -> anyhow::Result<Outcome> {
     anyhow::ensure!(args.concurrency > 0, "--concurrency must be at least 1");
     anyhow::ensure!(args.workers > 0, "--workers must be at least 1");
-    let repo = std::env::current_dir()?;
     let scratch = tempfile::tempdir()?;
     let dir = data_dir.map_or_else(|| scratch.path().to_owned(), Path::to_owned);
     if let Some(n) = args.scale {
-        return scale::run(args, n, &dir, &repo).await;
+        return scale::run(args, n, &dir).await;
     }
-    let prepared = prepare(args.workload, &dir.join("bench"), &repo)?;
+    let prepared = prepare(args.workload, &dir.join("bench"), &args.example)?;
     if let Some(endpoint) = &args.endpoint {
         let c =
             client::Client::resolve(endpoint.clone(), None, &dir, None, args.credential.clone())?;

@@ -310,20 +310,9 @@ fn an_interrupted_bench_stops_every_process_it_started() {
     assert_eq!(processes_of(dir.path()), Vec::<u32>::new());
 }
 
-/// `--store sqlite` names the default: the SQLite file in the data directory, not a file
-/// called "sqlite".
-#[test]
-fn store_sqlite_is_the_data_directorys_database() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let data = dir.path().join("data");
-    let repo = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
-    let stray = repo.join("sqlite");
-    let out = convene()
-        .args(["bench", "--workload", "noop", "--runs", "3", "--json"])
-        .args(["--warmup", "0", "--store", "sqlite", "--data-dir"])
-        .arg(&data)
-        .output()
-        .expect("convene runs");
+/// Checks that a `convene bench --runs 3 --json` succeeded and measured three runs, none
+/// of them failed.
+fn three_runs_without_errors(out: &Output) {
     assert!(
         out.status.success(),
         "{}",
@@ -339,7 +328,57 @@ fn store_sqlite_is_the_data_directorys_database() {
     .expect("one JSON object");
     assert_eq!(u64_of(&report, "runs"), 3, "{report}");
     assert_eq!(u64_of(&report, "errors"), 0, "{report}");
+}
+
+/// `--store sqlite` names the default: the SQLite file in the data directory, not a file
+/// called "sqlite".
+#[test]
+fn store_sqlite_is_the_data_directorys_database() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let data = dir.path().join("data");
+    let repo = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let stray = repo.join("sqlite");
+    let out = convene()
+        .args(["bench", "--workload", "noop", "--runs", "3", "--json"])
+        .args(["--warmup", "0", "--store", "sqlite", "--data-dir"])
+        .arg(&data)
+        .output()
+        .expect("convene runs");
+    three_runs_without_errors(&out);
     assert!(data.join("convene.db").exists());
     assert!(!stray.exists(), "a file named sqlite was created");
     assert!(!data.join("sqlite").exists());
+}
+
+/// The workloads come from the payment-incident example: outside the repository the
+/// bench says where it looked and how to point it at the example, and with `--example`
+/// it runs from any directory.
+#[test]
+fn the_example_is_found_from_any_directory_with_example() {
+    let elsewhere = tempfile::tempdir().expect("tempdir");
+    let example = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../examples/payment-incident");
+    let run = |extra: &[&std::ffi::OsStr]| {
+        convene()
+            .current_dir(elsewhere.path())
+            .args(["bench", "--workload", "noop", "--runs", "3", "--json"])
+            .args(["--warmup", "0", "--data-dir"])
+            .arg(elsewhere.path().join("data"))
+            .args(extra)
+            .output()
+            .expect("convene runs")
+    };
+
+    let out = run(&[]);
+    assert!(!out.status.success(), "ran without the example");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("no payment-incident example at") && err.contains("--example"),
+        "{err}"
+    );
+    let looked_at = std::path::absolute(elsewhere.path().join("examples/payment-incident"))
+        .expect("an absolute path");
+    assert!(err.contains(&looked_at.display().to_string()), "{err}");
+
+    let out = run(&["--example".as_ref(), example.as_os_str()]);
+    three_runs_without_errors(&out);
 }

@@ -91,8 +91,8 @@ struct Hold {
 
 /// Writes the noop workload plus the `hold` profile into `dir`; returns it, the hold
 /// run's spec and the hold files.
-fn prepare_hold(dir: &Path, repo: &Path) -> anyhow::Result<(Prepared, v1::RunSpec, Hold)> {
-    let prepared = prepare(Workload::Noop, dir, repo)?;
+fn prepare_hold(dir: &Path, example: &Path) -> anyhow::Result<(Prepared, v1::RunSpec, Hold)> {
+    let prepared = prepare(Workload::Noop, dir, example)?;
     let hold_dir = dir.join("hold");
     std::fs::create_dir_all(&hold_dir)?;
     let hold = Hold {
@@ -240,14 +240,9 @@ async fn wait_until(
 }
 
 /// The scale run (see the [module docs](self)).
-pub(super) async fn run(
-    args: &BenchArgs,
-    n: u64,
-    dir: &Path,
-    repo: &Path,
-) -> anyhow::Result<Outcome> {
+pub(super) async fn run(args: &BenchArgs, n: u64, dir: &Path) -> anyhow::Result<Outcome> {
     anyhow::ensure!(n > 0, "--scale must be at least 1");
-    let (prepared, hold_spec, hold) = prepare_hold(&dir.join("bench"), repo)?;
+    let (prepared, hold_spec, hold) = prepare_hold(&dir.join("bench"), &args.example)?;
     let delegations = n.saturating_mul(DELEGATIONS_PER_RUN);
     let workers = u64::try_from(args.workers.max(1)).unwrap_or(u64::MAX);
     // Every delegation must find a free slot while all the others are held.
