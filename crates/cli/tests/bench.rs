@@ -53,6 +53,11 @@ fn bench(dir: &Path, args: &[&str]) -> Value {
         out.status,
         String::from_utf8_lossy(&out.stderr)
     );
+    report_of(&out)
+}
+
+/// The JSON report on the last line of a `convene bench --json`'s standard output.
+fn report_of(out: &Output) -> Value {
     let stdout = String::from_utf8_lossy(&out.stdout);
     let line = stdout.lines().last().unwrap_or_default();
     serde_json::from_str(line).unwrap_or_else(|e| panic!("not one JSON object ({e}): {stdout}"))
@@ -318,14 +323,7 @@ fn three_runs_without_errors(out: &Output) {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let report: Value = serde_json::from_slice(
-        String::from_utf8_lossy(&out.stdout)
-            .lines()
-            .last()
-            .unwrap_or_default()
-            .as_bytes(),
-    )
-    .expect("one JSON object");
+    let report = report_of(out);
     assert_eq!(u64_of(&report, "runs"), 3, "{report}");
     assert_eq!(u64_of(&report, "errors"), 0, "{report}");
 }
