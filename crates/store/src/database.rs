@@ -219,14 +219,15 @@ impl Database {
                     url: shown.clone(),
                     source: source.into(),
                 })?;
-            sqlx::migrate!("./migrations/postgres")
-                .run(&pool)
-                .await
-                .map_err(|source| Error::Migration {
-                    backend: Backend::Postgres,
-                    url: shown.clone(),
-                    source,
-                })?;
+            let migrated = match crate::migrations::postgres().await {
+                Ok(migrator) => migrator.run(&pool).await,
+                Err(e) => Err(e),
+            };
+            migrated.map_err(|source| Error::Migration {
+                backend: Backend::Postgres,
+                url: shown.clone(),
+                source,
+            })?;
             Self::new(Pool::Postgres(pool), &shown)
         } else {
             let options = sqlite_options(url).map_err(bad)?;
@@ -495,7 +496,10 @@ async fn migrate_sqlite(options: SqliteConnectOptions, shown: &str) -> Result<()
                 });
             }
         };
-        let outcome = sqlx::migrate!("./migrations/sqlite").run(&pool).await;
+        let outcome = match crate::migrations::sqlite().await {
+            Ok(migrator) => migrator.run(&pool).await,
+            Err(e) => Err(e),
+        };
         pool.close().await;
         match outcome {
             Ok(()) => return Ok(()),

@@ -30,6 +30,7 @@ mod combine;
 mod database;
 mod error;
 mod group;
+mod migrations;
 mod sqlite;
 mod statement;
 pub mod time;
