@@ -22,4 +22,4 @@ pub mod permissions;
 pub mod time;
 pub mod validate;
 
-pub use error::{Rule, ValidationError};
+pub use error::{FieldPath, Rule, ValidationError};

@@ -18,7 +18,7 @@ use std::time::SystemTime;
 use convene_proto::v1;
 
 use crate::time::{from_timestamp, to_timestamp};
-use crate::{Rule, ValidationError};
+use crate::{FieldPath, Rule, ValidationError};
 
 /// An exact string or a `*`-suffixed prefix.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -238,18 +238,22 @@ impl Permission {
     }
 
     /// Converts a wire scope, naming `field` when it is invalid.
-    pub fn from_proto(p: &v1::PermissionScope, field: &str) -> Result<Self, ValidationError> {
+    pub fn from_proto(
+        p: &v1::PermissionScope,
+        field: &(impl fmt::Display + ?Sized),
+    ) -> Result<Self, ValidationError> {
+        let field = FieldPath::shown(&field);
         let action = Pattern::parse(&p.action)
-            .map_err(|m| ValidationError::new(format!("{field}.action"), Rule::Format, m))?;
+            .map_err(|m| ValidationError::new(field.at("action"), Rule::Format, m))?;
         let resource = Pattern::parse(&p.resource)
-            .map_err(|m| ValidationError::new(format!("{field}.resource"), Rule::Format, m))?;
+            .map_err(|m| ValidationError::new(field.at("resource"), Rule::Format, m))?;
         let data = match &p.data_scope {
             None => DataConstraints::unconstrained(),
             Some(ds) => DataConstraints {
                 time: match &ds.time_range {
                     None => TimeWindow::unbounded(),
                     Some(tr) => {
-                        time_window_from_proto(tr, &format!("{field}.data_scope.time_range"))?
+                        time_window_from_proto(tr, &field.at("data_scope").at("time_range"))?
                     }
                 },
                 max_rows: (ds.max_rows > 0).then_some(ds.max_rows),
@@ -292,17 +296,18 @@ impl fmt::Display for Permission {
 /// Converts a wire time range, naming `field` when it is invalid or empty.
 pub fn time_window_from_proto(
     tr: &v1::TimeRange,
-    field: &str,
+    field: &(impl fmt::Display + ?Sized),
 ) -> Result<TimeWindow, ValidationError> {
+    let field = FieldPath::shown(&field);
     let start = tr
         .start
         .as_ref()
-        .map(|t| from_timestamp(t, &format!("{field}.start")))
+        .map(|t| from_timestamp(t, &field.at("start")))
         .transpose()?;
     let end = tr
         .end
         .as_ref()
-        .map(|t| from_timestamp(t, &format!("{field}.end")))
+        .map(|t| from_timestamp(t, &field.at("end")))
         .transpose()?;
     let w = TimeWindow { start, end };
     if w.is_empty() {
@@ -358,12 +363,13 @@ impl PermissionSet {
     /// Converts wire scopes, naming `field[i]` for an invalid one.
     pub fn from_proto(
         scopes: &[v1::PermissionScope],
-        field: &str,
+        field: &(impl fmt::Display + ?Sized),
     ) -> Result<Self, ValidationError> {
+        let field = FieldPath::shown(&field);
         let perms = scopes
             .iter()
             .enumerate()
-            .map(|(i, s)| Permission::from_proto(s, &format!("{field}[{i}]")))
+            .map(|(i, s)| Permission::from_proto(s, &field.nth(i)))
             .collect::<Result<Vec<_>, _>>()?;
         Ok(Self::from_permissions(perms))
     }

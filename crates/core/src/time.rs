@@ -1,5 +1,6 @@
 //! Conversions between wire timestamps/durations and `std::time`.
 
+use std::fmt;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use crate::{Rule, ValidationError};
@@ -7,11 +8,11 @@ use crate::{Rule, ValidationError};
 /// Converts a wire timestamp into a `SystemTime`, naming `field` when it is out of range.
 pub fn from_timestamp(
     ts: &prost_types::Timestamp,
-    field: &str,
+    field: &(impl fmt::Display + ?Sized),
 ) -> Result<SystemTime, ValidationError> {
     if ts.nanos < 0 || ts.nanos >= 1_000_000_000 || ts.seconds < 0 {
         return Err(ValidationError::new(
-            field,
+            field.to_string(),
             Rule::Range,
             "timestamp must be after 1970-01-01 with nanos in [0, 1e9)",
         ));
@@ -27,10 +28,13 @@ pub fn to_timestamp(t: SystemTime) -> prost_types::Timestamp {
 
 /// Converts a wire duration into a `Duration`, naming `field` when it is negative or
 /// malformed.
-pub fn from_duration(d: &prost_types::Duration, field: &str) -> Result<Duration, ValidationError> {
+pub fn from_duration(
+    d: &prost_types::Duration,
+    field: &(impl fmt::Display + ?Sized),
+) -> Result<Duration, ValidationError> {
     if d.seconds < 0 || d.nanos < 0 || d.nanos >= 1_000_000_000 {
         return Err(ValidationError::new(
-            field,
+            field.to_string(),
             Rule::Range,
             "duration must not be negative",
         ));

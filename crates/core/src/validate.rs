@@ -24,7 +24,7 @@ use convene_proto::v1;
 use crate::model::{self, Budget, JoinMinimum, Limits, TaskScope};
 use crate::permissions::{self, Pattern, Permission, PermissionSet};
 use crate::time::{from_duration, from_timestamp, to_timestamp};
-use crate::{Rule, ValidationError};
+use crate::{FieldPath, Rule, ValidationError};
 
 /// Longest accepted goal, in characters.
 pub const MAX_GOAL_CHARS: usize = 4096;
@@ -45,14 +45,14 @@ const ARTIFACT_SCHEME: &str = "artifact://";
 /// resolves the join's and the limits' timeouts into deadlines and is the instant
 /// absolute deadlines must lie after.
 pub fn run_spec(spec: &v1::RunSpec, now: SystemTime) -> Result<model::RunSpec, ValidationError> {
-    const ROOT: &str = "spec";
+    const ROOT: &FieldPath<'static> = &FieldPath::new("spec");
     let goal = goal(&spec.goal, &at(ROOT, "goal"))?;
     let idempotency_key = idempotency_key(&spec.idempotency_key, &at(ROOT, "idempotency_key"))?;
     let plan = static_plan(spec, ROOT)?;
 
     let join_field = at(ROOT, "join");
     let join = match &spec.join {
-        Some(j) => join_contract(j, now, &join_field)?,
+        Some(j) => join_contract_at(j, now, &join_field)?,
         None => {
             return Err(ValidationError::new(
                 join_field,
@@ -66,7 +66,7 @@ pub fn run_spec(spec: &v1::RunSpec, now: SystemTime) -> Result<model::RunSpec, V
     };
     join_fits_plan(&join, &plan, &join_field)?;
 
-    let limits = limits(spec.limits.as_ref(), now, &at(ROOT, "limits"))?;
+    let limits = limits_at(spec.limits.as_ref(), now, &at(ROOT, "limits"))?;
     let labels = labels(&spec.labels, &at(ROOT, "labels"))?;
     Ok(model::RunSpec {
         goal,
@@ -83,6 +83,13 @@ pub fn planned_task(
     p: &v1::PlannedDelegation,
     field: &str,
 ) -> Result<model::PlannedTask, ValidationError> {
+    planned_task_at(p, &FieldPath::new(field))
+}
+
+fn planned_task_at(
+    p: &v1::PlannedDelegation,
+    field: &FieldPath<'_>,
+) -> Result<model::PlannedTask, ValidationError> {
     let name = plan_name(&p.name, &at(field, "name"))?;
     let profile_id = required_str(&p.profile_id, &at(field, "profile_id"))?;
     let goal = goal(&p.goal, &at(field, "goal"))?;
@@ -93,11 +100,9 @@ pub fn planned_task(
         artifact_uri(v, f)
     })?;
     let allowed_tools = tools(&p.allowed_tools, &at(field, "allowed_tools"))?;
-    let required_scopes = each(
-        &p.required_scopes,
-        &at(field, "required_scopes"),
-        Permission::from_proto,
-    )?;
+    let required_scopes = each(&p.required_scopes, &at(field, "required_scopes"), |s, f| {
+        Permission::from_proto(s, f)
+    })?;
     let timeout = p
         .timeout
         .as_ref()
@@ -127,6 +132,14 @@ pub fn join_contract(
     j: &v1::JoinContract,
     run_start: SystemTime,
     field: &str,
+) -> Result<model::JoinContract, ValidationError> {
+    join_contract_at(j, run_start, &FieldPath::new(field))
+}
+
+fn join_contract_at(
+    j: &v1::JoinContract,
+    run_start: SystemTime,
+    field: &FieldPath<'_>,
 ) -> Result<model::JoinContract, ValidationError> {
     let required = references(&j.required, &at(field, "required"))?;
     let optional = references(&j.optional, &at(field, "optional"))?;
@@ -186,6 +199,14 @@ pub fn limits(
     l: Option<&v1::Limits>,
     run_start: SystemTime,
     field: &str,
+) -> Result<Limits, ValidationError> {
+    limits_at(l, run_start, &FieldPath::new(field))
+}
+
+fn limits_at(
+    l: Option<&v1::Limits>,
+    run_start: SystemTime,
+    field: &FieldPath<'_>,
 ) -> Result<Limits, ValidationError> {
     let Some(l) = l else {
         return Ok(Limits::defaults(run_start));
@@ -267,6 +288,13 @@ pub fn worker_profile(
     p: &v1::WorkerProfile,
     field: &str,
 ) -> Result<model::WorkerProfile, ValidationError> {
+    worker_profile_at(p, &FieldPath::new(field))
+}
+
+fn worker_profile_at(
+    p: &v1::WorkerProfile,
+    field: &FieldPath<'_>,
+) -> Result<model::WorkerProfile, ValidationError> {
     let id = profile_id(&p.id, &at(field, "id"))?;
     let name = match p.name.trim() {
         "" => id.clone(),
@@ -334,6 +362,14 @@ pub fn task_result(
     task: &v1::DelegationTask,
     field: &str,
 ) -> Result<(), ValidationError> {
+    task_result_at(r, task, &FieldPath::new(field))
+}
+
+fn task_result_at(
+    r: &v1::TaskResult,
+    task: &v1::DelegationTask,
+    field: &FieldPath<'_>,
+) -> Result<(), ValidationError> {
     let delegation_field = at(field, "delegation_id");
     let delegation_id = required_str(&r.delegation_id, &delegation_field)?;
     if delegation_id != task.delegation_id {
@@ -381,6 +417,13 @@ pub fn task_result(
 /// below the top level), a goal, a deadline, well-formed scope, inputs, tools, evidence
 /// prefixes, scopes and budget.
 pub fn delegation_task(t: &v1::DelegationTask, field: &str) -> Result<(), ValidationError> {
+    delegation_task_at(t, &FieldPath::new(field))
+}
+
+fn delegation_task_at(
+    t: &v1::DelegationTask,
+    field: &FieldPath<'_>,
+) -> Result<(), ValidationError> {
     required_str(&t.delegation_id, &at(field, "delegation_id"))?;
     required_str(&t.run_id, &at(field, "run_id"))?;
     if t.depth == 0 {
@@ -413,11 +456,9 @@ pub fn delegation_task(t: &v1::DelegationTask, field: &str) -> Result<(), Valida
         &at(field, "allowed_evidence_prefixes"),
         |v, f| evidence_prefix(v, f),
     )?;
-    each(
-        &t.required_scopes,
-        &at(field, "required_scopes"),
-        Permission::from_proto,
-    )?;
+    each(&t.required_scopes, &at(field, "required_scopes"), |s, f| {
+        Permission::from_proto(s, f)
+    })?;
     let deadline_field = at(field, "deadline");
     match &t.deadline {
         Some(d) => from_timestamp(d, &deadline_field).map(drop)?,
@@ -436,7 +477,10 @@ pub fn delegation_task(t: &v1::DelegationTask, field: &str) -> Result<(), Valida
 // ---------------------------------------------------------------------------------------
 // Run-level pieces.
 
-fn static_plan(spec: &v1::RunSpec, root: &str) -> Result<Vec<model::PlannedTask>, ValidationError> {
+fn static_plan(
+    spec: &v1::RunSpec,
+    root: &FieldPath<'_>,
+) -> Result<Vec<model::PlannedTask>, ValidationError> {
     let field = at(root, "delegations");
     match (spec.delegations.is_empty(), spec.planner.is_some()) {
         (false, true) => Err(ValidationError::new(
@@ -466,7 +510,7 @@ fn static_plan(spec: &v1::RunSpec, root: &str) -> Result<Vec<model::PlannedTask>
                     ),
                 ));
             }
-            let plan = each(&spec.delegations, &field, planned_task)?;
+            let plan = each(&spec.delegations, &field, planned_task_at)?;
             no_duplicates(plan.iter().map(|t| t.name.as_str()), &field, ".name")?;
             Ok(plan)
         }
@@ -478,11 +522,11 @@ fn static_plan(spec: &v1::RunSpec, root: &str) -> Result<Vec<model::PlannedTask>
 fn join_fits_plan(
     join: &model::JoinContract,
     plan: &[model::PlannedTask],
-    field: &str,
+    field: &FieldPath<'_>,
 ) -> Result<(), ValidationError> {
     let names: BTreeSet<&str> = plan.iter().map(|t| t.name.as_str()).collect();
     let profiles: BTreeSet<&str> = plan.iter().map(|t| t.profile_id.as_str()).collect();
-    let check = |reference: &str, ref_field: String| {
+    let check = |reference: &str, ref_field: FieldPath<'_>| {
         if names.contains(reference) || profiles.contains(reference) {
             return Ok(());
         }
@@ -519,13 +563,13 @@ fn join_fits_plan(
     Ok(())
 }
 
-fn goal(value: &str, field: &str) -> Result<String, ValidationError> {
+fn goal(value: &str, field: &FieldPath<'_>) -> Result<String, ValidationError> {
     let goal = required_str(value, field)?;
     max_chars(&goal, MAX_GOAL_CHARS, field)?;
     Ok(goal)
 }
 
-fn idempotency_key(value: &str, field: &str) -> Result<Option<String>, ValidationError> {
+fn idempotency_key(value: &str, field: &FieldPath<'_>) -> Result<Option<String>, ValidationError> {
     if value.is_empty() {
         return Ok(None);
     }
@@ -542,7 +586,7 @@ fn idempotency_key(value: &str, field: &str) -> Result<Option<String>, Validatio
 
 fn labels(
     labels: &HashMap<String, String>,
-    field: &str,
+    field: &FieldPath<'_>,
 ) -> Result<BTreeMap<String, String>, ValidationError> {
     let sorted: BTreeMap<String, String> =
         labels.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
@@ -559,13 +603,16 @@ fn labels(
 // ---------------------------------------------------------------------------------------
 // Join pieces.
 
-fn references(values: &[String], field: &str) -> Result<Vec<String>, ValidationError> {
+fn references(values: &[String], field: &FieldPath<'_>) -> Result<Vec<String>, ValidationError> {
     let refs = non_blank_list(values, field)?;
     no_duplicates(refs.iter().map(String::as_str), field, "")?;
     Ok(refs)
 }
 
-fn join_minimum(m: Option<&v1::JoinMinimum>, field: &str) -> Result<JoinMinimum, ValidationError> {
+fn join_minimum(
+    m: Option<&v1::JoinMinimum>,
+    field: &FieldPath<'_>,
+) -> Result<JoinMinimum, ValidationError> {
     let Some(m) = m else {
         return Ok(JoinMinimum {
             count: 1,
@@ -595,7 +642,7 @@ fn join_minimum(m: Option<&v1::JoinMinimum>, field: &str) -> Result<JoinMinimum,
 
 fn weights(
     weights: &HashMap<String, f64>,
-    field: &str,
+    field: &FieldPath<'_>,
 ) -> Result<BTreeMap<String, f64>, ValidationError> {
     // Sorted first, so the error reported for several bad entries does not depend on the
     // map's iteration order.
@@ -622,7 +669,7 @@ fn resolve_deadline(
     deadline: Option<&prost_types::Timestamp>,
     timeout: Option<&prost_types::Duration>,
     run_start: SystemTime,
-    field: &str,
+    field: &FieldPath<'_>,
 ) -> Result<Option<SystemTime>, ValidationError> {
     match (deadline, timeout) {
         (Some(_), Some(_)) => Err(ValidationError::new(
@@ -659,7 +706,10 @@ fn resolve_deadline(
 // ---------------------------------------------------------------------------------------
 // Task pieces, shared by planned and dispatched tasks.
 
-fn task_scope(scope: Option<&v1::TaskScope>, field: &str) -> Result<TaskScope, ValidationError> {
+fn task_scope(
+    scope: Option<&v1::TaskScope>,
+    field: &FieldPath<'_>,
+) -> Result<TaskScope, ValidationError> {
     let Some(scope) = scope else {
         return Ok(TaskScope::default());
     };
@@ -680,7 +730,7 @@ fn task_scope(scope: Option<&v1::TaskScope>, field: &str) -> Result<TaskScope, V
     })
 }
 
-fn budget(b: Option<&v1::Budget>, field: &str) -> Result<Budget, ValidationError> {
+fn budget(b: Option<&v1::Budget>, field: &FieldPath<'_>) -> Result<Budget, ValidationError> {
     let Some(b) = b else {
         return Ok(Budget::default());
     };
@@ -697,7 +747,7 @@ fn budget(b: Option<&v1::Budget>, field: &str) -> Result<Budget, ValidationError
     })
 }
 
-fn tools(values: &[String], field: &str) -> Result<Vec<String>, ValidationError> {
+fn tools(values: &[String], field: &FieldPath<'_>) -> Result<Vec<String>, ValidationError> {
     each(values, field, |t, f| {
         let well_formed = t.split_once('@').is_some_and(|(name, version)| {
             !name.is_empty()
@@ -717,7 +767,11 @@ fn tools(values: &[String], field: &str) -> Result<Vec<String>, ValidationError>
     })
 }
 
-fn claim(c: &v1::Claim, allowed_prefixes: &[String], field: &str) -> Result<(), ValidationError> {
+fn claim(
+    c: &v1::Claim,
+    allowed_prefixes: &[String],
+    field: &FieldPath<'_>,
+) -> Result<(), ValidationError> {
     let claim_id = required_str(&c.claim_id, &at(field, "claim_id"))?;
     required_str(&c.topic, &at(field, "topic"))?;
     required_str(&c.value, &at(field, "value"))?;
@@ -767,7 +821,7 @@ fn describe_prefixes(prefixes: &[String]) -> String {
 // ---------------------------------------------------------------------------------------
 // Field-level rules.
 
-fn required_str(value: &str, field: &str) -> Result<String, ValidationError> {
+fn required_str(value: &str, field: &FieldPath<'_>) -> Result<String, ValidationError> {
     match value.trim() {
         "" => Err(ValidationError::new(
             field,
@@ -778,7 +832,7 @@ fn required_str(value: &str, field: &str) -> Result<String, ValidationError> {
     }
 }
 
-fn max_chars(value: &str, max: usize, field: &str) -> Result<(), ValidationError> {
+fn max_chars(value: &str, max: usize, field: &FieldPath<'_>) -> Result<(), ValidationError> {
     let len = value.chars().count();
     if len > max {
         return Err(ValidationError::new(
@@ -793,11 +847,14 @@ fn max_chars(value: &str, max: usize, field: &str) -> Result<(), ValidationError
     Ok(())
 }
 
-fn non_blank_list(values: &[String], field: &str) -> Result<Vec<String>, ValidationError> {
+fn non_blank_list(
+    values: &[String],
+    field: &FieldPath<'_>,
+) -> Result<Vec<String>, ValidationError> {
     each(values, field, |v, f| required_str(v, f))
 }
 
-fn plan_name(value: &str, field: &str) -> Result<String, ValidationError> {
+fn plan_name(value: &str, field: &FieldPath<'_>) -> Result<String, ValidationError> {
     if value.is_empty() {
         return Err(ValidationError::new(
             field,
@@ -817,7 +874,7 @@ fn plan_name(value: &str, field: &str) -> Result<String, ValidationError> {
     Ok(value.to_owned())
 }
 
-fn profile_id(value: &str, field: &str) -> Result<String, ValidationError> {
+fn profile_id(value: &str, field: &FieldPath<'_>) -> Result<String, ValidationError> {
     if value.is_empty() {
         return Err(ValidationError::new(
             field,
@@ -837,7 +894,7 @@ fn profile_id(value: &str, field: &str) -> Result<String, ValidationError> {
     Ok(value.to_owned())
 }
 
-fn artifact_uri(value: &str, field: &str) -> Result<String, ValidationError> {
+fn artifact_uri(value: &str, field: &FieldPath<'_>) -> Result<String, ValidationError> {
     match value.strip_prefix(ARTIFACT_SCHEME) {
         Some(rest) if !rest.is_empty() => Ok(value.to_owned()),
         _ => Err(ValidationError::new(
@@ -850,7 +907,7 @@ fn artifact_uri(value: &str, field: &str) -> Result<String, ValidationError> {
 
 /// An evidence prefix looks like `scheme://...`: a URI scheme (a letter, then letters,
 /// digits, `+`, `-` or `.`), `://`, and no whitespace.
-fn evidence_prefix(value: &str, field: &str) -> Result<String, ValidationError> {
+fn evidence_prefix(value: &str, field: &FieldPath<'_>) -> Result<String, ValidationError> {
     let well_formed = value.split_once("://").is_some_and(|(scheme, _)| {
         let mut chars = scheme.chars();
         chars.next().is_some_and(|c| c.is_ascii_alphabetic())
@@ -867,7 +924,10 @@ fn evidence_prefix(value: &str, field: &str) -> Result<String, ValidationError> 
     }
 }
 
-fn positive_duration(d: &prost_types::Duration, field: &str) -> Result<Duration, ValidationError> {
+fn positive_duration(
+    d: &prost_types::Duration,
+    field: &FieldPath<'_>,
+) -> Result<Duration, ValidationError> {
     let d = from_duration(d, field)?;
     if d.is_zero() {
         return Err(ValidationError::new(
@@ -885,7 +945,7 @@ fn positive_duration(d: &prost_types::Duration, field: &str) -> Result<Duration,
 fn add_duration(
     start: SystemTime,
     d: Duration,
-    field: &str,
+    field: &FieldPath<'_>,
 ) -> Result<SystemTime, ValidationError> {
     start.checked_add(d).ok_or_else(|| {
         ValidationError::new(
@@ -898,7 +958,7 @@ fn add_duration(
 
 fn finite_number(
     value: f64,
-    field: &str,
+    field: &FieldPath<'_>,
     ok: impl Fn(f64) -> bool,
     expected: &str,
 ) -> Result<f64, ValidationError> {
@@ -914,7 +974,12 @@ fn finite_number(
 }
 
 /// `0` takes `default`; anything above `cap` is refused.
-fn capped(value: u32, default: u32, cap: u32, field: &str) -> Result<u32, ValidationError> {
+fn capped(
+    value: u32,
+    default: u32,
+    cap: u32,
+    field: &FieldPath<'_>,
+) -> Result<u32, ValidationError> {
     match value {
         0 => Ok(default),
         v if v > cap => Err(ValidationError::new(
@@ -933,8 +998,8 @@ fn non_zero<T: Default + PartialEq>(value: T) -> Option<T> {
 /// Validates every element of `items` with `f`, naming `field[i]`.
 fn each<T, R>(
     items: &[T],
-    field: &str,
-    f: impl Fn(&T, &str) -> Result<R, ValidationError>,
+    field: &FieldPath<'_>,
+    f: impl Fn(&T, &FieldPath<'_>) -> Result<R, ValidationError>,
 ) -> Result<Vec<R>, ValidationError> {
     items
         .iter()
@@ -946,7 +1011,7 @@ fn each<T, R>(
 /// Refuses the second occurrence of a value, naming `field[i]suffix` and the first one.
 fn no_duplicates<'a>(
     values: impl IntoIterator<Item = &'a str>,
-    field: &str,
+    field: &FieldPath<'_>,
     suffix: &str,
 ) -> Result<(), ValidationError> {
     let mut seen = HashMap::new();
@@ -957,7 +1022,7 @@ fn no_duplicates<'a>(
                 Rule::Duplicate,
                 format!(
                     "`{v}` repeats {}{suffix}; every entry must be unique",
-                    nth(leaf(field), first)
+                    nth(&FieldPath::new(&leaf(field)), first)
                 ),
             ));
         }
@@ -1030,7 +1095,10 @@ wire_enum!(TaskStatus => v1::TaskStatus {
 });
 
 /// `Ok(None)` for UNSPECIFIED, the domain value for a known one, UnknownEnum otherwise.
-fn enum_value<E: WireEnum>(raw: i32, field: &str) -> Result<Option<E::Domain>, ValidationError> {
+fn enum_value<E: WireEnum>(
+    raw: i32,
+    field: &FieldPath<'_>,
+) -> Result<Option<E::Domain>, ValidationError> {
     match E::try_from(raw) {
         Ok(v) => Ok(v.domain()),
         Err(_) => Err(ValidationError::new(
@@ -1045,7 +1113,10 @@ fn enum_value<E: WireEnum>(raw: i32, field: &str) -> Result<Option<E::Domain>, V
     }
 }
 
-fn required_enum<E: WireEnum>(raw: i32, field: &str) -> Result<E::Domain, ValidationError> {
+fn required_enum<E: WireEnum>(
+    raw: i32,
+    field: &FieldPath<'_>,
+) -> Result<E::Domain, ValidationError> {
     enum_value::<E>(raw, field)?.ok_or_else(|| {
         ValidationError::new(
             field,
@@ -1055,7 +1126,10 @@ fn required_enum<E: WireEnum>(raw: i32, field: &str) -> Result<E::Domain, Valida
     })
 }
 
-fn enum_or_default<E: WireEnum>(raw: i32, field: &str) -> Result<E::Domain, ValidationError>
+fn enum_or_default<E: WireEnum>(
+    raw: i32,
+    field: &FieldPath<'_>,
+) -> Result<E::Domain, ValidationError>
 where
     E::Domain: Default,
 {
@@ -1070,28 +1144,23 @@ fn expected<E: WireEnum>() -> String {
 // Field paths.
 
 /// `field.name` (just `name` at the root).
-fn at(field: &str, name: &str) -> String {
-    if field.is_empty() {
-        name.to_owned()
-    } else {
-        format!("{field}.{name}")
-    }
+fn at<'a>(field: &'a FieldPath<'a>, name: &'a str) -> FieldPath<'a> {
+    field.at(name)
 }
 
 /// `field[i]`.
-fn nth(field: &str, i: usize) -> String {
-    format!("{field}[{i}]")
+fn nth<'a>(field: &'a FieldPath<'a>, i: usize) -> FieldPath<'a> {
+    field.nth(i)
 }
 
 /// `field["key"]`, quoted so any key stays unambiguous.
-fn key(field: &str, k: &str) -> String {
-    format!("{field}[{k:?}]")
+fn key<'a>(field: &'a FieldPath<'a>, k: &'a str) -> FieldPath<'a> {
+    field.key(k)
 }
 
 /// The last name of a path, without indices: `spec.join.strategy` → `strategy`.
-fn leaf(field: &str) -> &str {
-    let last = field.rsplit('.').next().unwrap_or(field);
-    last.split('[').next().unwrap_or(last)
+fn leaf(field: &FieldPath<'_>) -> String {
+    field.leaf()
 }
 
 fn join_list<I>(items: I) -> String
@@ -1112,16 +1181,34 @@ mod tests {
 
     #[test]
     fn paths_and_leaves() {
-        assert_eq!(at("", "goal"), "goal");
-        assert_eq!(at("spec", "goal"), "spec.goal");
-        assert_eq!(nth("spec.delegations", 2), "spec.delegations[2]");
+        let root = FieldPath::new("");
+        let spec = FieldPath::new("spec");
+        assert_eq!(at(&root, "goal").to_string(), "goal");
+        assert_eq!(at(&spec, "goal").to_string(), "spec.goal");
+        let delegations = at(&spec, "delegations");
+        assert_eq!(nth(&delegations, 2).to_string(), "spec.delegations[2]");
+        let first = nth(&delegations, 0);
+        assert_eq!(at(&first, "goal").to_string(), "spec.delegations[0].goal");
+        let second = nth(&root, 1);
+        assert_eq!(at(&second, "goal").to_string(), "[1].goal");
+        let join = at(&spec, "join");
+        let weights = at(&join, "weights");
         assert_eq!(
-            key("spec.join.weights", "logs"),
+            key(&weights, "logs").to_string(),
             "spec.join.weights[\"logs\"]"
         );
-        assert_eq!(leaf("spec.join.strategy"), "strategy");
-        assert_eq!(leaf("result.claims[0].evidence_refs[1]"), "evidence_refs");
-        assert_eq!(leaf("goal"), "goal");
+        let shown = FieldPath::shown(&join);
+        assert_eq!(at(&shown, "strategy").to_string(), "spec.join.strategy");
+
+        assert_eq!(leaf(&FieldPath::new("spec.join.strategy")), "strategy");
+        assert_eq!(
+            leaf(&FieldPath::new("result.claims[0].evidence_refs[1]")),
+            "evidence_refs"
+        );
+        assert_eq!(leaf(&FieldPath::new("goal")), "goal");
+        assert_eq!(leaf(&key(&weights, "a.b")), "weights");
+        assert_eq!(leaf(&at(&first, "goal")), "goal");
+        assert_eq!(leaf(&nth(&delegations, 3)), "delegations");
     }
 
     #[test]
@@ -1131,9 +1218,12 @@ mod tests {
             "JOIN_STRATEGY_ALL, JOIN_STRATEGY_QUORUM, JOIN_STRATEGY_TIMEOUT_PARTIAL, \
              JOIN_STRATEGY_FIRST_VALID"
         );
-        assert_eq!(enum_value::<v1::OverflowPolicy>(0, "o"), Ok(None));
         assert_eq!(
-            enum_value::<v1::OverflowPolicy>(2, "o"),
+            enum_value::<v1::OverflowPolicy>(0, &FieldPath::new("o")),
+            Ok(None)
+        );
+        assert_eq!(
+            enum_value::<v1::OverflowPolicy>(2, &FieldPath::new("o")),
             Ok(Some(model::Overflow::Truncate))
         );
     }

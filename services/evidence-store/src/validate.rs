@@ -1,6 +1,7 @@
 //! Checks of the Evidence Contract fields a writer sets, and the fields the store sets
 //! itself (tenant and delegation from the token, never from the message).
 
+use convene_core::FieldPath;
 use convene_core::permissions::{Pattern, time_window_from_proto};
 use convene_core::time::from_timestamp;
 use convene_proto::v1;
@@ -31,7 +32,8 @@ pub(crate) fn evidence(
     claims: &Claims,
     stored: Option<&ArtifactRef>,
 ) -> Result<v1::Evidence, Error> {
-    let at = |name: &str| format!("{field}.{name}");
+    let root = FieldPath::new(field);
+    let at = |name: &'static str| root.at(name);
     evidence_id(&e.evidence_id, &at("evidence_id"))?;
     short(&e.kind, MAX_SHORT_LEN, &at("kind"))?;
     short(&e.source, MAX_SOURCE_LEN, &at("source"))?;
@@ -108,7 +110,7 @@ pub(crate) fn evidence(
 
 /// An evidence id is a URI under its source: `scheme://rest`, the scheme a letter then
 /// letters, digits, `+`, `-` or `.`, nothing empty, no whitespace or control characters.
-fn evidence_id(id: &str, field: &str) -> Result<(), Error> {
+fn evidence_id(id: &str, field: &FieldPath<'_>) -> Result<(), Error> {
     let example = "e.g. logs://payment-api/q-7bc1e2";
     if id.is_empty() {
         return Err(Error::invalid(
@@ -138,7 +140,7 @@ fn evidence_id(id: &str, field: &str) -> Result<(), Error> {
     Ok(())
 }
 
-fn short(value: &str, max: usize, field: &str) -> Result<(), Error> {
+fn short(value: &str, max: usize, field: &FieldPath<'_>) -> Result<(), Error> {
     if value.len() > max {
         return Err(Error::invalid(
             field,
@@ -148,10 +150,10 @@ fn short(value: &str, max: usize, field: &str) -> Result<(), Error> {
     Ok(())
 }
 
-fn task_scope(scope: &v1::TaskScope, field: &str) -> Result<(), Error> {
+fn task_scope(scope: &v1::TaskScope, field: &FieldPath<'_>) -> Result<(), Error> {
     if scope.resources.len() > MAX_SCOPE_RESOURCES {
         return Err(Error::invalid(
-            format!("{field}.resources"),
+            field.at("resources"),
             format!(
                 "{} selectors; at most {MAX_SCOPE_RESOURCES}",
                 scope.resources.len()
@@ -159,10 +161,10 @@ fn task_scope(scope: &v1::TaskScope, field: &str) -> Result<(), Error> {
         ));
     }
     for (i, r) in scope.resources.iter().enumerate() {
-        Pattern::parse(r).map_err(|m| Error::invalid(format!("{field}.resources[{i}]"), m))?;
+        Pattern::parse(r).map_err(|m| Error::invalid(field.at("resources").nth(i), m))?;
     }
     if let Some(tr) = &scope.time_range {
-        time_window_from_proto(tr, &format!("{field}.time_range"))?;
+        time_window_from_proto(tr, &field.at("time_range"))?;
     }
     Ok(())
 }
@@ -188,10 +190,10 @@ mod tests {
             "metrics+v2://x",
             "changes://r/7",
         ] {
-            assert!(evidence_id(good, "id").is_ok(), "{good}");
+            assert!(evidence_id(good, &FieldPath::new("id")).is_ok(), "{good}");
         }
         for bad in ["", "logs:/x", "://x", "1logs://x", "logs://", "logs://a b"] {
-            let err = evidence_id(bad, "evidence.evidence_id").unwrap_err();
+            let err = evidence_id(bad, &FieldPath::new("evidence.evidence_id")).unwrap_err();
             assert!(
                 err.to_string().starts_with("invalid evidence.evidence_id"),
                 "{bad}: {err}"

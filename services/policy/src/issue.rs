@@ -13,6 +13,7 @@
 use std::collections::BTreeSet;
 use std::time::{Duration, SystemTime};
 
+use convene_core::FieldPath;
 use convene_core::permissions::{
     DataConstraints, Permission, PermissionSet, Terms, TimeWindow, effective, effective_tools,
     task_scope_set, time_window_from_proto,
@@ -114,7 +115,9 @@ pub(crate) fn plan(
         .required_scopes
         .iter()
         .enumerate()
-        .map(|(j, s)| Permission::from_proto(s, &format!("{field}.required_scopes[{j}]")))
+        .map(|(j, s)| {
+            Permission::from_proto(s, &FieldPath::new(field).at("required_scopes").nth(j))
+        })
         .collect::<Result<Vec<_>, _>>()?;
     let task_term = task_term(grant.task_scope.as_ref(), field)?;
     // Each required scope narrowed by the task's own selectors and window: what the
@@ -258,7 +261,9 @@ fn task_term(scope: Option<&v1::TaskScope>, field: &str) -> Result<PermissionSet
         return Ok(PermissionSet::everything());
     };
     let window = match &scope.time_range {
-        Some(tr) => time_window_from_proto(tr, &format!("{field}.task_scope.time_range"))?,
+        Some(tr) => {
+            time_window_from_proto(tr, &FieldPath::new(field).at("task_scope").at("time_range"))?
+        }
         None => TimeWindow::unbounded(),
     };
     task_scope_set(&scope.resources, window)
@@ -374,7 +379,9 @@ fn lifetime(
     narrowed: &mut Vec<String>,
 ) -> Result<(u64, u64), Error> {
     let asked = match &grant.ttl {
-        Some(d) => Some(from_duration(d, &format!("{field}.ttl"))?).filter(|d| !d.is_zero()),
+        Some(d) => {
+            Some(from_duration(d, &FieldPath::new(field).at("ttl"))?).filter(|d| !d.is_zero())
+        }
         None => None,
     };
     if asked.is_some_and(|d| d < Duration::from_secs(1)) {
