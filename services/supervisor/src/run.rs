@@ -136,8 +136,9 @@ struct PendingDelegate {
 pub(crate) struct RunActor {
     deps: Arc<Deps>,
     /// The run as last committed, plus the change being made. `run.received` is the
-    /// join's input: every result received.
-    run: v1::Run,
+    /// join's input: every result received. Shared with the store's note of the commit
+    /// that ends the run (changed in place while nothing else holds it).
+    run: Arc<v1::Run>,
     /// Whether the run was stored before this actor started (a restart, a takeover).
     resumed: bool,
     /// The run's root span (see [`trace`]); the parent of its delegation, plan and join
@@ -338,6 +339,7 @@ impl RunActor {
         let max_parallel = spec.limits.max_parallel_workers as usize;
         live.insert(run.run_id.clone(), tx.clone());
         drop(live);
+        let run = Arc::new(run);
         let actor = RunActor {
             deps,
             span,
@@ -536,9 +538,9 @@ impl RunActor {
         if std::mem::take(&mut self.joined) {
             self.deps.crash.at(CrashPoint::DuringJoin);
         }
-        self.run.version += 1;
-        self.run.updated_at = Some(to_timestamp(now()));
-        self.deps.store.commit(&self.run, &all).await?;
+        Arc::make_mut(&mut self.run).version += 1;
+        Arc::make_mut(&mut self.run).updated_at = Some(to_timestamp(now()));
+        self.deps.store.commit_shared(&self.run, &all).await?;
         if dispatches {
             self.deps.crash.at(CrashPoint::AfterDispatch);
         }
@@ -706,7 +708,7 @@ impl RunActor {
         }
         if self.run.state == v1::RunState::Pending as i32 {
             // Accepted, then the supervisor stopped before the run started.
-            self.run.state = v1::RunState::Running as i32;
+            Arc::make_mut(&mut self.run).state = v1::RunState::Running as i32;
             self.commit(Events::default()).await?;
         }
         // The join's facts: every result it received, verified again.
@@ -840,7 +842,7 @@ impl RunActor {
                     self.cancel.cancel();
                     self.finish(None, v1::RunState::Cancelled, reason).await?;
                 }
-                let _ = reply.send(self.run.clone());
+                let _ = reply.send((*self.run).clone());
                 Ok(())
             }
             Msg::Delegate(ask) => {
@@ -869,7 +871,7 @@ impl RunActor {
                         // A result for a delegation this run does not have: the join
                         // rejects it as UNKNOWN_DELEGATION, visibly.
                         if !self.terminal() {
-                            self.run.received.push(result);
+                            Arc::make_mut(&mut self.run).received.push(result);
                             self.join_step("result").await?;
                             if !self.terminal() {
                                 // Undecided: keep the join's input durable all the same.
@@ -941,9 +943,9 @@ impl RunActor {
             self.slots[index].workers.push(worker_id.clone());
         }
         if self.run.state == v1::RunState::Pending as i32 {
-            self.run.state = v1::RunState::Running as i32;
+            Arc::make_mut(&mut self.run).state = v1::RunState::Running as i32;
         }
-        let d = &mut self.run.delegations[index];
+        let d = &mut Arc::make_mut(&mut self.run).delegations[index];
         d.state = v1::DelegationState::Dispatched as i32;
         d.worker_id.clone_from(&worker_id);
         d.attempts = attempt;
@@ -1056,7 +1058,7 @@ impl RunActor {
     }
 
     async fn mark_cancelled(&mut self, index: usize) -> Result<(), StoreError> {
-        let d = &mut self.run.delegations[index];
+        let d = &mut Arc::make_mut(&mut self.run).delegations[index];
         if d.result.is_none() {
             if d.state != v1::DelegationState::TimedOut as i32 {
                 d.state = v1::DelegationState::Cancelled as i32;
@@ -1078,7 +1080,9 @@ impl RunActor {
     /// exhausted no further delegation starts.
     fn account(&mut self, result: &v1::TaskResult) {
         if let Some(usage) = &result.usage {
-            let u = self.run.usage.get_or_insert_with(Default::default);
+            let u = Arc::make_mut(&mut self.run)
+                .usage
+                .get_or_insert_with(Default::default);
             u.iterations += usage.iterations;
             u.tool_calls += usage.tool_calls;
             u.tokens += usage.tokens;
@@ -1089,7 +1093,7 @@ impl RunActor {
             {
                 tracing::warn!(run_id = %self.run.run_id, error = %e, "budget exhausted: no further delegations start");
                 self.budget_stopped = true;
-                self.run.terminal_reason = e.to_string();
+                Arc::make_mut(&mut self.run).terminal_reason = e.to_string();
                 self.settle_queued_children(&format!(
                     "not started: the run's budget is exhausted ({e})"
                 ));
@@ -1121,7 +1125,7 @@ impl RunActor {
         if !accounted {
             self.account(&result);
         }
-        let d = &mut self.run.delegations[index];
+        let d = &mut Arc::make_mut(&mut self.run).delegations[index];
         d.state = if failure {
             v1::DelegationState::Failed as i32
         } else {
@@ -1156,7 +1160,7 @@ impl RunActor {
             cloud: vec![cloud],
         };
         if self.slots[index].top_level {
-            self.run.received.push(result);
+            Arc::make_mut(&mut self.run).received.push(result);
             if late {
                 self.late_revision(
                     &mut ev,
@@ -1429,9 +1433,11 @@ impl RunActor {
         let t = now();
         let mut ev = Events::default();
         if let Some(decision) = decision {
-            self.run.outcome = decision.outcome;
-            self.run.revisions.push(decision.clone());
-            self.run.decision = Some(decision.clone());
+            Arc::make_mut(&mut self.run).outcome = decision.outcome;
+            Arc::make_mut(&mut self.run)
+                .revisions
+                .push(decision.clone());
+            Arc::make_mut(&mut self.run).decision = Some(decision.clone());
             ev.cloud.push(events::cloud(
                 events::JOIN_DECIDED,
                 &self.run,
@@ -1445,11 +1451,11 @@ impl RunActor {
             if !filed.is_empty() && state == v1::RunState::WaitingInput {
                 state = v1::RunState::WaitingApproval;
             }
-            self.run.approval_ids.extend(filed);
+            Arc::make_mut(&mut self.run).approval_ids.extend(filed);
         }
-        self.run.state = state as i32;
+        Arc::make_mut(&mut self.run).state = state as i32;
         if !reason.is_empty() {
-            self.run.terminal_reason = reason.clone();
+            Arc::make_mut(&mut self.run).terminal_reason = reason.clone();
         }
         // In-flight delegations: under APPEND_REVISION their results may still revise
         // the decision, so they keep running to their own deadlines; otherwise they stop.
@@ -1457,7 +1463,11 @@ impl RunActor {
             && self.spec.join.late_result == LateResultPolicy::AppendRevision
             && !self.cancel.is_cancelled();
         let mut never_started = Vec::new();
-        for (i, d) in self.run.delegations.iter_mut().enumerate() {
+        for (i, d) in Arc::make_mut(&mut self.run)
+            .delegations
+            .iter_mut()
+            .enumerate()
+        {
             let in_flight = self.slots.get(i).is_some_and(|s| s.in_flight);
             let dormant = self.slots.get(i).is_some_and(|s| s.dormant);
             if d.state == v1::DelegationState::Pending as i32 && !in_flight {
@@ -1601,7 +1611,7 @@ impl RunActor {
                     }
                     Err(s) => {
                         tracing::error!(run_id = %self.run.run_id, action = %action.action, error = %s.message(), "approval request could not be filed");
-                        self.run.terminal_reason = format!(
+                        Arc::make_mut(&mut self.run).terminal_reason = format!(
                             "approval request for {} could not be filed: {}",
                             action.action,
                             s.message()
@@ -1631,7 +1641,9 @@ impl RunActor {
         let decision = span.in_scope(|| join::apply_late(&previous, &input, delegation_id));
         trace::record_decision(&span, &decision);
         if decision.revision != previous.revision {
-            self.run.revisions.push(decision.clone());
+            Arc::make_mut(&mut self.run)
+                .revisions
+                .push(decision.clone());
             ev.cloud.push(events::cloud(
                 events::JOIN_DECIDED,
                 &self.run,
@@ -1642,7 +1654,7 @@ impl RunActor {
             let e = self.event(Kind::Decision(decision.clone()));
             ev.run.push(e);
         }
-        self.run.decision = Some(decision);
+        Arc::make_mut(&mut self.run).decision = Some(decision);
     }
 
     // ---- nested delegation ----------------------------------------------------------
@@ -1874,11 +1886,13 @@ impl RunActor {
                 continue;
             }
             let index = self.run.delegations.len();
-            self.run.delegations.push(v1::Delegation {
-                task: Some(task),
-                state: v1::DelegationState::Pending as i32,
-                ..Default::default()
-            });
+            Arc::make_mut(&mut self.run)
+                .delegations
+                .push(v1::Delegation {
+                    task: Some(task),
+                    state: v1::DelegationState::Pending as i32,
+                    ..Default::default()
+                });
             self.slots.push(Slot {
                 token,
                 top_level: false,
@@ -1904,7 +1918,7 @@ impl RunActor {
         // A repeated call drops the same children again; they are recorded once.
         if !repeated {
             for name in &dropped_names {
-                self.run.truncated.push(name.clone());
+                Arc::make_mut(&mut self.run).truncated.push(name.clone());
             }
         }
         Ok((indices, dropped_names, batch))
@@ -1992,7 +2006,7 @@ impl RunActor {
             self.batches[b].queue.retain(|i| !queued.contains(i));
             for i in queued {
                 self.slots[i].finished = true;
-                let d = &mut self.run.delegations[i];
+                let d = &mut Arc::make_mut(&mut self.run).delegations[i];
                 d.state = v1::DelegationState::Cancelled as i32;
                 d.detail = detail.to_owned();
                 d.completed_at = Some(t);

@@ -283,10 +283,94 @@ impl SqlRunStore {
         self.creator.as_ref().map(|(me, _)| me.as_str())
     }
 
-    fn announce(&self, run: &v1::Run, events: &Events) {
+    fn announce(&self, run: &v1::Run, shared: Option<&Arc<v1::Run>>, events: &Events) {
         let last_sequence = events.run.last().map_or(0, |e| e.sequence);
         // Nobody listening is fine.
-        let _ = self.notify.send(Committed::of(run, last_sequence, events));
+        let _ = self
+            .notify
+            .send(Committed::of(run, shared, last_sequence, events));
+    }
+
+    /// [`RunStore::commit`], with the run itself for the note when its owner shares it.
+    async fn commit_with(
+        &self,
+        run: &v1::Run,
+        shared: Option<&Arc<v1::Run>>,
+        events: &Events,
+    ) -> Result<(), StoreError> {
+        let expected = run.version.saturating_sub(1);
+        let remembered = self.recall(&run.run_id, expected);
+        let guard = self.guard(true);
+        let me = self.owner().map(str::to_owned);
+        let postgres = self.db.backend() == Backend::Postgres;
+        let run_id = run.run_id.clone();
+        let read = if postgres {
+            sql("SELECT version, owner, body FROM runs WHERE run_id = $1 FOR UPDATE")
+        } else {
+            sql("SELECT version, owner, body FROM runs WHERE run_id = $1")
+        }
+        .bind(&run.run_id);
+        // The version and lease checks again, in the write itself: they hold for the row
+        // as it is then (SQLite has one writer; PostgreSQL locks the row it updates).
+        // With leases, a run another replica claimed is not this one's to write.
+        let text = if me.is_some() {
+            "UPDATE runs SET state = $3, terminal = $4, version = $5, \
+             updated_at = $6, trace_id = $7, body = $8 \
+             WHERE run_id = $1 AND version = $2 AND (owner IS NULL OR owner = $9)"
+        } else {
+            "UPDATE runs SET state = $3, terminal = $4, version = $5, \
+             updated_at = $6, trace_id = $7, body = $8 \
+             WHERE run_id = $1 AND version = $2"
+        };
+        let mut update = sql(text)
+            .bind(&run.run_id)
+            .bind(expected)
+            .bind(run.state)
+            .bind(is_terminal(run.state))
+            .bind(run.version)
+            .bind(ts_micros(run.updated_at.as_ref()))
+            .bind(&run.trace_id)
+            .bind(run.encode_to_vec());
+        if let Some(me) = &me {
+            update = update.bind(me);
+        }
+        let appended = appends(run, events);
+        self.db
+            .write::<_, StoreError, _>(move |tx| {
+                Box::pin(async move {
+                    let me = me.as_deref();
+                    if let Some(guard) = guard {
+                        tx.execute(guard).await?;
+                    }
+                    let before = match remembered {
+                        Some(last) => last,
+                        None => {
+                            let row = tx.fetch_optional(read.clone()).await?;
+                            refusal(me, row.as_ref(), &run_id, expected)?;
+                            let stored: v1::Run =
+                                decode(row.as_ref().expect("checked above"), "runs")?;
+                            Last::of(&stored)
+                        }
+                    };
+                    if tx.execute(update).await? != 1 {
+                        // Changed since this store last committed it: say how.
+                        let row = tx.fetch_optional(read).await?;
+                        refusal(me, row.as_ref(), &run_id, expected)?;
+                        // The row is locked (or the database has one writer), so this is
+                        // a bug elsewhere; refuse rather than commit half a change.
+                        return Err(StoreError::Conflict {
+                            run_id,
+                            expected,
+                            found: expected,
+                        });
+                    }
+                    write_appends(tx, appended, Some(&before)).await
+                })
+            })
+            .await?;
+        self.remember(run);
+        self.announce(run, shared, events);
+        Ok(())
     }
 }
 
@@ -683,85 +767,17 @@ impl RunStore for SqlRunStore {
             .await?;
         if matches!(created, Created::New) {
             self.remember(run);
-            self.announce(run, events);
+            self.announce(run, None, events);
         }
         Ok(created)
     }
 
     async fn commit(&self, run: &v1::Run, events: &Events) -> Result<(), StoreError> {
-        let expected = run.version.saturating_sub(1);
-        let remembered = self.recall(&run.run_id, expected);
-        let guard = self.guard(true);
-        let me = self.owner().map(str::to_owned);
-        let postgres = self.db.backend() == Backend::Postgres;
-        let run_id = run.run_id.clone();
-        let read = if postgres {
-            sql("SELECT version, owner, body FROM runs WHERE run_id = $1 FOR UPDATE")
-        } else {
-            sql("SELECT version, owner, body FROM runs WHERE run_id = $1")
-        }
-        .bind(&run.run_id);
-        // The version and lease checks again, in the write itself: they hold for the row
-        // as it is then (SQLite has one writer; PostgreSQL locks the row it updates).
-        // With leases, a run another replica claimed is not this one's to write.
-        let text = if me.is_some() {
-            "UPDATE runs SET state = $3, terminal = $4, version = $5, \
-             updated_at = $6, trace_id = $7, body = $8 \
-             WHERE run_id = $1 AND version = $2 AND (owner IS NULL OR owner = $9)"
-        } else {
-            "UPDATE runs SET state = $3, terminal = $4, version = $5, \
-             updated_at = $6, trace_id = $7, body = $8 \
-             WHERE run_id = $1 AND version = $2"
-        };
-        let mut update = sql(text)
-            .bind(&run.run_id)
-            .bind(expected)
-            .bind(run.state)
-            .bind(is_terminal(run.state))
-            .bind(run.version)
-            .bind(ts_micros(run.updated_at.as_ref()))
-            .bind(&run.trace_id)
-            .bind(run.encode_to_vec());
-        if let Some(me) = &me {
-            update = update.bind(me);
-        }
-        let appended = appends(run, events);
-        self.db
-            .write::<_, StoreError, _>(move |tx| {
-                Box::pin(async move {
-                    let me = me.as_deref();
-                    if let Some(guard) = guard {
-                        tx.execute(guard).await?;
-                    }
-                    let before = match remembered {
-                        Some(last) => last,
-                        None => {
-                            let row = tx.fetch_optional(read.clone()).await?;
-                            refusal(me, row.as_ref(), &run_id, expected)?;
-                            let stored: v1::Run =
-                                decode(row.as_ref().expect("checked above"), "runs")?;
-                            Last::of(&stored)
-                        }
-                    };
-                    if tx.execute(update).await? != 1 {
-                        // Changed since this store last committed it: say how.
-                        let row = tx.fetch_optional(read).await?;
-                        refusal(me, row.as_ref(), &run_id, expected)?;
-                        // The row is locked (or the database has one writer), so this is
-                        // a bug elsewhere; refuse rather than commit half a change.
-                        return Err(StoreError::Conflict {
-                            run_id,
-                            expected,
-                            found: expected,
-                        });
-                    }
-                    write_appends(tx, appended, Some(&before)).await
-                })
-            })
-            .await?;
-        self.remember(run);
-        self.announce(run, events);
-        Ok(())
+        self.commit_with(run, None, events).await
+    }
+
+    async fn commit_shared(&self, run: &Arc<v1::Run>, events: &Events) -> Result<(), StoreError> {
+        self.commit_with(run, Some(run), events).await
     }
 
     async fn get(&self, run_id: &str) -> Result<Option<v1::Run>, StoreError> {

@@ -112,6 +112,13 @@ pub trait RunStore: Send + Sync + 'static {
     /// replica whose lease expired and was taken over can never write again.
     async fn commit(&self, run: &v1::Run, events: &Events) -> Result<(), StoreError>;
 
+    /// [`commit`](Self::commit) of a run its owner shares: a commit that ends the run
+    /// hands `run` itself to whoever waits for the end ([`Committed::ended`]) instead
+    /// of a copy.
+    async fn commit_shared(&self, run: &Arc<v1::Run>, events: &Events) -> Result<(), StoreError> {
+        self.commit(run, events).await
+    }
+
     /// A run by id, whatever its tenant (callers check the tenant).
     async fn get(&self, run_id: &str) -> Result<Option<v1::Run>, StoreError>;
 
@@ -210,14 +217,21 @@ pub struct Committed {
 
 impl Committed {
     /// The note of this process's commit of `run` that carried `events`, the run's
-    /// highest committed sequence being `last_sequence`.
-    pub(crate) fn of(run: &v1::Run, last_sequence: u64, events: &Events) -> Self {
+    /// highest committed sequence being `last_sequence`. `shared` is `run` itself when
+    /// its owner shares it, so a commit that ends the run need not copy it.
+    pub(crate) fn of(
+        run: &v1::Run,
+        shared: Option<&Arc<v1::Run>>,
+        last_sequence: u64,
+        events: &Events,
+    ) -> Self {
         Self {
             run_id: run.run_id.clone(),
             last_sequence,
             cloud: !events.cloud.is_empty(),
             events: (!events.run.is_empty()).then(|| Arc::from(events.run.as_slice())),
-            ended: is_terminal(run.state).then(|| Arc::new(run.clone())),
+            ended: is_terminal(run.state)
+                .then(|| shared.map_or_else(|| Arc::new(run.clone()), Arc::clone)),
         }
     }
 }
@@ -295,7 +309,7 @@ impl MemoryStore {
             inner.outbox_index.insert(e.id.clone(), inner.outbox.len());
             inner.outbox.push(e.clone());
         }
-        Committed::of(run, last_sequence, events)
+        Committed::of(run, None, last_sequence, events)
     }
 }
 
