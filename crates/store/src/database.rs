@@ -219,11 +219,8 @@ impl Database {
                     url: shown.clone(),
                     source: source.into(),
                 })?;
-            let migrated = match crate::migrations::postgres().await {
-                Ok(migrator) => migrator.run(&pool).await,
-                Err(e) => Err(e),
-            };
-            migrated.map_err(|source| Error::Migration {
+            let migrated = async { crate::migrations::postgres().await?.run(&pool).await };
+            migrated.await.map_err(|source| Error::Migration {
                 backend: Backend::Postgres,
                 url: shown.clone(),
                 source,
@@ -496,10 +493,7 @@ async fn migrate_sqlite(options: SqliteConnectOptions, shown: &str) -> Result<()
                 });
             }
         };
-        let outcome = match crate::migrations::sqlite().await {
-            Ok(migrator) => migrator.run(&pool).await,
-            Err(e) => Err(e),
-        };
+        let outcome = async { crate::migrations::sqlite().await?.run(&pool).await }.await;
         pool.close().await;
         match outcome {
             Ok(()) => return Ok(()),
