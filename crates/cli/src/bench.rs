@@ -1,9 +1,14 @@
-//! `convene bench`: a closed-loop load generator for a mesh, and a scale run.
+//! `convene bench`: a load generator for a mesh, and a scale run.
 //!
-//! `concurrency` clients each start a run, follow it to its end, and start the next, for
-//! a duration or a number of runs, after a warm-up whose runs are not counted. Latency
-//! (StartRun accepted → terminal state) goes into an HDR histogram; CPU time and peak
-//! RSS are read from `/proc` for every mesh process the bench started.
+//! By default a closed loop: `concurrency` clients each start a run, follow it to its
+//! end, and start the next, for a duration or a number of runs, after a warm-up whose
+//! runs are not counted. With `--rate R` an open loop instead: a run falls due every
+//! 1/R seconds whatever the mesh's latency, at most `concurrency` in flight, and each
+//! run's latency is counted from when it fell due, so a mesh that falls behind shows
+//! it in the percentiles rather than by slowing its own load (no coordinated
+//! omission). Latency (StartRun called → terminal state) goes into an HDR histogram;
+//! CPU time and peak RSS are read from `/proc` for every mesh process the bench
+//! started.
 //!
 //! The mesh is started in this process (`convene up`'s code, in-process handles), or
 //! as one operating-system process per service and worker with `--processes`
@@ -24,7 +29,7 @@ pub mod scale;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
@@ -34,7 +39,6 @@ use convene_proto::v1;
 use convene_server::Shutdown;
 use hdrhistogram::Histogram;
 use serde::Serialize;
-use tokio::sync::Mutex;
 
 use crate::{client, spec, up};
 
@@ -56,9 +60,18 @@ pub struct BenchArgs {
     #[arg(long, value_enum, default_value_t = Workload::Noop)]
     pub workload: Workload,
     /// Runs in flight at once (closed loop: each client starts its next run when the
-    /// previous one ended).
+    /// previous one ended); with --rate, the most runs in flight at once.
     #[arg(long, default_value_t = 64)]
     pub concurrency: usize,
+    /// Open loop: start a run every 1/RATE seconds, however long the runs take, and
+    /// count each run's latency from when it fell due (a run due while --concurrency
+    /// runs are in flight starts late, and its wait counts). Shows the latency a mesh
+    /// gives at a given load, where the closed loop's latency is bound to its
+    /// throughput (mean latency = concurrency / runs per second). Every run that falls
+    /// due within --duration is measured, so a rate the mesh cannot keep up with
+    /// makes the phase last longer than that.
+    #[arg(long, value_name = "RUNS_PER_S", conflicts_with = "scale")]
+    pub rate: Option<f64>,
     /// Measure for this many seconds (after the warm-up).
     #[arg(
         long,
@@ -168,8 +181,14 @@ pub struct Report {
     pub workload: Workload,
     /// Where the mesh runs.
     pub mode: MeshMode,
-    /// Runs in flight at once.
+    /// Runs in flight at once (closed loop), or the most allowed in flight (open loop).
     pub concurrency: usize,
+    /// Open loop: the runs per second offered.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rate: Option<f64>,
+    /// Open loop: the most runs that were in flight at once.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_in_flight: Option<u64>,
     /// Seconds measured.
     pub duration_s: f64,
     /// Runs that ended as the workload expects.
@@ -408,30 +427,224 @@ impl Driver {
     }
 }
 
-/// Runs the closed loop of `concurrency` clients over `spec` until `until`, results
-/// dropped: a warm-up.
-pub async fn warm_up(driver: &Driver, spec: &v1::RunSpec, concurrency: usize, seconds: f64) {
-    if seconds <= 0.0 {
-        return;
+/// How runs are offered: a closed loop of `concurrency` clients, or, with a rate, an
+/// open loop of at most `concurrency` runs in flight.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Load {
+    /// Clients of the closed loop, or the most runs in flight of the open loop.
+    pub concurrency: usize,
+    /// The open loop's runs per second; None: the closed loop.
+    pub rate: Option<f64>,
+}
+
+impl Load {
+    /// The load `args` asks for.
+    pub fn of(args: &BenchArgs) -> Self {
+        Self {
+            concurrency: args.concurrency,
+            rate: args.rate,
+        }
     }
-    let until = Instant::now() + Duration::from_secs_f64(seconds);
-    let counts = progress::Counts::default();
-    let line = progress::Progress::start(
-        "warming up",
-        progress::Goal::Seconds(seconds),
-        counts.clone(),
-    );
+
+    /// Refuses a load no run could be offered at.
+    fn check(self) -> anyhow::Result<()> {
+        anyhow::ensure!(self.concurrency > 0, "--concurrency must be at least 1");
+        if let Some(rate) = self.rate {
+            anyhow::ensure!(
+                rate.is_finite() && rate > 0.0,
+                "--rate must be a positive number of runs per second, not {rate}"
+            );
+        }
+        Ok(())
+    }
+}
+
+/// When a phase stops starting runs.
+#[derive(Debug, Clone, Copy)]
+enum Stop {
+    /// No run starts (closed loop) or falls due (open loop) at or after this instant;
+    /// an open loop that fell behind still starts every run that fell due before it.
+    At(Instant),
+    /// No run starts at or after this instant, due or not (a warm-up).
+    By(Instant),
+    /// After this many runs.
+    After(u64),
+}
+
+/// The runs of a phase as they end: counts, and the latencies of those that ended as
+/// the workload expects.
+struct Tally {
+    expected: v1::RunState,
+    counts: progress::Counts,
+    histogram: std::sync::Mutex<Histogram<u64>>,
+}
+
+impl Tally {
+    fn new(expected: v1::RunState) -> anyhow::Result<Arc<Self>> {
+        Ok(Arc::new(Self {
+            expected,
+            counts: progress::Counts::default(),
+            histogram: std::sync::Mutex::new(
+                Histogram::<u64>::new_with_bounds(1, 600_000_000, 3).context("histogram")?,
+            ),
+        }))
+    }
+
+    /// Counts a run that was due at `due` and ended as `ended` says.
+    fn record(&self, due: Instant, ended: anyhow::Result<i32>) {
+        match ended {
+            Ok(state) if state == self.expected as i32 => {
+                #[allow(clippy::cast_possible_truncation)] // µs of one run fit u64
+                let us = due.elapsed().as_micros() as u64;
+                // A value above the histogram's bound (10 minutes) is clamped to it.
+                self.histogram
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .saturating_record(us.max(1));
+                self.counts.ok.fetch_add(1, Ordering::Relaxed);
+            }
+            Ok(state) => {
+                tracing::warn!(
+                    state = v1::RunState::try_from(state).map_or("UNKNOWN", |s| s.as_str_name()),
+                    "a run ended in a state the workload does not expect"
+                );
+                self.counts.errors.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(e) => {
+                tracing::warn!(error = %format!("{e:#}"), "a run failed");
+                self.counts.errors.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+}
+
+/// Offers runs of `spec` as `load` says until `stop`, and waits for every run it
+/// started; returns the most runs that were in flight at once (open loop only).
+async fn drive(
+    driver: &Driver,
+    spec: &Arc<v1::RunSpec>,
+    load: Load,
+    stop: Stop,
+    tally: &Arc<Tally>,
+) -> Option<u64> {
+    match load.rate {
+        None => {
+            closed_loop(driver, spec, load.concurrency, stop, tally).await;
+            None
+        }
+        Some(rate) => Some(open_loop(driver, spec, rate, load.concurrency, stop, tally).await),
+    }
+}
+
+/// The closed loop: `concurrency` clients, each starting a run when its last one ended;
+/// a run's latency counts from its start.
+async fn closed_loop(
+    driver: &Driver,
+    spec: &v1::RunSpec,
+    concurrency: usize,
+    stop: Stop,
+    tally: &Tally,
+) {
+    let started = AtomicU64::new(0);
     let clients = (0..concurrency).map(|_| async {
-        while Instant::now() < until {
-            let done = match driver.one(spec).await {
-                Ok(_) => &counts.ok,
-                Err(_) => &counts.errors,
+        loop {
+            let go = match stop {
+                Stop::After(n) => started.fetch_add(1, Ordering::Relaxed) < n,
+                Stop::At(at) | Stop::By(at) => Instant::now() < at,
             };
-            done.fetch_add(1, Ordering::Relaxed);
+            if !go {
+                break;
+            }
+            let t0 = Instant::now();
+            let ended = driver.one(spec).await;
+            tally.record(t0, ended);
         }
     });
     futures::future::join_all(clients).await;
+}
+
+/// When run `i` of an open loop that began at `begin` falls due: `i / rate` seconds on.
+fn due_at(begin: Instant, rate: f64, i: u64) -> Instant {
+    #[allow(clippy::cast_precision_loss)] // run numbers are far below 2^52
+    let offset = Duration::from_secs_f64(i as f64 / rate);
+    begin + offset
+}
+
+/// The open loop: run `i` falls due `i / rate` seconds after the start, whatever the
+/// runs before it are doing, and starts then unless `concurrency` runs are in flight
+/// (then as soon as one ends). Its latency counts from when it fell due. Returns the
+/// most runs that were in flight at once.
+async fn open_loop(
+    driver: &Driver,
+    spec: &Arc<v1::RunSpec>,
+    rate: f64,
+    concurrency: usize,
+    stop: Stop,
+    tally: &Arc<Tally>,
+) -> u64 {
+    let slots = Arc::new(tokio::sync::Semaphore::new(concurrency));
+    let mut runs = tokio::task::JoinSet::new();
+    let mut most = 0;
+    let begin = Instant::now();
+    for i in 0.. {
+        let due = due_at(begin, rate, i);
+        let go = match stop {
+            Stop::After(n) => i < n,
+            Stop::At(at) => due < at,
+            Stop::By(at) => due < at && Instant::now() < at,
+        };
+        if !go {
+            break;
+        }
+        tokio::time::sleep_until(due.into()).await;
+        let Ok(slot) = slots.clone().acquire_owned().await else {
+            break; // never closed
+        };
+        if matches!(stop, Stop::By(at) if Instant::now() >= at) {
+            break;
+        }
+        most = most.max(concurrency - slots.available_permits());
+        let (driver, spec, tally) = (driver.clone(), spec.clone(), tally.clone());
+        runs.spawn(async move {
+            let ended = driver.one(&spec).await;
+            tally.record(due, ended);
+            drop(slot);
+        });
+        // Keep the set to the runs in flight.
+        while runs.try_join_next().is_some() {}
+    }
+    while runs.join_next().await.is_some() {}
+    most as u64
+}
+
+/// Offers runs as `load` says for `seconds`, results dropped: a warm-up.
+pub async fn warm_up(
+    driver: &Driver,
+    spec: &v1::RunSpec,
+    expected: v1::RunState,
+    load: Load,
+    seconds: f64,
+) -> anyhow::Result<()> {
+    if seconds <= 0.0 {
+        return Ok(());
+    }
+    let tally = Tally::new(expected)?;
+    let line = progress::Progress::start(
+        "warming up",
+        progress::Goal::Seconds(seconds),
+        tally.counts.clone(),
+    );
+    let until = Instant::now() + Duration::from_secs_f64(seconds);
+    drive(
+        driver,
+        &Arc::new(spec.clone()),
+        load,
+        Stop::By(until),
+        &tally,
+    )
+    .await;
     line.finish();
+    Ok(())
 }
 
 /// CPU seconds of each process, by name.
@@ -462,7 +675,7 @@ pub struct Measured {
     pub client: Option<u32>,
 }
 
-/// Runs the closed loop: a warm-up, then the measured phase.
+/// Offers the load `args` asks for: a warm-up, then the measured phase.
 pub async fn measure(
     driver: &Driver,
     spec: &v1::RunSpec,
@@ -470,77 +683,32 @@ pub async fn measure(
     args: &BenchArgs,
     mesh: &Measured,
 ) -> anyhow::Result<Report> {
-    anyhow::ensure!(args.concurrency > 0, "--concurrency must be at least 1");
-    warm_up(driver, spec, args.concurrency, args.warmup).await;
-    let histogram = Arc::new(Mutex::new(
-        Histogram::<u64>::new_with_bounds(1, 600_000_000, 3).context("histogram")?,
-    ));
-    let ok = Arc::new(AtomicU64::new(0));
-    let errors = Arc::new(AtomicU64::new(0));
-    let started = Arc::new(AtomicU64::new(0));
-    let stop = Arc::new(AtomicBool::new(false));
+    let load = Load::of(args);
+    load.check()?;
+    warm_up(driver, spec, expected, load, args.warmup).await?;
+    let tally = Tally::new(expected)?;
     let cpu_before = cpu_by_process(&mesh.processes);
     let client_before = mesh.client.map(cpu_seconds);
     let begin = Instant::now();
-    let until = begin + Duration::from_secs_f64(args.duration);
-    let line = progress::Progress::start(
-        "measuring",
-        args.runs
-            .map_or(progress::Goal::Seconds(args.duration), progress::Goal::Runs),
-        progress::Counts {
-            ok: ok.clone(),
-            errors: errors.clone(),
-        },
-    );
-    let clients = (0..args.concurrency).map(|_| {
-        let (histogram, ok, errors, started, stop) = (
-            histogram.clone(),
-            ok.clone(),
-            errors.clone(),
-            started.clone(),
-            stop.clone(),
-        );
-        async move {
-            loop {
-                if stop.load(Ordering::Relaxed) {
-                    break;
-                }
-                match args.runs {
-                    Some(n) if started.fetch_add(1, Ordering::Relaxed) >= n => break,
-                    None if Instant::now() >= until => break,
-                    _ => {}
-                }
-                let t0 = Instant::now();
-                match driver.one(spec).await {
-                    Ok(state) if state == expected as i32 => {
-                        #[allow(clippy::cast_possible_truncation)] // µs of one run fit u64
-                        let us = t0.elapsed().as_micros() as u64;
-                        let _ = histogram.lock().await.record(us.max(1));
-                        ok.fetch_add(1, Ordering::Relaxed);
-                    }
-                    Ok(state) => {
-                        tracing::warn!(
-                            state = v1::RunState::try_from(state)
-                                .map_or("UNKNOWN", |s| s.as_str_name()),
-                            "a run ended in a state the workload does not expect"
-                        );
-                        errors.fetch_add(1, Ordering::Relaxed);
-                    }
-                    Err(e) => {
-                        tracing::warn!(error = %format!("{e:#}"), "a run failed");
-                        errors.fetch_add(1, Ordering::Relaxed);
-                    }
-                }
-            }
-        }
-    });
-    futures::future::join_all(clients).await;
+    let (stop, goal) = match args.runs {
+        Some(n) => (Stop::After(n), progress::Goal::Runs(n)),
+        None => (
+            Stop::At(begin + Duration::from_secs_f64(args.duration)),
+            progress::Goal::Seconds(args.duration),
+        ),
+    };
+    let line = progress::Progress::start("measuring", goal, tally.counts.clone());
+    let max_in_flight = drive(driver, &Arc::new(spec.clone()), load, stop, &tally).await;
     let elapsed = begin.elapsed().as_secs_f64();
     line.finish();
     let cpu_after = cpu_by_process(&mesh.processes);
     let client_after = mesh.client.map(cpu_seconds);
-    let h = histogram.lock().await;
-    let runs = ok.load(Ordering::Relaxed);
+    let h = tally
+        .histogram
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .clone();
+    let runs = tally.counts.ok.load(Ordering::Relaxed);
     #[allow(clippy::cast_precision_loss)] // run counts are far below 2^52
     let per_run = |x: f64| if runs == 0 { 0.0 } else { x / runs as f64 };
     #[allow(clippy::cast_precision_loss)]
@@ -557,9 +725,11 @@ pub async fn measure(
         workload: args.workload,
         mode: mesh.mode,
         concurrency: args.concurrency,
+        rate: load.rate,
+        max_in_flight,
         duration_s: elapsed,
         runs,
-        errors: errors.load(Ordering::Relaxed),
+        errors: tally.counts.errors.load(Ordering::Relaxed),
         runs_per_s,
         latency_us: Latency {
             p50: h.value_at_quantile(0.50),
@@ -742,7 +912,7 @@ async fn interrupted() -> &'static str {
 /// The mesh cannot be started or reached, a setting is invalid, or a signal
 /// interrupted the bench.
 pub async fn run(args: &BenchArgs, data_dir: Option<&Path>) -> anyhow::Result<Outcome> {
-    anyhow::ensure!(args.concurrency > 0, "--concurrency must be at least 1");
+    Load::of(args).check()?;
     anyhow::ensure!(args.workers > 0, "--workers must be at least 1");
     let scratch = tempfile::tempdir()?;
     let dir = data_dir.map_or_else(|| scratch.path().to_owned(), Path::to_owned);
@@ -789,13 +959,27 @@ pub async fn run(args: &BenchArgs, data_dir: Option<&Path>) -> anyhow::Result<Ou
 
 /// The human summary.
 pub fn summary(r: &Report) -> String {
+    let load = match r.rate {
+        None => format!("concurrency {}", r.concurrency),
+        Some(rate) => {
+            let most = r.max_in_flight.unwrap_or(0);
+            let capped = if most >= r.concurrency as u64 {
+                " (reached: runs started late, their wait counted)"
+            } else {
+                ""
+            };
+            format!(
+                "open loop at {rate} runs/s offered, at most {} in flight, {most} at once{capped}",
+                r.concurrency
+            )
+        }
+    };
     let mut text = format!(
-        "workload {:?} ({:?}), concurrency {}: {} runs in {:.1} s = {:.0} runs/s ({} errors)\n\
+        "workload {:?} ({:?}), {load}: {} runs in {:.1} s = {:.0} runs/s ({} errors)\n\
          latency p50 {:.2} ms, p95 {:.2} ms, p99 {:.2} ms, max {:.2} ms\n\
          CPU {:.3} ms per run (all mesh processes), peak RSS {:.1} MiB",
         r.workload,
         r.mode,
-        r.concurrency,
         r.runs,
         r.duration_s,
         r.runs_per_s,
@@ -824,4 +1008,78 @@ pub fn summary(r: &Report) -> String {
         ));
     }
     text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn open_loop_runs_fall_due_at_even_intervals_from_the_start() {
+        let begin = Instant::now();
+        assert_eq!(due_at(begin, 100.0, 0), begin);
+        assert_eq!(due_at(begin, 100.0, 50), begin + Duration::from_millis(500));
+        assert_eq!(due_at(begin, 4.0, 9), begin + Duration::from_millis(2_250));
+        // No drift: run 3,000,000 at 1,500/s falls due 2,000 s on, to the microsecond.
+        let late = due_at(begin, 1_500.0, 3_000_000) - begin;
+        assert!(late.abs_diff(Duration::from_secs(2_000)) < Duration::from_micros(1));
+    }
+
+    #[test]
+    fn a_load_without_clients_or_a_rate_is_refused() {
+        let check = |concurrency, rate| Load { concurrency, rate }.check();
+        assert!(check(1, None).is_ok());
+        assert!(check(64, Some(1_500.0)).is_ok());
+        let err = check(0, None).expect_err("no clients").to_string();
+        assert!(err.contains("--concurrency must be at least 1"), "{err}");
+        for rate in [0.0, -5.0, f64::NAN, f64::INFINITY] {
+            let err = check(64, Some(rate)).expect_err("no rate").to_string();
+            assert!(
+                err.contains("--rate must be a positive number"),
+                "{rate}: {err}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_summary_says_how_runs_were_offered() {
+        let report = |rate, max_in_flight| Report {
+            workload: Workload::Noop,
+            mode: MeshMode::OneProcess,
+            concurrency: 64,
+            rate,
+            max_in_flight,
+            duration_s: 10.0,
+            runs: 15_000,
+            errors: 0,
+            runs_per_s: 1_500.0,
+            latency_us: Latency {
+                p50: 2_000,
+                p95: 5_000,
+                p99: 9_000,
+                max: 20_000,
+            },
+            cpu_s_per_run: 0.0008,
+            peak_rss_bytes: 1 << 27,
+            cpu_s_per_run_by_process: BTreeMap::new(),
+            rss_by_process: BTreeMap::new(),
+            client_cpu_s_per_run: None,
+        };
+        let closed = summary(&report(None, None));
+        assert!(
+            closed.contains("(OneProcess), concurrency 64: 15000 runs"),
+            "{closed}"
+        );
+        let open = summary(&report(Some(1_500.0), Some(12)));
+        assert!(
+            open.contains("open loop at 1500 runs/s offered, at most 64 in flight, 12 at once:"),
+            "{open}"
+        );
+        assert!(!open.contains("reached"), "{open}");
+        let capped = summary(&report(Some(1_500.0), Some(64)));
+        assert!(
+            capped.contains("64 at once (reached: runs started late, their wait counted)"),
+            "{capped}"
+        );
+    }
 }

@@ -149,6 +149,9 @@ fn the_closed_loop_runs_in_one_process_and_as_processes() {
     let report = bench(&one, &["--workload", "noop", "--runs", "20"]);
     check_load_report(&report, 20, "one-process", &["convene"]);
     assert!(report.get("client_cpu_s_per_run").is_none(), "{report}");
+    // A closed loop offers no rate.
+    assert!(report.get("rate").is_none(), "{report}");
+    assert!(report.get("max_in_flight").is_none(), "{report}");
 
     let many = dir.path().join("many");
     let report = bench(
@@ -177,6 +180,55 @@ fn the_closed_loop_runs_in_one_process_and_as_processes() {
     if database().is_none() {
         each_service_kept_its_state_in_a_file_of_its_own(&many, 10);
     }
+}
+
+/// `--rate`: the open loop starts a run every 1/rate seconds, however long the runs take,
+/// and counts each run's latency from when it fell due.
+#[test]
+fn the_open_loop_offers_runs_at_the_rate_and_counts_latency_from_when_each_fell_due() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    // 20 runs at 40 a second: the last falls due 475 ms after the first, so the phase
+    // lasts at least that long (a closed loop of 64 would start all 20 at once).
+    let report = bench(
+        &dir.path().join("paced"),
+        &["--workload", "noop", "--rate", "40", "--runs", "20"],
+    );
+    check_load_report(&report, 20, "one-process", &["convene"]);
+    assert!(
+        (f64_of(&report, "rate") - 40.0).abs() < f64::EPSILON,
+        "{report}"
+    );
+    assert!(f64_of(&report, "duration_s") >= 0.475, "{report}");
+    assert!(
+        (1..=64).contains(&u64_of(&report, "max_in_flight")),
+        "{report}"
+    );
+
+    // A thousand a second offered, one in flight at most: runs start late, one after
+    // another, and their wait counts. The last run fell due 29 ms after the first but
+    // ended only as the phase did, so its latency is the phase less those 29 ms, where
+    // timed from its own start it would be one run's.
+    let report = bench(
+        &dir.path().join("capped"),
+        &[
+            "--workload",
+            "noop",
+            "--rate",
+            "1000",
+            "--concurrency",
+            "1",
+            "--runs",
+            "30",
+        ],
+    );
+    assert_eq!(u64_of(&report, "runs"), 30, "{report}");
+    assert_eq!(u64_of(&report, "errors"), 0, "{report}");
+    assert_eq!(u64_of(&report, "concurrency"), 1, "{report}");
+    assert_eq!(u64_of(&report, "max_in_flight"), 1, "{report}");
+    let phase_us = f64_of(&report, "duration_s") * 1e6;
+    #[allow(clippy::cast_precision_loss)] // microseconds of a short phase
+    let max_us = u64_of(&report["latency_us"], "max") as f64;
+    assert!(max_us >= phase_us - 29_000.0 - 5_000.0, "{report}");
 }
 
 /// Rows of `table` in the SQLite file `<dir>/<file>`.

@@ -292,7 +292,11 @@ async fn measure(
         .or_else(|| measured.processes.first())
         .cloned()
         .context("no mesh process to measure")?;
-    warm_up(driver, &prepared.spec, args.concurrency, args.warmup).await;
+    let warm = super::Load {
+        concurrency: args.concurrency,
+        rate: None,
+    };
+    warm_up(driver, &prepared.spec, prepared.expected, warm, args.warmup).await?;
     let completions = follow_completions(driver).await?;
     let rss_before = rss(supervisor.pid);
     let cpu_before = cpu_by_process(&measured.processes);
