@@ -11,6 +11,9 @@
 //! - [`permissions`]: structured scopes, their intersection, and risk levels.
 //! - [`ids`]: deterministic delegation identities.
 //! - [`model`]: the validated domain types the rest works on.
+//!
+//! One utility the services share is not a pure function: [`recent::RecentMap`], the
+//! bounded map of recent entries a process keeps of what it checked or wrote lately.
 #![forbid(unsafe_code)]
 
 pub mod error;
@@ -19,6 +22,7 @@ pub mod join;
 pub mod limits;
 pub mod model;
 pub mod permissions;
+pub mod recent;
 pub mod time;
 pub mod validate;
 

@@ -9,12 +9,12 @@
 //! audience by [`Claims::check_audience`]), so callers and tests decide the clock and
 //! every refusal names its exact reason.
 
-use std::collections::HashMap;
-use std::sync::{LazyLock, Mutex, PoisonError};
+use std::sync::LazyLock;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use base64::Engine;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
+use convene_core::recent::RecentMap;
 use convene_proto::v1;
 use ed25519_dalek::{Signature, Signer as _, Verifier as _, VerifyingKey};
 use jsonwebtoken::errors::ErrorKind;
@@ -383,10 +383,20 @@ static VERIFIED: LazyLock<VerifiedTokens> = LazyLock::new(VerifiedTokens::defaul
 /// A bounded set of tokens whose signature holds, with their claims and the key that
 /// signed them. A token is known by the SHA-256 digest of its exact bytes: a digest, not
 /// the token, because a full set holds thousands of them (tokens run near a kilobyte),
-/// and SHA-256 because a token that differs in any byte must miss.
-#[derive(Debug, Default)]
+/// and SHA-256 because a token that differs in any byte must miss. The tokens of runs
+/// in flight stay as long as they are used; the others go a generation at a time, off
+/// the lock ([`RecentMap`]).
+#[derive(Debug)]
 struct VerifiedTokens {
-    map: Mutex<HashMap<[u8; 32], Verified>>,
+    map: RecentMap<[u8; 32], Verified>,
+}
+
+impl Default for VerifiedTokens {
+    fn default() -> Self {
+        Self {
+            map: RecentMap::new(Self::CAPACITY),
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -397,16 +407,16 @@ struct Verified {
 }
 
 impl VerifiedTokens {
-    /// Entries kept before the set starts over; tokens live minutes, so a full set is
-    /// mostly expired anyway.
+    /// Entries kept at most; tokens live minutes, and a run's are used within seconds.
     const CAPACITY: usize = 16_384;
 
     /// The claims of `token`, if it is here and `trusted` accepts the key that signed it.
     fn get(&self, token: &str, trusted: impl Fn(&str, &[u8; 32]) -> bool) -> Option<Claims> {
-        let digest = digest(token);
-        let map = self.map.lock().unwrap_or_else(PoisonError::into_inner);
-        let entry = map.get(&digest)?;
-        trusted(&entry.kid, &entry.public).then(|| entry.claims.clone())
+        self.map
+            .get_with(&digest(token), |entry| {
+                trusted(&entry.kid, &entry.public).then(|| entry.claims.clone())
+            })
+            .flatten()
     }
 
     fn insert(&self, token: &str, claims: &Claims, kid: &str, public: [u8; 32]) {
@@ -415,12 +425,7 @@ impl VerifiedTokens {
             kid: kid.into(),
             public,
         };
-        let digest = digest(token);
-        let mut map = self.map.lock().unwrap_or_else(PoisonError::into_inner);
-        if map.len() >= Self::CAPACITY {
-            map.clear();
-        }
-        map.insert(digest, entry);
+        self.map.insert(digest(token), entry);
     }
 }
 

@@ -7,9 +7,10 @@
 //! (evidence). Creation times are kept to the microsecond.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 
 use async_trait::async_trait;
+use convene_core::recent::RecentMap;
 use convene_mesh::handles::PolicyHandle;
 use convene_proto::v1;
 use convene_store::time::{from_micros, micros};
@@ -50,37 +51,34 @@ impl SqlCatalog {
     }
 }
 
-/// Immutable records by (tenant, key), at most [`Known::CAPACITY`]; a full set starts
-/// over.
+/// Immutable records by (tenant, key), at most [`Known::CAPACITY`]: those in use stay,
+/// the others go a generation at a time, off the lock ([`RecentMap`]).
 #[derive(Debug)]
 struct Known<V> {
-    map: Mutex<HashMap<(String, String), V>>,
+    map: RecentMap<(String, String), V>,
 }
 
-impl<V> Default for Known<V> {
+impl<V: Clone + Send + 'static> Default for Known<V> {
     fn default() -> Self {
         Self {
-            map: Mutex::new(HashMap::new()),
+            map: RecentMap::new(Self::CAPACITY),
         }
     }
 }
 
-impl<V: Clone> Known<V> {
+impl<V: Clone + Send + 'static> Known<V> {
     /// Enough for the records of thousands of runs in flight; a run's are read back
     /// within seconds of being written.
     const CAPACITY: usize = 8_192;
 
     fn get(&self, tenant: &str, key: &str) -> Option<V> {
-        let map = self.map.lock().unwrap_or_else(PoisonError::into_inner);
-        map.get(&(tenant.to_owned(), key.to_owned())).cloned()
+        self.map
+            .get_with(&(tenant.to_owned(), key.to_owned()), V::clone)
     }
 
     fn insert(&self, tenant: &str, key: &str, value: &V) {
-        let mut map = self.map.lock().unwrap_or_else(PoisonError::into_inner);
-        if map.len() >= Self::CAPACITY {
-            map.clear();
-        }
-        map.insert((tenant.to_owned(), key.to_owned()), value.clone());
+        self.map
+            .insert((tenant.to_owned(), key.to_owned()), value.clone());
     }
 }
 
