@@ -88,8 +88,9 @@ enum Command {
         #[command(flatten)]
         client: ClientArgs,
     },
-    /// Measure the mesh: a closed-loop load generator over the noop or payment-incident
-    /// workload, reporting runs/s, latency percentiles (HDR histogram), CPU per run and
+    /// Measure the mesh: a load generator over the noop or payment-incident workload (a
+    /// closed loop of --concurrency clients, or with --rate an open loop at a fixed
+    /// rate), reporting runs/s, latency percentiles (HDR histogram), CPU per run and
     /// peak RSS; or, with --scale N, the supervisor's memory per run in flight and the
     /// time N held runs take to drain. Starts a mesh in this process (or, with
     /// --processes, one process per service and worker) unless --endpoint is given.
