@@ -590,8 +590,7 @@ async fn open_loop(
         let due = due_at(begin, rate, i);
         let go = match stop {
             Stop::After(n) => i < n,
-            Stop::At(at) => due < at,
-            Stop::By(at) => due < at && Instant::now() < at,
+            Stop::At(at) | Stop::By(at) => due < at,
         };
         if !go {
             break;
@@ -600,6 +599,7 @@ async fn open_loop(
         let Ok(slot) = slots.clone().acquire_owned().await else {
             break; // never closed
         };
+        // A warm-up starts nothing once its time is up, however far behind it is.
         if matches!(stop, Stop::By(at) if Instant::now() >= at) {
             break;
         }
