@@ -18,7 +18,7 @@ use convene_store::test_util::TestPostgres;
 const LIMIT: Duration = Duration::from_secs(90);
 
 fn repo_root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
 fn convene() -> Command {

@@ -13,7 +13,7 @@ async fn run_local_prints_the_trace_it_exported_and_its_jaeger_link() {
     let receiver = OtlpReceiver::start().await;
     let dir = tempfile::tempdir().expect("tempdir");
     let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_convene"))
-        .current_dir(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.."))
+        .current_dir(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".."))
         .args(["run", "--local", "examples/payment-incident/run.yaml"])
         .arg("--data-dir")
         .arg(dir.path())

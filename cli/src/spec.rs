@@ -172,7 +172,7 @@ mod tests {
     use std::path::PathBuf;
 
     fn example() -> PathBuf {
-        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../examples/payment-incident/run.yaml")
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../examples/payment-incident/run.yaml")
     }
 
     #[test]

@@ -8,7 +8,7 @@ use convene_server::test_util::free_port;
 
 fn convene() -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_convene"));
-    cmd.current_dir(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.."))
+    cmd.current_dir(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".."))
         .env_remove("CONVENE_DATA_DIR")
         .env_remove("CONVENE_ENDPOINT")
         .env_remove("CONVENE_CREDENTIAL");

@@ -9,7 +9,7 @@ use serde_json::Value;
 
 fn convene() -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_convene"));
-    cmd.current_dir(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.."))
+    cmd.current_dir(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".."))
         .env_remove("CONVENE_DATA_DIR")
         .env_remove("CONVENE_ENDPOINT")
         .env_remove("CONVENE_CREDENTIAL")
@@ -386,7 +386,7 @@ fn three_runs_without_errors(out: &Output) {
 fn store_sqlite_is_the_data_directorys_database() {
     let dir = tempfile::tempdir().expect("tempdir");
     let data = dir.path().join("data");
-    let repo = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let repo = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
     let stray = repo.join("sqlite");
     let out = convene()
         .args(["bench", "--workload", "noop", "--runs", "3", "--json"])
@@ -406,7 +406,7 @@ fn store_sqlite_is_the_data_directorys_database() {
 #[test]
 fn the_example_is_found_from_any_directory_with_example() {
     let elsewhere = tempfile::tempdir().expect("tempdir");
-    let example = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../examples/payment-incident");
+    let example = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../examples/payment-incident");
     let run = |extra: &[&std::ffi::OsStr]| {
         convene()
             .current_dir(elsewhere.path())
