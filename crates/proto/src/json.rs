@@ -65,6 +65,75 @@ pub fn from_value<T: Named>(value: serde_json::Value) -> Result<T, Error> {
     Ok(T::decode(dynamic.encode_to_vec().as_slice())?)
 }
 
+/// Converts JSON into a protobuf `Struct`, losing nothing: an object's members become the
+/// fields, and any other value is kept as the one field `value` (`{"value": …}`).
+pub fn to_struct(value: &serde_json::Value) -> prost_types::Struct {
+    match value {
+        serde_json::Value::Object(map) => prost_types::Struct {
+            fields: map
+                .iter()
+                .map(|(k, v)| (k.clone(), to_proto_value(v)))
+                .collect(),
+        },
+        other => prost_types::Struct {
+            fields: [("value".to_owned(), to_proto_value(other))]
+                .into_iter()
+                .collect(),
+        },
+    }
+}
+
+/// Converts a protobuf `Struct` back into a JSON object. Integral numbers below 2^53
+/// come back as JSON integers, since counts and revisions went in as integers.
+pub fn from_struct(s: &prost_types::Struct) -> serde_json::Value {
+    serde_json::Value::Object(
+        s.fields
+            .iter()
+            .map(|(k, v)| (k.clone(), from_proto_value(v)))
+            .collect(),
+    )
+}
+
+/// One JSON value as a protobuf `Value`.
+pub fn to_proto_value(value: &serde_json::Value) -> prost_types::Value {
+    use prost_types::value::Kind;
+    let kind = match value {
+        serde_json::Value::Null => Kind::NullValue(0),
+        serde_json::Value::Bool(b) => Kind::BoolValue(*b),
+        // Without serde_json's arbitrary precision every number has an f64 form.
+        serde_json::Value::Number(n) => Kind::NumberValue(n.as_f64().unwrap_or(f64::NAN)),
+        serde_json::Value::String(s) => Kind::StringValue(s.clone()),
+        serde_json::Value::Array(items) => Kind::ListValue(prost_types::ListValue {
+            values: items.iter().map(to_proto_value).collect(),
+        }),
+        serde_json::Value::Object(_) => Kind::StructValue(to_struct(value)),
+    };
+    prost_types::Value { kind: Some(kind) }
+}
+
+/// One protobuf `Value` as JSON; a value without a kind is `null`, as is a number
+/// JSON cannot hold (NaN, infinity).
+pub fn from_proto_value(value: &prost_types::Value) -> serde_json::Value {
+    use prost_types::value::Kind;
+    match &value.kind {
+        None | Some(Kind::NullValue(_)) => serde_json::Value::Null,
+        Some(Kind::BoolValue(b)) => serde_json::Value::Bool(*b),
+        Some(Kind::NumberValue(n)) => {
+            #[allow(clippy::cast_possible_truncation, clippy::float_cmp)]
+            if n.fract() == 0.0 && n.abs() < 9.0e15 {
+                serde_json::Value::from(*n as i64)
+            } else {
+                serde_json::Number::from_f64(*n).map_or(serde_json::Value::Null, Into::into)
+            }
+        }
+        Some(Kind::StringValue(s)) => serde_json::Value::String(s.clone()),
+        Some(Kind::ListValue(l)) => {
+            serde_json::Value::Array(l.values.iter().map(from_proto_value).collect())
+        }
+        Some(Kind::StructValue(s)) => from_struct(s),
+    }
+}
+
 macro_rules! named {
     ($($ty:ident),* $(,)?) => {
         $(impl Named for crate::v1::$ty {
@@ -129,5 +198,41 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("gaol"), "{err}");
+    }
+
+    #[test]
+    fn objects_round_trip_through_struct() {
+        let json = serde_json::json!({
+            "count": 3, "ratio": 0.25, "name": "pool", "ok": true, "none": null,
+            "list": [1, "two", {"three": 3}], "nested": {"deep": [false]}
+        });
+        let back = from_struct(&to_struct(&json));
+        assert_eq!(back, json);
+    }
+
+    #[test]
+    fn a_non_object_is_kept_as_value() {
+        for json in [
+            serde_json::json!([1, 2]),
+            serde_json::json!("text"),
+            serde_json::json!(7),
+            serde_json::json!(null),
+        ] {
+            let s = to_struct(&json);
+            assert_eq!(s.fields.len(), 1, "{json}");
+            assert_eq!(from_struct(&s), serde_json::json!({ "value": json }));
+        }
+    }
+
+    #[test]
+    fn numbers_json_cannot_hold_become_null() {
+        let nan = prost_types::Value {
+            kind: Some(prost_types::value::Kind::NumberValue(f64::NAN)),
+        };
+        assert_eq!(from_proto_value(&nan), serde_json::Value::Null);
+        let half = prost_types::Value {
+            kind: Some(prost_types::value::Kind::NumberValue(0.5)),
+        };
+        assert_eq!(from_proto_value(&half), serde_json::json!(0.5));
     }
 }
