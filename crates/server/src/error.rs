@@ -15,7 +15,8 @@ use tonic::{Code, Status};
 /// What kind of failure an error is, independent of transport.
 ///
 /// A deliberately small subset of gRPC's codes: the ones convene services return on
-/// purpose. Each maps to a [`tonic::Code`] and to an HTTP status for the HTTP gateway.
+/// purpose. Each maps to a [`tonic::Code`], and to an HTTP status for an HTTP surface
+/// (none is served yet; the planned A2A gateway is the first).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum ErrorCode {
     /// The request is malformed or a field is invalid; retrying it unchanged fails again.
@@ -88,7 +89,8 @@ impl ErrorCode {
     }
 
     /// The HTTP status, following the mapping gRPC-HTTP gateways use
-    /// (`google.rpc.Code` documentation), so the A2A/HTTP gateway answers consistently.
+    /// (`google.rpc.Code` documentation), so that a future HTTP surface, such as the planned
+    /// A2A gateway, answers as the gRPC services do.
     pub fn http_status(self) -> StatusCode {
         match self {
             ErrorCode::InvalidArgument | ErrorCode::FailedPrecondition | ErrorCode::OutOfRange => {
