@@ -3,41 +3,24 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use serde_json::Value;
 
-fn convene() -> Command {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_convene"));
-    cmd.current_dir(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".."))
-        .env_remove("CONVENE_DATA_DIR")
-        .env_remove("CONVENE_ENDPOINT")
-        .env_remove("CONVENE_CREDENTIAL")
-        .env_remove("CONVENE_DATABASE_URL");
-    cmd
-}
+use crate::support::{self, database_server, test_database, wait_for};
 
-/// A fresh PostgreSQL database when `CONVENE_TEST_DATABASE_URL` names a server, for
-/// the mesh to keep its state in; None: the bench's default SQLite file.
-fn database() -> Option<convene_store::test_util::TestPostgres> {
-    let server = std::env::var("CONVENE_TEST_DATABASE_URL")
-        .ok()
-        .filter(|url| url.starts_with("postgres://") || url.starts_with("postgresql://"))?;
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("a runtime");
-    Some(
-        runtime
-            .block_on(convene_store::test_util::TestPostgres::create(&server))
-            .expect("a fresh PostgreSQL database"),
-    )
+/// `convene`, keeping its state where the test says (not in a database the
+/// environment names).
+fn convene() -> Command {
+    let mut cmd = support::convene();
+    cmd.env_remove("CONVENE_DATABASE_URL");
+    cmd
 }
 
 /// Runs `convene bench <args> --json --data-dir <dir>` (on a fresh PostgreSQL database
 /// when the environment names a server) and returns its report.
 fn bench(dir: &Path, args: &[&str]) -> Value {
-    let postgres = database();
+    let postgres = test_database();
     let mut cmd = convene();
     cmd.arg("bench")
         .args(args)
@@ -177,7 +160,7 @@ fn the_closed_loop_runs_in_one_process_and_as_processes() {
         assert!(many.join(format!("logs/{name}.log")).is_file(), "{name}");
     }
     assert_eq!(processes_of(&many), Vec::<u32>::new());
-    if database().is_none() {
+    if database_server().is_none() {
         each_service_kept_its_state_in_a_file_of_its_own(&many, 10);
     }
 }
@@ -344,19 +327,18 @@ fn an_interrupted_bench_stops_every_process_it_started() {
         .expect("convene starts");
     // Wait until the mesh is up: its four services' and two workers' processes exist
     // (the last worker starts after every service answered its health check).
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while processes_of(dir.path()).len() < 6 || !dir.path().join("logs/worker-2.log").exists() {
-        assert!(
-            Instant::now() < deadline,
-            "the mesh did not start; processes: {:?}",
-            processes_of(dir.path())
-        );
+    wait_for("the mesh to start", Duration::from_secs(120), || {
+        let processes = processes_of(dir.path());
         assert!(
             child.try_wait().expect("wait").is_none(),
             "the bench exited"
         );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+        if processes.len() >= 6 && dir.path().join("logs/worker-2.log").exists() {
+            Ok(())
+        } else {
+            Err(processes)
+        }
+    });
     let pid =
         rustix::process::Pid::from_raw(i32::try_from(child.id()).expect("pid")).expect("a pid");
     rustix::process::kill_process(pid, rustix::process::Signal::INT).expect("SIGINT sent");
@@ -386,7 +368,7 @@ fn three_runs_without_errors(out: &Output) {
 fn store_sqlite_is_the_data_directorys_database() {
     let dir = tempfile::tempdir().expect("tempdir");
     let data = dir.path().join("data");
-    let repo = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    let repo = support::repo_root();
     let stray = repo.join("sqlite");
     let out = convene()
         .args(["bench", "--workload", "noop", "--runs", "3", "--json"])

@@ -1,19 +1,11 @@
 //! The `convene` binary, black-box: what a person typing the README's commands sees.
 
-use std::path::PathBuf;
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Stdio;
+use std::time::Duration;
 
 use convene_server::test_util::free_port;
 
-fn convene() -> Command {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_convene"));
-    cmd.current_dir(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".."))
-        .env_remove("CONVENE_DATA_DIR")
-        .env_remove("CONVENE_ENDPOINT")
-        .env_remove("CONVENE_CREDENTIAL");
-    cmd
-}
+use crate::support::{convene, wait_until};
 
 #[test]
 fn check_explains_the_example_and_names_bad_fields() {
@@ -77,6 +69,24 @@ fn client_commands_say_what_to_do_when_nothing_listens() {
     );
 }
 
+#[test]
+fn run_names_a_missing_spec_file_before_asking_for_credentials() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    for detach in [false, true] {
+        let mut cmd = convene();
+        cmd.args(["run", "/nonexistent.yaml", "--data-dir"])
+            .arg(dir.path());
+        if detach {
+            cmd.arg("--detach");
+        }
+        let out = cmd.output().expect("convene runs");
+        assert!(!out.status.success());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("/nonexistent.yaml"), "{err}");
+        assert!(!err.contains("credential"), "{err}");
+    }
+}
+
 struct Up(std::process::Child);
 
 impl Drop for Up {
@@ -99,16 +109,10 @@ fn up_then_run_prints_the_assessment_and_evidence_verifies() {
         .stdout(Stdio::null())
         .spawn()
         .expect("convene up starts"));
-    let deadline = Instant::now() + Duration::from_secs(15);
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err()
-        || !dir.path().join("credentials/default-principal").exists()
-    {
-        assert!(
-            Instant::now() < deadline,
-            "convene up did not start listening"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_until("convene up to listen", Duration::from_secs(15), || {
+        std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+            && dir.path().join("credentials/default-principal").exists()
+    });
 
     let out = convene()
         .args([

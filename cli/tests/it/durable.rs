@@ -9,43 +9,22 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use convene_server::test_util::free_port;
 use convene_store::test_util::TestPostgres;
 
+use crate::support::{self, repo_root, test_database, wait_for, wait_until};
+
 /// Generous: the machine may be a loaded 2-core one.
 const LIMIT: Duration = Duration::from_secs(90);
 
-fn repo_root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
+/// `convene`, keeping its state where the test says and publishing no events.
 fn convene() -> Command {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_convene"));
-    cmd.current_dir(repo_root())
-        .env_remove("CONVENE_DATA_DIR")
-        .env_remove("CONVENE_ENDPOINT")
-        .env_remove("CONVENE_CREDENTIAL")
-        .env_remove("CONVENE_DATABASE_URL")
+    let mut cmd = support::convene();
+    cmd.env_remove("CONVENE_DATABASE_URL")
         .env_remove("CONVENE_NATS_URL");
     cmd
-}
-
-/// A fresh PostgreSQL database when `CONVENE_TEST_DATABASE_URL` names a server.
-fn test_database() -> Option<TestPostgres> {
-    let url = std::env::var("CONVENE_TEST_DATABASE_URL")
-        .ok()
-        .filter(|u| u.starts_with("postgres://") || u.starts_with("postgresql://"))?;
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("a runtime");
-    Some(
-        runtime
-            .block_on(TestPostgres::create(&url))
-            .unwrap_or_else(|e| panic!("CONVENE_TEST_DATABASE_URL: no test database: {e}")),
-    )
 }
 
 /// A `convene up` process; killed when dropped.
@@ -81,20 +60,14 @@ impl Up {
             cmd.arg("--database-url").arg(url);
         }
         let mut up = Up(cmd.spawn().expect("convene up starts"));
-        let deadline = Instant::now() + LIMIT;
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err()
-            || !dir.join("credentials/default-principal").exists()
-        {
+        wait_until("convene up to listen", LIMIT, || {
             assert!(
                 up.0.try_wait().expect("a status").is_none(),
                 "convene up exited"
             );
-            assert!(
-                Instant::now() < deadline,
-                "convene up did not start listening"
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
+            std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+                && dir.join("credentials/default-principal").exists()
+        });
         up
     }
 
@@ -208,8 +181,7 @@ fn a_detached_run_survives_convene_up_being_killed_and_its_events_print_once() {
         "--detach --json prints the run id only"
     );
     // It returned with the run still going: every delegation is out with a worker.
-    let deadline = Instant::now() + LIMIT;
-    loop {
+    wait_for("every delegation to be dispatched", LIMIT, || {
         let run = run_json(&dir, &endpoint, &run_id);
         assert!(
             run["state"] == "RUN_STATE_PENDING" || run["state"] == "RUN_STATE_RUNNING",
@@ -221,25 +193,24 @@ fn a_detached_run_survives_convene_up_being_killed_and_its_events_print_once() {
                 .iter()
                 .all(|d| d["state"] == "DELEGATION_STATE_DISPATCHED")
         {
-            break;
+            Ok(())
+        } else {
+            Err(run.to_string())
         }
-        assert!(Instant::now() < deadline, "never dispatched: {run:#}");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    });
 
     // Killed with the run in flight, then started again on the same data directory with
     // workers that answer: the run is taken back and finishes.
     up.kill();
     let _up = Up::start(&dir, port, None, database.as_ref().map(TestPostgres::url));
-    let deadline = Instant::now() + LIMIT;
-    let run = loop {
+    let run = wait_for("the run to finish", LIMIT, || {
         let run = run_json(&dir, &endpoint, &run_id);
         if run["state"] != "RUN_STATE_RUNNING" && run["state"] != "RUN_STATE_PENDING" {
-            break run;
+            Ok(run)
+        } else {
+            Err(run.to_string())
         }
-        assert!(Instant::now() < deadline, "not finished: {run:#}");
-        std::thread::sleep(Duration::from_millis(100));
-    };
+    });
     assert_eq!(run["state"], "RUN_STATE_WAITING_APPROVAL", "{run:#}");
     assert_eq!(run["outcome"], "JOIN_OUTCOME_CONFLICT_REQUIRES_HUMAN");
     assert_eq!(

@@ -1,5 +1,6 @@
 //! Databases for tests: a fresh SQLite file always, and a fresh PostgreSQL database when
-//! [`POSTGRES_ENV`] names a server.
+//! [`POSTGRES_ENV`] names a server; and honest skips for tests whose outside service
+//! (PostgreSQL, NATS) is missing: [`Service::missing`].
 //!
 //! ```no_run
 //! # async fn example() {
@@ -21,6 +22,72 @@ use crate::{Database, Error, redact};
 /// `convene_test_<uuid>` and dropped afterwards; the URL's own database is only used to
 /// run `CREATE DATABASE` and `DROP DATABASE`.
 pub const POSTGRES_ENV: &str = "CONVENE_TEST_POSTGRES_URL";
+
+/// The variable that forbids skips: when it is `1` (or `true`), a test whose service is
+/// missing fails instead of skipping. CI sets it, so that no test is skipped there
+/// unnoticed.
+pub const REQUIRE_SERVICES_ENV: &str = "CONVENE_TEST_REQUIRE_SERVICES";
+
+/// A service that some tests need from outside their process, and the variable that
+/// names it to them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Service {
+    /// Its name in messages, e.g. `PostgreSQL`.
+    pub name: &'static str,
+    /// The variable that names a server of it to the tests.
+    pub variable: &'static str,
+}
+
+/// PostgreSQL, named by [`POSTGRES_ENV`].
+pub const POSTGRES: Service = Service {
+    name: "PostgreSQL",
+    variable: POSTGRES_ENV,
+};
+
+impl Service {
+    /// The calling test (or a part of it) cannot run because this service is missing:
+    /// `why` says how, e.g. `is not configured` or `does not answer at <url>`. Prints a
+    /// line naming the test, the service and the variable that enables it, and returns:
+    /// the caller then skips what needs the service.
+    ///
+    /// # Panics
+    ///
+    /// With the same message when [`REQUIRE_SERVICES_ENV`] is set: a run that requires
+    /// every service must not pass without one.
+    pub fn missing(self, why: &str) {
+        let line = missing(services_required(), &current_test(), self, why);
+        eprintln!("{line}");
+    }
+}
+
+/// Whether [`REQUIRE_SERVICES_ENV`] forbids skips.
+pub fn services_required() -> bool {
+    required(std::env::var(REQUIRE_SERVICES_ENV).ok().as_deref())
+}
+
+fn required(value: Option<&str>) -> bool {
+    matches!(value.map(str::trim), Some("1" | "true"))
+}
+
+/// The skip line for `test`, or, when skips are forbidden, a panic with its reason.
+fn missing(required: bool, test: &str, service: Service, why: &str) -> String {
+    let Service { name, variable } = service;
+    assert!(
+        !required,
+        "{test} needs {name}, which {why}; {REQUIRE_SERVICES_ENV} is set, so it may not be \
+         skipped: set {variable} to a server that answers"
+    );
+    format!("skipped: {test} needs {name}, which {why}; set {variable} to run it")
+}
+
+/// The running test's name: libtest names each test's thread after it. A helper called
+/// from another thread (a runtime's worker) says so instead.
+pub fn current_test() -> String {
+    std::thread::current()
+        .name()
+        .filter(|name| *name != "main")
+        .map_or_else(|| "a test on an unnamed thread".to_owned(), str::to_owned)
+}
 
 /// A fresh, migrated database for one test, removed when dropped.
 pub struct TestDatabase {
@@ -64,32 +131,48 @@ pub async fn sqlite() -> TestDatabase {
 }
 
 /// A fresh SQLite database, and a fresh PostgreSQL database when [`POSTGRES_ENV`] is
-/// set.
+/// set (without it, the PostgreSQL half is skipped, saying so: [`Service::missing`]).
 ///
 /// # Panics
 ///
 /// When a database cannot be created, including a PostgreSQL server that the variable
 /// names but that does not answer: a test run that asked for PostgreSQL must not pass
-/// quietly without it.
+/// quietly without it. And without the variable when [`REQUIRE_SERVICES_ENV`] is set.
 pub async fn test_databases() -> Vec<TestDatabase> {
     let mut all = vec![sqlite().await];
-    if let Some(admin) = postgres_server() {
-        let server = TestPostgres::create(&admin).await.unwrap_or_else(|e| {
-            panic!(
-                "{POSTGRES_ENV}={} but no test database can be created there: {e}",
-                redact(&admin)
-            )
-        });
-        let db = Database::connect(server.url())
-            .await
-            .expect("the fresh PostgreSQL database opens");
-        all.push(TestDatabase {
-            db,
-            label: "postgres",
-            _guard: Guard::Postgres(server),
-        });
-    }
+    let Some(admin) = postgres_server() else {
+        POSTGRES.missing("is not configured (the test runs on SQLite only)");
+        return all;
+    };
+    let server = TestPostgres::create(&admin).await.unwrap_or_else(|e| {
+        panic!(
+            "{POSTGRES_ENV}={} but no test database can be created there: {e}",
+            redact(&admin)
+        )
+    });
+    let db = Database::connect(server.url())
+        .await
+        .expect("the fresh PostgreSQL database opens");
+    all.push(TestDatabase {
+        db,
+        label: "postgres",
+        _guard: Guard::Postgres(server),
+    });
     all
+}
+
+/// The PostgreSQL server a test needs: the one [`POSTGRES_ENV`] names, or None after
+/// [`Service::missing`] said that the test is skipped.
+///
+/// # Panics
+///
+/// When the variable is unset and [`REQUIRE_SERVICES_ENV`] is set.
+pub fn postgres_server_or_skip() -> Option<String> {
+    let server = postgres_server();
+    if server.is_none() {
+        POSTGRES.missing("is not configured");
+    }
+    server
 }
 
 /// The PostgreSQL server tests should use, if [`POSTGRES_ENV`] names one.
@@ -199,6 +282,52 @@ pub fn with_database(url: &str, name: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    const NATS: Service = Service {
+        name: "NATS",
+        variable: "CONVENE_TEST_NATS_URL",
+    };
+
+    #[test]
+    fn a_missing_service_is_skipped_with_a_line_naming_test_service_and_variable() {
+        let line = missing(false, "it::relay", NATS, "does not answer at nats://h:4222");
+        assert_eq!(
+            line,
+            "skipped: it::relay needs NATS, which does not answer at nats://h:4222; \
+             set CONVENE_TEST_NATS_URL to run it"
+        );
+    }
+
+    #[test]
+    #[should_panic(expected = "it::pool needs PostgreSQL, which is not configured; \
+                    CONVENE_TEST_REQUIRE_SERVICES is set, so it may not be skipped: \
+                    set CONVENE_TEST_POSTGRES_URL to a server that answers")]
+    fn a_missing_service_fails_the_test_when_services_are_required() {
+        missing(true, "it::pool", POSTGRES, "is not configured");
+    }
+
+    #[test]
+    fn only_one_or_true_requires_services() {
+        assert!(required(Some("1")));
+        assert!(required(Some(" true ")));
+        for value in [None, Some(""), Some("0"), Some("false"), Some("yes")] {
+            assert!(!required(value), "{value:?}");
+        }
+    }
+
+    #[test]
+    fn the_current_test_is_named_after_its_thread() {
+        assert_eq!(
+            current_test(),
+            "test_util::tests::the_current_test_is_named_after_its_thread"
+        );
+        let elsewhere = std::thread::Builder::new()
+            .spawn(current_test)
+            .expect("a thread")
+            .join()
+            .expect("no panic");
+        assert_eq!(elsewhere, "a test on an unnamed thread");
+    }
 
     #[test]
     fn database_names_are_replaced_in_urls() {

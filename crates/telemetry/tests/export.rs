@@ -1,5 +1,9 @@
 //! With an OTLP endpoint, spans reach a real OTLP/gRPC receiver with the process's
 //! resource, their tree, attributes and status, and `shutdown` flushes them.
+//!
+//! Its own binary: `init` installs the process's global subscriber, with the exporter
+//! this test asserts on; it can happen once per process, and it would send the spans of
+//! any test beside it to this receiver.
 
 use std::time::Duration;
 

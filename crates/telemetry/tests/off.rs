@@ -1,5 +1,8 @@
 //! With no OTLP endpoint configured, `init` installs logging only: convene's trace spans
 //! are disabled at their call sites and carry no trace context.
+//!
+//! Its own binary: it asserts that its `init` is the process's first, installing the
+//! global subscriber without an OpenTelemetry layer, which no other test may have done.
 
 use convene_telemetry::{LogFormat, Settings, current_trace_id, trace_id, traceparent};
 

@@ -5,7 +5,9 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use convene_proto::v1::{self, run_event::Kind};
-use convene_tests::{MeshOptions, Mode, TestMesh, Workers, example_profiles, example_spec};
+use convene_tests::{
+    MeshOptions, Mode, TestMesh, Workers, example_profiles, example_spec, wait_until,
+};
 
 const ONCALL: &str = "oncall@acme";
 
@@ -30,22 +32,12 @@ async fn a_worker_killed_mid_task_is_replaced_under_the_same_delegation_ids() {
         },
     )
     .await;
-    let run_id = mesh
-        .start_run(ONCALL, example_spec())
-        .await
-        .expect("StartRun")
-        .run
-        .expect("run")
-        .run_id;
+    let run_id = mesh.start_run_id(ONCALL, example_spec()).await;
 
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    while !mesh.exited("worker-1") {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "worker-1 never died"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_until("worker-1 to die", Duration::from_secs(20), async || {
+        mesh.exited("worker-1")
+    })
+    .await;
     // A healthy worker joins; the supervisor re-dispatches to it.
     let healthy = mesh.write_profiles("healthy", &example_profiles());
     mesh.spawn_worker("worker-2", &healthy, 16).await;

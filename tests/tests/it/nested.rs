@@ -9,7 +9,7 @@ use convene_mesh::auth::request;
 use convene_mesh::policy_file::{PolicyFile, ProfileEntry, ScopeEntry, ToolEntry};
 use convene_proto::v1::{self, evidence_store_server::EvidenceStore as _, run_event::Kind};
 use convene_tests::{
-    MeshOptions, Mode, TestMesh, Workers, example_profiles, repo_root, spec_from_yaml,
+    MeshOptions, Mode, TestMesh, Workers, example_profiles, repo_root, spec_from_yaml, wait_until,
 };
 
 const ONCALL: &str = "oncall@acme";
@@ -226,12 +226,8 @@ async fn run_coordinator(
 ) -> (TestMesh, v1::Run) {
     let mesh = TestMesh::start(mode, options(profiles)).await;
     let run_id = mesh
-        .start_run(ONCALL, coordinator_spec(key, limits))
-        .await
-        .expect("StartRun")
-        .run
-        .expect("run")
-        .run_id;
+        .start_run_id(ONCALL, coordinator_spec(key, limits))
+        .await;
     let run = mesh.wait_terminal(ONCALL, &run_id, LIMIT).await;
     (mesh, run)
 }
@@ -553,14 +549,12 @@ async fn truncate_overflow_in_a_nested_call_drops_the_extra_children() {
 /// Waits until the run's owner has ended in the in-process supervisor: every Delegate
 /// call of the run was answered and nothing of it is in flight.
 async fn owner_ends(mesh: &TestMesh) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while mesh.supervisor_service().live_runs() > 0 {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the run's owner is still alive: a Delegate call was never answered"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_until(
+        "the run's owner to end (every Delegate call answered)",
+        Duration::from_secs(10),
+        async || mesh.supervisor_service().live_runs() == 0,
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -117,20 +117,10 @@ async fn a_run_is_one_trace_across_every_process() {
     )
     .await;
 
-    let incident = mesh
-        .start_run(ONCALL, example_spec())
-        .await
-        .expect("StartRun")
-        .run
-        .expect("a run");
-    let denied = mesh
-        .start_run(ONCALL, spec_with_a_denied_call())
-        .await
-        .expect("StartRun")
-        .run
-        .expect("a run");
-    let incident = mesh.wait_terminal(ONCALL, &incident.run_id, LIMIT).await;
-    let denied = mesh.wait_terminal(ONCALL, &denied.run_id, LIMIT).await;
+    let incident = mesh.start_run_id(ONCALL, example_spec()).await;
+    let denied = mesh.start_run_id(ONCALL, spec_with_a_denied_call()).await;
+    let incident = mesh.wait_terminal(ONCALL, &incident, LIMIT).await;
+    let denied = mesh.wait_terminal(ONCALL, &denied, LIMIT).await;
     // The trace id GetRun reports is the id of a real exported trace.
     assert_eq!(incident.trace_id.len(), 32);
     assert!(

@@ -691,7 +691,7 @@ async fn a_postgres_pool_opens_no_more_connections_than_the_url_allows() {
         matches!(err, Error::BadUrl { .. }) && err.to_string().contains("pool_max_conns"),
         "{err}"
     );
-    let Some(admin) = convene_store::test_util::postgres_server() else {
+    let Some(admin) = convene_store::test_util::postgres_server_or_skip() else {
         return;
     };
     let server = convene_store::test_util::TestPostgres::create(&admin)

@@ -4,19 +4,17 @@
 //! and a store without the method get single calls, and a batch too large for the
 //! store's message limit is sent again put by put.
 
-mod support;
+use std::sync::Arc;
 
-use std::sync::{Arc, Mutex, PoisonError};
-
+use crate::support::{Mesh, evidence};
 use convene_evidence_store::EvidenceStoreService;
 use convene_mesh::auth::request;
 use convene_mesh::batch::{BatchingEvidence, MAX_BATCHED_PUT_BYTES};
 use convene_mesh::handles::{EvidenceHandle, GrpcEvidenceStore};
+use convene_mesh::test_util::{Recording, Sent};
 use convene_proto::v1::{self, evidence_store_server::EvidenceStore, put_artifact_batch_result};
 use convene_server::GrpcServer;
 use convene_server::test_util::TestServer;
-use support::{Mesh, evidence};
-use tokio::sync::{Notify, oneshot};
 use tonic::{Code, Request, Response, Status};
 
 /// A put of `content` whose evidence is `id`.
@@ -215,123 +213,17 @@ async fn a_batch_of_no_puts_or_of_too_many_is_refused_whole() {
     assert!(found.evidence.is_empty(), "nothing was stored");
 }
 
-/// What the store was sent, call by call.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Sent {
-    Alone,
-    Batch(usize),
-    RefusedBatch(usize),
-}
-
-/// The real store behind a server that records each call, holds the first put until
-/// the test releases it, and can play a version without `PutArtifactBatch`.
-#[derive(Clone)]
-struct Recording {
-    inner: EvidenceStoreService,
-    takes_batches: bool,
-    sent: Arc<Mutex<Vec<Sent>>>,
-    hold: Arc<Mutex<Option<oneshot::Receiver<()>>>>,
-    held: Arc<Notify>,
-}
-
-impl Recording {
-    fn record(&self, sent: Sent) {
-        self.sent
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .push(sent);
-    }
-
-    fn sent(&self) -> Vec<Sent> {
-        self.sent
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clone()
-    }
-}
-
-#[tonic::async_trait]
-impl EvidenceStore for Recording {
-    async fn put_artifact(
-        &self,
-        request: Request<v1::PutArtifactRequest>,
-    ) -> Result<Response<v1::PutArtifactResponse>, Status> {
-        self.record(Sent::Alone);
-        let hold = self
-            .hold
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take();
-        if let Some(hold) = hold {
-            self.held.notify_one();
-            let _ = hold.await;
-        }
-        self.inner.put_artifact(request).await
-    }
-
-    async fn put_artifact_batch(
-        &self,
-        request: Request<v1::PutArtifactBatchRequest>,
-    ) -> Result<Response<v1::PutArtifactBatchResponse>, Status> {
-        let n = request.get_ref().items.len();
-        if !self.takes_batches {
-            self.record(Sent::RefusedBatch(n));
-            return Err(Status::unimplemented(
-                "Method not found: convene.v1.EvidenceStore/PutArtifactBatch",
-            ));
-        }
-        self.record(Sent::Batch(n));
-        self.inner.put_artifact_batch(request).await
-    }
-
-    async fn get_artifact(
-        &self,
-        request: Request<v1::GetArtifactRequest>,
-    ) -> Result<Response<v1::GetArtifactResponse>, Status> {
-        self.inner.get_artifact(request).await
-    }
-
-    async fn record_evidence(
-        &self,
-        request: Request<v1::RecordEvidenceRequest>,
-    ) -> Result<Response<v1::RecordEvidenceResponse>, Status> {
-        self.inner.record_evidence(request).await
-    }
-
-    async fn get_evidence(
-        &self,
-        request: Request<v1::GetEvidenceRequest>,
-    ) -> Result<Response<v1::GetEvidenceResponse>, Status> {
-        self.inner.get_evidence(request).await
-    }
-
-    async fn verify_chain(
-        &self,
-        request: Request<v1::VerifyChainRequest>,
-    ) -> Result<Response<v1::VerifyChainResponse>, Status> {
-        self.inner.verify_chain(request).await
-    }
-}
-
 /// The mesh's store behind a [`Recording`] server accepting messages up to
 /// `message_limit`, and a batching handle over it.
 struct Batching {
-    recording: Recording,
+    recording: Recording<EvidenceStoreService>,
     server: TestServer,
     evidence: BatchingEvidence,
-    release: Mutex<Option<oneshot::Sender<()>>>,
 }
 
 impl Batching {
     async fn start(mesh: &Mesh, takes_batches: bool, message_limit: usize) -> Self {
-        let (release, hold) = oneshot::channel();
-        let recording = Recording {
-            inner: mesh.store.clone(),
-            takes_batches,
-            sent: Arc::default(),
-            hold: Arc::new(Mutex::new(Some(hold))),
-            held: Arc::default(),
-        };
+        let recording = Recording::new(mesh.store.clone(), takes_batches);
         let server = TestServer::start(
             GrpcServer::new(mesh.config.server.clone()).add_service_with_own_limits(
                 v1::evidence_store_server::EvidenceStoreServer::new(recording.clone())
@@ -345,7 +237,6 @@ impl Batching {
             recording,
             server,
             evidence: BatchingEvidence::new(grpc, "test", 1),
-            release: Mutex::new(Some(release)),
         }
     }
 
@@ -358,29 +249,15 @@ impl Batching {
         first: v1::PutArtifactRequest,
         rest: Vec<v1::PutArtifactRequest>,
     ) -> Vec<Result<v1::PutArtifactResponse, Status>> {
-        let release = self
-            .release
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take()
-            .expect("one held round per server");
         let send = |put: v1::PutArtifactRequest| async move {
             self.evidence
                 .put_artifact(request(put, token))
                 .await
                 .map(Response::into_inner)
         };
-        let (first, rest) = tokio::join!(send(first), async {
-            self.recording.held.notified().await;
-            let rest = futures::future::join_all(rest.into_iter().map(send));
-            let (rest, ()) = tokio::join!(rest, async {
-                // `rest` was polled first: each of its puts is in the handle's queue.
-                tokio::task::yield_now().await;
-                let _ = release.send(());
-            });
-            rest
-        });
-        std::iter::once(first).chain(rest).collect()
+        self.recording
+            .held_then(send(first), rest.into_iter().map(send))
+            .await
     }
 }
 

@@ -1,7 +1,6 @@
 //! Shared setup of the evidence store's integration tests: a real policy service issuing
 //! task tokens, and the evidence store verifying them, each on its own loopback port,
 //! with their files in a temporary directory.
-#![allow(dead_code)] // each test binary uses a different part
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -97,8 +96,8 @@ pub enum PolicyLink {
 
 /// A policy service and an evidence store on loopback ports.
 pub struct Mesh {
-    /// Data of both services.
-    pub dir: tempfile::TempDir,
+    /// Data of both services, removed when the mesh is dropped.
+    _dir: tempfile::TempDir,
     /// The policy service (to rotate its key).
     pub policy: PolicyService,
     /// Its server.
@@ -135,26 +134,36 @@ impl Mesh {
         let policy_file = dir.path().join("policy.yaml");
         std::fs::write(&policy_file, policy_yaml()).expect("write the policy file");
         let policy_config = convene_policy::Config {
-            policy_file: Some(policy_file),
-            dev_credentials: false,
+            common: convene_server::ServiceCommon {
+                policy_file: Some(policy_file),
+                dev_credentials: false,
+                ..convene_policy::Config::in_dir(dir.path()).common
+            },
             decision_log: convene_policy::DecisionLogTarget::Memory,
-            ..convene_policy::Config::in_dir(dir.path())
         };
         let policy = PolicyService::open(&policy_config).expect("the policy service opens");
         let policy_server =
             TestServer::start(policy.add_to(GrpcServer::new(policy_config.server.clone()))).await;
 
         let config = Config {
+            common: convene_server::ServiceCommon {
+                policy_file: policy_config.policy_file.clone(),
+                dev_credentials: false,
+                ..Config::in_dir(dir.path()).common
+            },
             max_artifact_bytes,
             policy_endpoint: endpoint(policy_server.addr),
-            policy_file: policy_config.policy_file.clone(),
-            dev_credentials: false,
-            ..Config::in_dir(dir.path())
         };
         let (handle, principals): (PolicyHandle, _) = match link {
             PolicyLink::Grpc => (
                 Arc::new(GrpcPolicy::connect(&config.policy_endpoint).unwrap()),
-                config.load_policy().expect("the policy file loads"),
+                Arc::new(
+                    config
+                        .policy_source()
+                        .load()
+                        .expect("the policy file loads")
+                        .0,
+                ),
             ),
             PolicyLink::InProcess => (Arc::new(policy.clone()), policy.policy().clone()),
         };
@@ -168,7 +177,7 @@ impl Mesh {
         .expect("the store opens");
         let server = TestServer::start(store.add_to(GrpcServer::new(config.server.clone()))).await;
         Self {
-            dir,
+            _dir: dir,
             policy,
             policy_server,
             catalog,
@@ -304,5 +313,37 @@ pub fn evidence(id: &str, uri: &str, hash: &str) -> v1::Evidence {
         trace_id: "4bf92f3577b34da6a3ce929d0e0e4736".into(),
         delegation_id: String::new(),
         tenant: String::new(),
+    }
+}
+
+/// Stores `content` with `token` and records evidence `id` citing it; the artifact.
+pub async fn put_with_evidence(mesh: &Mesh, token: &str, content: &[u8], id: &str) -> v1::Artifact {
+    let stored = mesh
+        .client()
+        .await
+        .put_artifact(request(
+            v1::PutArtifactRequest {
+                content: content.to_vec(),
+                media_type: "text/plain".into(),
+                tool_call_id: "call-1".into(),
+                evidence: Some(evidence(id, "", "")),
+            },
+            token,
+        ))
+        .await
+        .expect("stored with its evidence")
+        .into_inner();
+    assert_eq!(stored.evidence.expect("evidence recorded").evidence_id, id);
+    stored.artifact.expect("artifact metadata")
+}
+
+/// A VerifyChain request for one claim citing `refs`, re-hashing the bytes.
+pub fn chain(refs: &[&str]) -> v1::VerifyChainRequest {
+    v1::VerifyChainRequest {
+        claims: vec![v1::ChainClaim {
+            claim_id: "c1".into(),
+            evidence_refs: refs.iter().map(|r| (*r).to_owned()).collect(),
+        }],
+        rehash_content: true,
     }
 }

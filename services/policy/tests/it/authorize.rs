@@ -1,10 +1,9 @@
 //! Authorize over a real socket: every attack on a token is refused with its specific
 //! reason, calls are counted, revocation bites, and every decision is logged once.
 
-mod support;
-
 use std::time::Duration;
 
+use crate::support::{Harness, LOGS_WORKER, SUPERVISOR, policy_yaml, range, reason};
 use base64::Engine as _;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use convene_mesh::auth::request;
@@ -12,7 +11,6 @@ use convene_policy::decision_log::{JsonlDecisionLog, LogEntry};
 use convene_proto::v1::{self, AuthorizeReason, revoke_request::Target};
 use convene_tokens::{Signer, SigningKey};
 use futures::StreamExt as _;
-use support::{Harness, LOGS_WORKER, SUPERVISOR, policy_yaml, range, reason};
 
 #[tokio::test]
 async fn a_flipped_bit_at_any_byte_of_a_real_token_is_denied() {
@@ -76,7 +74,7 @@ async fn a_flipped_bit_at_any_byte_of_a_real_token_is_denied() {
 async fn tokens_signed_by_unknown_keys_or_forged_kids_are_refused() {
     let h = Harness::start().await;
     let issued = h.issue_one("run-keys", h.logs_grant("del-1")).await;
-    let claims = support::claims_of(&issued.token);
+    let claims = crate::support::claims_of(&issued.token);
 
     let stranger = Signer::new(SigningKey::generate().unwrap());
     let foreign = stranger.sign(&claims).unwrap();
@@ -537,7 +535,7 @@ async fn a_runtime_rule_added_after_issue_denies_at_authorize() {
         delegation_id: "del-fix".into(),
         profile_id: "remediator".into(),
         depth: 1,
-        required_scopes: vec![support::scope("rules:write", "rule/*")],
+        required_scopes: vec![crate::support::scope("rules:write", "rule/*")],
         task_scope: None,
         tools: vec!["rollback_rule@1".into()],
         max_calls: 0,
@@ -622,7 +620,7 @@ async fn every_decision_appends_exactly_one_record_with_its_reason() {
         assert_eq!(record.calls_used, answer.calls_used);
         assert_eq!(record.resource, "service/payment-api");
     }
-    let claims = support::claims_of(&token);
+    let claims = crate::support::claims_of(&token);
     assert_eq!(records[0].token_id, claims.token_id);
     assert_eq!(records[0].run_id, "run-log");
     assert_eq!(records[0].delegation_id, "del-log");

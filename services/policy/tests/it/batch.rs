@@ -3,151 +3,34 @@
 //! an older policy service without the method still gets every call, and each batched
 //! decision's span stays in the trace of the call that asked for it.
 
-mod support;
-
 use std::collections::BTreeSet;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 use std::time::Duration;
 
+use crate::support::{Harness, range, reason};
 use convene_mesh::batch::BatchingPolicy;
 use convene_mesh::handles::{GrpcPolicy, PolicyHandle};
+use convene_mesh::test_util::{Recording, Sent};
 use convene_policy::PolicyService;
-use convene_proto::v1::{self, AuthorizeReason, authorize_batch_result, policy_server::Policy};
+use convene_proto::v1::{
+    self, AuthorizeReason, authorize_batch_result, policy_server::Policy as _,
+};
 use convene_server::GrpcServer;
 use convene_server::test_util::TestServer;
 use convene_telemetry::test_util::Capture;
-use support::{Harness, range, reason};
-use tokio::sync::{Notify, oneshot};
 use tonic::{Code, Request, Response, Status};
 use tracing::Instrument as _;
 
-/// What the policy service was sent, call by call.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Sent {
-    Alone,
-    Batch(usize),
-    RefusedBatch(usize),
-}
-
-/// The real policy service behind a server that records each call, can hold the first
-/// `Authorize` until the test releases it, and can play a version without
-/// `AuthorizeBatch`.
-#[derive(Clone)]
-struct Recording {
-    inner: PolicyService,
-    takes_batches: bool,
-    sent: Arc<Mutex<Vec<Sent>>>,
-    /// The `traceparent` of every batched item, in order.
-    traceparents: Arc<Mutex<Vec<String>>>,
-    hold: Arc<Mutex<Option<oneshot::Receiver<()>>>>,
-    held: Arc<Notify>,
-}
-
-impl Recording {
-    fn new(inner: PolicyService, takes_batches: bool, hold: oneshot::Receiver<()>) -> Self {
-        Self {
-            inner,
-            takes_batches,
-            sent: Arc::default(),
-            traceparents: Arc::default(),
-            hold: Arc::new(Mutex::new(Some(hold))),
-            held: Arc::default(),
-        }
-    }
-
-    fn record(&self, sent: Sent) {
-        self.sent
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .push(sent);
-    }
-
-    fn sent(&self) -> Vec<Sent> {
-        self.sent
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clone()
-    }
-}
-
-#[tonic::async_trait]
-impl Policy for Recording {
-    async fn issue_task_token(
-        &self,
-        request: Request<v1::IssueTaskTokenRequest>,
-    ) -> Result<Response<v1::IssueTaskTokenResponse>, Status> {
-        self.inner.issue_task_token(request).await
-    }
-
-    async fn authorize(
-        &self,
-        request: Request<v1::AuthorizeRequest>,
-    ) -> Result<Response<v1::AuthorizeResponse>, Status> {
-        self.record(Sent::Alone);
-        let hold = self
-            .hold
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take();
-        if let Some(hold) = hold {
-            self.held.notify_one();
-            let _ = hold.await;
-        }
-        self.inner.authorize(request).await
-    }
-
-    async fn authorize_batch(
-        &self,
-        request: Request<v1::AuthorizeBatchRequest>,
-    ) -> Result<Response<v1::AuthorizeBatchResponse>, Status> {
-        let n = request.get_ref().items.len();
-        if !self.takes_batches {
-            self.record(Sent::RefusedBatch(n));
-            return Err(Status::unimplemented(
-                "Method not found: convene.v1.Policy/AuthorizeBatch",
-            ));
-        }
-        self.record(Sent::Batch(n));
-        self.traceparents
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .extend(
-                request
-                    .get_ref()
-                    .items
-                    .iter()
-                    .map(|i| i.traceparent.clone()),
-            );
-        self.inner.authorize_batch(request).await
-    }
-
-    async fn revoke(
-        &self,
-        request: Request<v1::RevokeRequest>,
-    ) -> Result<Response<v1::RevokeResponse>, Status> {
-        self.inner.revoke(request).await
-    }
-
-    async fn get_signing_keys(
-        &self,
-        request: Request<v1::GetSigningKeysRequest>,
-    ) -> Result<Response<v1::GetSigningKeysResponse>, Status> {
-        self.inner.get_signing_keys(request).await
-    }
-}
-
 /// The harness's service behind a [`Recording`] server, and a batching handle over it.
 struct Batching {
-    recording: Recording,
+    recording: Recording<PolicyService>,
     server: TestServer,
     policy: BatchingPolicy,
-    release: Mutex<Option<oneshot::Sender<()>>>,
 }
 
 impl Batching {
     async fn start(h: &Harness, takes_batches: bool) -> Self {
-        let (release, hold) = oneshot::channel();
-        let recording = Recording::new(h.service.clone(), takes_batches, hold);
+        let recording = Recording::new(h.service.clone(), takes_batches);
         let server = TestServer::start(
             GrpcServer::new(h.config.server.clone())
                 .add_service(v1::policy_server::PolicyServer::new(recording.clone())),
@@ -158,7 +41,6 @@ impl Batching {
             recording,
             server,
             policy: BatchingPolicy::new(grpc, "test", 1),
-            release: Mutex::new(Some(release)),
         }
     }
 
@@ -171,12 +53,6 @@ impl Batching {
         rest: Vec<v1::AuthorizeRequest>,
         spans: Option<Vec<tracing::Span>>,
     ) -> Vec<Result<v1::AuthorizeResponse, Status>> {
-        let release = self
-            .release
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take()
-            .expect("one held round per server");
         let mut spans = spans.map(Vec::into_iter);
         let mut next_span = move || {
             spans
@@ -193,19 +69,12 @@ impl Batching {
                 .await
                 .map(Response::into_inner)
         };
-        let (first, rest) = tokio::join!(send(first, first_span), async {
-            self.recording.held.notified().await;
-            let rest = futures::future::join_all(
+        self.recording
+            .held_then(
+                send(first, first_span),
                 rest.into_iter().zip(rest_spans).map(|(c, s)| send(c, s)),
-            );
-            let (rest, ()) = tokio::join!(rest, async {
-                // `rest` was polled first: each of its calls is in the handle's queue.
-                tokio::task::yield_now().await;
-                let _ = release.send(());
-            });
-            rest
-        });
-        std::iter::once(first).chain(rest).collect()
+            )
+            .await
     }
 }
 
@@ -465,12 +334,7 @@ async fn each_batched_call_carries_the_trace_context_of_the_span_that_asked() {
     let answers = b.held_then(first, all, Some(callers)).await;
     assert!(answers.iter().all(|a| a.as_ref().is_ok_and(|a| a.allowed)));
     assert_eq!(b.recording.sent(), vec![Sent::Alone, Sent::Batch(3)]);
-    let sent = b
-        .recording
-        .traceparents
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner)
-        .clone();
+    let sent = b.recording.traceparents();
     assert_eq!(sent, expected, "each item names its own caller's span");
 
     let spans = capture.spans();

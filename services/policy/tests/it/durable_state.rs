@@ -3,11 +3,10 @@
 //! the decision log in the database, and counters and revocations that survive a
 //! restart of the real service.
 
-mod support;
-
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
+use crate::support::{Harness, SUPERVISOR, TestClock, policy_yaml, reason};
 use convene_mesh::auth::request;
 use convene_policy::decision_log::{AuthorizeRecord, DecisionLog, LogEntry, RevokeRecord};
 use convene_policy::sql::{SqlDecisionLog, SqlPolicyState};
@@ -19,7 +18,6 @@ use convene_proto::v1::{self, AuthorizeReason, revoke_request::Target};
 use convene_server::GrpcServer;
 use convene_server::test_util::TestServer;
 use convene_store::test_util::{TestDatabase, test_databases};
-use support::{Harness, SUPERVISOR, TestClock, policy_yaml, reason};
 
 struct Subject {
     label: &'static str,
@@ -736,10 +734,12 @@ async fn serve(
     let file = dir.path().join("policy.yaml");
     std::fs::write(&file, policy_yaml("")).unwrap();
     let config = Config {
-        policy_file: Some(file),
-        dev_credentials: false,
+        common: convene_server::ServiceCommon {
+            policy_file: Some(file),
+            dev_credentials: false,
+            ..Config::in_dir(dir.path()).common
+        },
         decision_log: DecisionLogTarget::Database,
-        ..Config::in_dir(dir.path())
     };
     let service = PolicyService::open_with_database(&config, clock.clock(), Some(db))
         .expect("the service opens");

@@ -1,16 +1,14 @@
 //! IssueTaskToken, Revoke, GetSigningKeys and the service plumbing over a real socket.
 
-mod support;
-
 use std::io::BufRead as _;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
+use crate::support::{GLOBEX, Harness, ONCALL, POOL, SUPERVISOR, reason, scope};
 use convene_core::permissions::{Permission, PermissionSet};
 use convene_mesh::auth::request;
 use convene_policy::decision_log::{JsonlDecisionLog, LogEntry};
 use convene_proto::v1::{self, AuthorizeReason, revoke_request::Target};
-use support::{GLOBEX, Harness, ONCALL, POOL, SUPERVISOR, reason, scope};
 
 #[tokio::test]
 async fn tokens_carry_the_intersection_and_narrowed_says_what_was_dropped() {
@@ -58,7 +56,7 @@ async fn tokens_carry_the_intersection_and_narrowed_says_what_was_dropped() {
     assert!(!narrowed.contains("required_scopes[2]"), "{narrowed}");
 
     // The token says the same as the response, and it works as described.
-    let claims = support::claims_of(&issued.token);
+    let claims = crate::support::claims_of(&issued.token);
     assert_eq!(claims.permissions().unwrap(), scopes);
     assert_eq!(claims.token_id, issued.token_id);
     assert_eq!(claims.subject, "oncall@acme");
@@ -88,7 +86,7 @@ async fn child_tokens_can_only_narrow_their_parent() {
     parent_grant.may_redelegate = true;
     parent_grant.max_calls = 10;
     let parent = h.issue_one("run-nested", parent_grant).await;
-    let parent_claims = support::claims_of(&parent.token);
+    let parent_claims = crate::support::claims_of(&parent.token);
     assert!(
         parent_claims
             .audience
@@ -123,7 +121,7 @@ async fn child_tokens_can_only_narrow_their_parent() {
         .await
         .unwrap()
         .tokens;
-    let claims = support::claims_of(&issued[0].token);
+    let claims = crate::support::claims_of(&issued[0].token);
     assert_eq!(
         claims.parent_token_id.as_deref(),
         Some(parent.token_id.as_str())
@@ -479,7 +477,7 @@ async fn rotated_keys_keep_earlier_tokens_valid() {
         dir, clock, config, ..
     } = h;
     let newest = convene_policy::rotate_signing_key(&config).unwrap();
-    let restarted = Harness::start_in(dir, &support::policy_yaml(""), clock).await;
+    let restarted = Harness::start_in(dir, &crate::support::policy_yaml(""), clock).await;
     let keys = restarted
         .client()
         .await
@@ -642,7 +640,7 @@ async fn shutdown_lets_an_in_flight_authorize_finish() {
     // The parts of a `Harness`, with the gated log in place of the file.
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("policy.yaml");
-    std::fs::write(&file, support::policy_yaml("")).unwrap();
+    std::fs::write(&file, crate::support::policy_yaml("")).unwrap();
     let ring = convene_tokens::KeyRing::open(dir.path().join("keys")).unwrap();
     let gate = Arc::new(Gate {
         inner: MemoryDecisionLog::new(),
@@ -689,7 +687,7 @@ async fn shutdown_lets_an_in_flight_authorize_finish() {
             time_range: None,
             max_rows: 10,
         }),
-        audience: support::LOGS_WORKER.into(),
+        audience: crate::support::LOGS_WORKER.into(),
         tenant: String::new(),
         tool_call_id: String::new(),
     };

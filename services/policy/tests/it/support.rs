@@ -1,7 +1,6 @@
 //! Shared setup of the policy service's integration tests: a policy file with known
 //! credentials in a temporary data directory, a clock the test moves, the real service
 //! on a loopback port, and a gRPC client.
-#![allow(dead_code)] // each test binary uses a different part
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -133,7 +132,7 @@ impl TestClock {
     /// The clock as the service reads it.
     pub fn clock(&self) -> Clock {
         let secs = self.0.clone();
-        Arc::new(move || UNIX_EPOCH + Duration::from_secs(secs.load(Ordering::SeqCst)))
+        Clock::from_fn(move || UNIX_EPOCH + Duration::from_secs(secs.load(Ordering::SeqCst)))
     }
 }
 
@@ -171,8 +170,11 @@ impl Harness {
         let file = dir.path().join("policy.yaml");
         std::fs::write(&file, policy).expect("write the policy file");
         let config = Config {
-            policy_file: Some(file),
-            dev_credentials: false,
+            common: convene_server::ServiceCommon {
+                policy_file: Some(file),
+                dev_credentials: false,
+                ..Config::in_dir(dir.path()).common
+            },
             ..Config::in_dir(dir.path())
         };
         let service =

@@ -170,7 +170,10 @@ async fn start(store: &Counting, run: &v1::Run) {
 #[tokio::test]
 async fn watchers_read_the_store_only_for_their_own_news() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let policy = convene_supervisor::load_policy(None, dir.path(), true).expect("policy");
+    let (policy, _) =
+        convene_mesh::policy_file::PolicySource::new(None, Some(dir.path().join("credentials")))
+            .load()
+            .expect("policy");
     let credential = dev_credential(&dir.path().join("credentials"), "oncall@acme").expect("cred");
     // The peers are never called here: WatchRun and WatchEvents only read the store.
     let nowhere = "http://127.0.0.1:9";
@@ -185,7 +188,10 @@ async fn watchers_read_the_store_only_for_their_own_news() {
         store: store.clone(),
         connector: Arc::new(MeshConnector::default()),
         config: Config {
-            data_dir: dir.path().to_owned(),
+            common: convene_server::ServiceCommon {
+                data_dir: dir.path().to_owned(),
+                ..Config::default().common
+            },
             ..Config::default()
         },
         shutdown: shutdown.clone(),

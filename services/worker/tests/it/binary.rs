@@ -1,12 +1,10 @@
 //! The `convene-worker` binary, black-box: its configuration output, its startup
 //! errors, and a worker process killed mid-task by fault injection.
 
-mod common;
-
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use common::{Mesh, RUN_ID, example_data, task};
+use crate::support::{Mesh, RUN_ID, example_data, task};
 use convene_mesh::auth;
 use convene_proto::v1::{self, worker_client::WorkerClient};
 use convene_server::test_util::{pick_listener, wait_ready};

@@ -1,11 +1,9 @@
 //! Execute against the real policy service and evidence store: claims, evidence that
 //! verifies, authorized tool calls, denials, deadlines, cancellation and idempotency.
 
-mod common;
-
 use std::time::{Duration, Instant};
 
-use common::{Mesh, RUN_ID, claim, profiles_with, status, task};
+use crate::support::{Mesh, RUN_ID, claim, profiles_with, status, task, wait_until};
 use convene_mesh::auth;
 use convene_proto::v1;
 use convene_worker::profiles;
@@ -328,9 +326,12 @@ async fn cancel_ends_a_running_delegation_promptly() {
                 .await
         })
     };
-    while worker.service.in_flight() == 0 {
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    wait_until(
+        "the task in flight",
+        || worker.service.in_flight(),
+        |n| *n > 0,
+    )
+    .await;
     let cancelled = worker
         .client
         .clone()
@@ -459,9 +460,12 @@ async fn capacity_is_enforced_and_refusals_say_why() {
                 .await
         })
     };
-    while worker.service.in_flight() == 0 {
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    wait_until(
+        "the task in flight",
+        || worker.service.in_flight(),
+        |n| *n > 0,
+    )
+    .await;
     let other = task(
         "del-metrics-4",
         "metrics-investigator",
@@ -521,8 +525,8 @@ async fn an_unreachable_evidence_store_fails_the_task_as_retryable() {
             exit_process_on_fault: false,
         },
         profiles::example().unwrap(),
-        &convene_worker::provider::ProviderRegistry::builtin(),
-        convene_worker::tools::ToolRegistry::builtin(common::example_data()),
+        &convene_worker::profiles::ProviderRegistry::builtin(),
+        convene_worker::tools::ToolRegistry::builtin(crate::support::example_data()),
         mesh.policy_handle(),
         std::sync::Arc::new(
             convene_mesh::handles::GrpcEvidenceStore::connect(
@@ -532,7 +536,7 @@ async fn an_unreachable_evidence_store_fails_the_task_as_retryable() {
         ),
     )
     .unwrap();
-    let worker = common::TestWorker::start(service).await;
+    let worker = crate::support::TestWorker::start(service).await;
     let task = task(
         "del-metrics-5",
         "metrics-investigator",

@@ -4,12 +4,11 @@
 //! cannot reach yet, so these tests serve a small `WorkerRegistry` of their own over
 //! real gRPC and check what the worker sends it.
 
-mod common;
-
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::support::wait_until;
 use convene_mesh::auth;
 use convene_mesh::handles::{GrpcWorkerRegistry, RegistryHandle};
 use convene_proto::v1::{self, worker_registry_server};
@@ -49,13 +48,7 @@ impl TestRegistry {
     }
 
     async fn until(&self, what: &str, done: impl Fn(&Seen) -> bool) {
-        tokio::time::timeout(Duration::from_secs(5), async {
-            while !done(&self.seen()) {
-                tokio::time::sleep(Duration::from_millis(10)).await;
-            }
-        })
-        .await
-        .unwrap_or_else(|_| panic!("timed out waiting for {what}: {:#?}", self.seen()));
+        wait_until(what, || self.seen(), |seen| done(seen)).await;
     }
 }
 
@@ -123,7 +116,7 @@ async fn serve(registry: &TestRegistry) -> (TestServer, RegistryHandle) {
 
 #[tokio::test]
 async fn worker_registers_heartbeats_re_registers_and_deregisters() {
-    let mesh = common::Mesh::start().await;
+    let mesh = crate::support::Mesh::start().await;
     let worker = mesh
         .worker(convene_worker::profiles::example().unwrap(), 5)
         .await;

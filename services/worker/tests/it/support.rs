@@ -3,11 +3,10 @@
 //! supervisor credential to issue task tokens with, and helpers to start workers and
 //! build their tasks.
 
-#![allow(dead_code)] // each test file uses part of the harness
-
+use std::fmt::Debug;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 use convene_core::time::to_timestamp;
 use convene_evidence_store::EvidenceStoreService;
@@ -19,8 +18,7 @@ use convene_policy::decision_log::{AuthorizeRecord, LogEntry, MemoryDecisionLog}
 use convene_proto::v1::{self, worker_client::WorkerClient};
 use convene_server::test_util::{TestServer, endpoint};
 use convene_server::{GrpcServer, ServerSettings};
-use convene_worker::profiles::{self, Profile};
-use convene_worker::provider::ProviderRegistry;
+use convene_worker::profiles::{self, Profile, ProviderRegistry};
 use convene_worker::tools::ToolRegistry;
 use convene_worker::{WorkerOptions, WorkerService};
 use tempfile::TempDir;
@@ -32,6 +30,33 @@ pub const WINDOW_START: &str = "2026-07-23T01:45:00Z";
 pub const WINDOW_END: &str = "2026-07-23T02:10:00Z";
 /// The run every test task belongs to.
 pub const RUN_ID: &str = "run-incident-20260723";
+
+/// How long [`wait_until`] waits before it fails the test.
+const WAIT: Duration = Duration::from_secs(5);
+
+/// Waits until `done` holds of what `probe` reads, reading every 10 ms; fails the test
+/// after [`WAIT`], naming `what` and showing the last reading.
+pub async fn wait_until<T: Debug>(
+    what: &str,
+    mut probe: impl FnMut() -> T,
+    done: impl Fn(&T) -> bool,
+) {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        {
+            // The reading may be a lock guard: it is gone before the task sleeps.
+            let seen = probe();
+            if done(&seen) {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "timed out waiting for {what}: {seen:#?}"
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
 
 /// The example's data directory.
 pub fn example_data() -> PathBuf {
@@ -59,7 +84,7 @@ impl Mesh {
     pub async fn start() -> Self {
         let dir = tempfile::tempdir().unwrap();
         let policy_config = convene_policy::Config::in_dir(dir.path());
-        let (policy, _) = policy_config.load_policy().unwrap();
+        let (policy, _) = policy_config.policy_source().load().unwrap();
         let ring = convene_tokens::KeyRing::open(policy_config.keys_dir()).unwrap();
         let decisions = Arc::new(MemoryDecisionLog::new());
         let policy_service = PolicyService::builder(policy, ring)
@@ -179,8 +204,8 @@ impl Mesh {
 pub struct TestWorker {
     /// The service (for in-flight counts).
     pub service: WorkerService,
-    /// Its server.
-    pub server: TestServer,
+    /// Its server, which serves until the worker is dropped.
+    _server: TestServer,
     /// A client connected to it.
     pub client: WorkerClient<Channel>,
 }
@@ -196,7 +221,7 @@ impl TestWorker {
         let client = WorkerClient::new(server.channel().await);
         Self {
             service,
-            server,
+            _server: server,
             client,
         }
     }

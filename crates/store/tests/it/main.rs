@@ -1,0 +1,4 @@
+//! The store's integration tests, one binary: the database handle on every back end the
+//! environment offers.
+
+mod database;

@@ -1,0 +1,9 @@
+//! The end-to-end tests, one binary, over real sockets: runs in both modes, nested
+//! delegation, worker failover, durability (crashes, replicas, event delivery) and
+//! tracing across processes.
+
+mod durable;
+mod failover;
+mod nested;
+mod runs;
+mod trace;
