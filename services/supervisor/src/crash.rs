@@ -3,10 +3,17 @@
 //! With a crash point configured (`crash: { point: after_dispatch, after: 3 }`, or
 //! `CONVENE_CRASH__POINT` / `CONVENE_CRASH__AFTER`), the supervisor process aborts the
 //! `after`-th time it reaches that point in a run's life, as abruptly as a SIGKILL: no
-//! drain, no flush, nothing committed beyond what was committed already. The crash test
-//! (`tests/tests/durable.rs`) uses it to prove that a restarted supervisor finishes every
-//! run exactly as an uncrashed one would. Never set it anywhere else.
+//! drain, no flush, nothing committed beyond what was committed already. The crash
+//! test (`tests/tests/it/durable.rs`) uses it to prove that a restarted supervisor
+//! finishes every run exactly as an uncrashed one would. Never set it anywhere else.
+//!
+//! The hooks exist only with the `test-hooks` cargo feature, which only the test suites'
+//! dev-dependencies enable: in any other build [`Crash`] is empty and its `at` does
+//! nothing, so the hook calls compile to nothing. The `crash` settings parse either way,
+//! so a configuration naming them stays valid; a build without the hooks ignores a
+//! configured point, with a warning at start.
 
+#[cfg(feature = "test-hooks")]
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use serde::{Deserialize, Serialize};
@@ -74,6 +81,7 @@ impl Default for CrashSettings {
 }
 
 /// A configured crash point and how often it was reached in this process.
+#[cfg(feature = "test-hooks")]
 #[derive(Debug)]
 pub(crate) struct Crash {
     point: Option<CrashPoint>,
@@ -81,6 +89,7 @@ pub(crate) struct Crash {
     reached: AtomicU32,
 }
 
+#[cfg(feature = "test-hooks")]
 impl Crash {
     pub(crate) fn new(settings: &CrashSettings) -> Self {
         if let Some(point) = settings.point {
@@ -115,6 +124,28 @@ impl Crash {
     }
 }
 
+/// A build without the `test-hooks` feature: no crash point is ever reached.
+#[cfg(not(feature = "test-hooks"))]
+#[derive(Debug)]
+pub(crate) struct Crash;
+
+#[cfg(not(feature = "test-hooks"))]
+impl Crash {
+    pub(crate) fn new(settings: &CrashSettings) -> Self {
+        if let Some(point) = settings.point {
+            tracing::warn!(
+                point = point.name(),
+                "a crash point is configured, but this build has no test hooks: it is ignored"
+            );
+        }
+        Self
+    }
+
+    /// Does nothing: the build has no crash points.
+    #[inline]
+    pub(crate) fn at(&self, _point: CrashPoint) {}
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -134,6 +165,7 @@ mod tests {
         assert!(serde_json::from_str::<CrashSettings>(r#"{"when": 1}"#).is_err());
     }
 
+    #[cfg(feature = "test-hooks")]
     #[test]
     fn other_points_and_earlier_passes_do_not_crash() {
         let crash = Crash::new(&CrashSettings {

@@ -4,8 +4,8 @@
 use std::time::SystemTime;
 
 use convene_core::time::to_timestamp;
+use convene_proto::json::{from_struct, to_struct};
 use convene_proto::v1;
-use prost_types::{Struct, Value, value::Kind};
 use serde_json::json;
 
 /// `source` of every event the supervisor produces.
@@ -20,53 +20,6 @@ pub const JOIN_DECIDED: &str = "dev.convene.join.decided.v1";
 pub const RUN_COMPLETED: &str = "dev.convene.run.completed.v1";
 /// The supervisor filed an approval request for a proposed action.
 pub const APPROVAL_REQUESTED: &str = "dev.convene.approval.requested.v1";
-
-/// Converts JSON into a protobuf `Struct` (non-objects are wrapped as `{"value": ...}`).
-pub fn to_struct(value: serde_json::Value) -> Struct {
-    match value {
-        serde_json::Value::Object(map) => Struct {
-            fields: map.into_iter().map(|(k, v)| (k, to_value(v))).collect(),
-        },
-        other => Struct {
-            fields: [("value".to_owned(), to_value(other))]
-                .into_iter()
-                .collect(),
-        },
-    }
-}
-
-/// Converts a protobuf `Struct` back into JSON (numbers are JSON numbers; integral
-/// values print without a fraction).
-pub fn from_struct(s: &Struct) -> serde_json::Value {
-    serde_json::Value::Object(
-        s.fields
-            .iter()
-            .map(|(k, v)| (k.clone(), from_value(v)))
-            .collect(),
-    )
-}
-
-fn from_value(value: &Value) -> serde_json::Value {
-    match &value.kind {
-        None | Some(Kind::NullValue(_)) => serde_json::Value::Null,
-        Some(Kind::BoolValue(b)) => serde_json::Value::Bool(*b),
-        Some(Kind::NumberValue(n)) => {
-            // Counts and revisions went in as integers; give them back as integers.
-            #[allow(clippy::cast_possible_truncation, clippy::float_cmp)]
-            let integral = n.fract() == 0.0 && n.abs() < 9.0e15;
-            if integral {
-                json!(*n as i64)
-            } else {
-                serde_json::Number::from_f64(*n).map_or(serde_json::Value::Null, Into::into)
-            }
-        }
-        Some(Kind::StringValue(s)) => serde_json::Value::String(s.clone()),
-        Some(Kind::ListValue(l)) => {
-            serde_json::Value::Array(l.values.iter().map(from_value).collect())
-        }
-        Some(Kind::StructValue(s)) => from_struct(s),
-    }
-}
 
 /// An event in the CloudEvents 1.0 JSON event format (structured content mode):
 /// `specversion`, `id`, `source`, `type`, `subject`, `time` (RFC 3339), `datacontenttype`,
@@ -102,20 +55,6 @@ pub fn to_json(event: &v1::CloudEvent) -> serde_json::Value {
     serde_json::Value::Object(out)
 }
 
-fn to_value(value: serde_json::Value) -> Value {
-    let kind = match value {
-        serde_json::Value::Null => Kind::NullValue(0),
-        serde_json::Value::Bool(b) => Kind::BoolValue(b),
-        serde_json::Value::Number(n) => Kind::NumberValue(n.as_f64().unwrap_or(0.0)),
-        serde_json::Value::String(s) => Kind::StringValue(s),
-        serde_json::Value::Array(a) => Kind::ListValue(prost_types::ListValue {
-            values: a.into_iter().map(to_value).collect(),
-        }),
-        serde_json::Value::Object(_) => Kind::StructValue(to_struct(value)),
-    };
-    Value { kind: Some(kind) }
-}
-
 /// A CloudEvent of `kind` about `run`, with `subject` under the run.
 pub fn cloud(
     kind: &str,
@@ -139,7 +78,7 @@ pub fn cloud(
         data_content_type: "application/json".to_owned(),
         correlation_id: run.run_id.clone(),
         tenant_id: run.tenant.clone(),
-        data: Some(to_struct(data)),
+        data: Some(to_struct(&data)),
     }
 }
 
@@ -217,24 +156,6 @@ pub fn run_completed_data(run: &v1::Run) -> serde_json::Value {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn json_becomes_struct() {
-        let s = to_struct(json!({"a": 1, "b": [true, "x"], "c": {"d": null}}));
-        assert_eq!(s.fields.len(), 3);
-        assert!(
-            matches!(s.fields["a"].kind, Some(Kind::NumberValue(v)) if (v - 1.0).abs() < f64::EPSILON)
-        );
-        let wrapped = to_struct(json!("plain"));
-        assert!(wrapped.fields.contains_key("value"));
-    }
-
-    #[test]
-    fn struct_round_trips_to_the_same_json() {
-        let original = json!({"runId": "r1", "revision": 2, "ratio": 0.25, "ok": true,
-            "accepted": ["a", "b"], "nested": {"none": null}});
-        assert_eq!(from_struct(&to_struct(original.clone())), original);
-    }
 
     #[test]
     fn cloud_events_print_in_the_cloudevents_json_format() {

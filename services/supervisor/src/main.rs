@@ -1,8 +1,10 @@
 //! `convene-supervisor`: the supervisor as its own process.
 
+use std::process::ExitCode;
+
 use clap::Parser;
 use convene_server::cli::ServiceArgs;
-use convene_server::{Shutdown, dump};
+use convene_server::{ServiceCommon, serve_binary};
 use convene_supervisor::{Config, run};
 
 /// Allocation-heavy request handling on many threads: mimalloc costs far less CPU per
@@ -25,23 +27,21 @@ struct Cli {
 }
 
 #[tokio::main]
-async fn main() -> anyhow::Result<()> {
+async fn main() -> ExitCode {
     let cli = Cli::parse();
-    let config: Config = cli.common.load()?;
-    if let Some(format) = cli.common.dump_config {
-        print!("{}", dump(&config, format)?);
-        return Ok(());
-    }
-    let telemetry = convene_telemetry::init("convene-supervisor", &cli.common.telemetry());
-    if cli.common.config.is_none() {
-        tracing::info!(
-            data_dir = %config.data_dir.display(),
-            "no --config given: using the development settings of the payment-incident example"
-        );
-    }
-    let shutdown = Shutdown::from_signals()?;
-    let served = run(config, shutdown).await;
-    telemetry.shutdown().await;
-    served?;
-    Ok(())
+    serve_binary(
+        "convene-supervisor",
+        &cli.common,
+        cli.common.config_loader().section::<ServiceCommon>(),
+        |config: &Config| {
+            format!(
+                "data dir {}, policy {}, listening on {}",
+                config.data_dir.display(),
+                config.policy_source().name(),
+                config.server.listen
+            )
+        },
+        run,
+    )
+    .await
 }

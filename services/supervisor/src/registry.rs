@@ -18,6 +18,8 @@ use convene_proto::v1::{self, worker_registry_server::WorkerRegistry};
 use tokio::sync::Notify;
 use tonic::{Request, Response, Status};
 
+use crate::error::Error;
+
 /// Turns a registered endpoint into a worker handle.
 pub trait Connector: Send + Sync + 'static {
     /// A handle for `endpoint`, or why it cannot be reached.
@@ -282,23 +284,21 @@ impl WorkerRegistry for RegistryService {
         self.authorize(&request).await?;
         let r = request.into_inner();
         if r.worker_id.trim().is_empty() {
-            return Err(Status::invalid_argument(
-                "invalid worker_id: must not be empty",
-            ));
+            return Err(Error::invalid("worker_id", "must not be empty").into());
         }
         if r.endpoint.trim().is_empty() {
-            return Err(Status::invalid_argument(
-                "invalid endpoint: give the URL the supervisor can dispatch to",
-            ));
+            return Err(
+                Error::invalid("endpoint", "give the URL the supervisor can dispatch to").into(),
+            );
         }
         if r.profiles.is_empty() {
-            return Err(Status::invalid_argument(
-                "invalid profiles: a worker must serve at least one profile",
-            ));
+            return Err(
+                Error::invalid("profiles", "a worker must serve at least one profile").into(),
+            );
         }
         let profiles = r.profiles.iter().map(|p| p.id.clone()).collect();
         self.register_worker(&r.worker_id, &r.endpoint, profiles, r.capacity)
-            .map_err(|e| Status::invalid_argument(format!("invalid endpoint: {e}")))?;
+            .map_err(|e| Error::invalid("endpoint", e))?;
         Ok(Response::new(v1::RegisterResponse {
             lease_ttl: Some(to_duration(self.settings.lease_ttl)),
             heartbeat_interval: Some(to_duration(self.settings.heartbeat_interval)),

@@ -10,15 +10,16 @@ use convene_mesh::auth::{Authenticator, Caller, bearer};
 use convene_mesh::handles::BoxStream;
 use convene_mesh::policy_file::Principal;
 use convene_proto::v1::{self, run_event::Kind, supervisor_server::Supervisor};
-use convene_server::{Shutdown, invalid_field};
+use convene_server::Shutdown;
 use tokio::sync::{broadcast, mpsc, oneshot};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 use tracing::Instrument;
 
+use crate::error::Error;
 use crate::plan::{self, Placement};
 use crate::run::{self, DelegateAsk, Msg, RunActor};
-use crate::store::{Created, Events, IdempotencyKey, StoreError, is_terminal};
+use crate::store::{Created, Events, IdempotencyKey, is_terminal};
 use crate::watchers::RunWatchers;
 use crate::{Deps, events, trace};
 
@@ -38,27 +39,17 @@ impl std::fmt::Debug for SupervisorService {
 }
 
 /// Refuses an empty run id.
-fn require_run_id(run_id: &str) -> Result<(), Status> {
+fn require_run_id(run_id: &str) -> Result<(), Error> {
     if run_id.trim().is_empty() {
-        return Err(invalid_field("run_id", "must not be empty"));
+        return Err(Error::invalid("run_id", "must not be empty"));
     }
     Ok(())
 }
 
 /// The answer for a run that is not the caller's: another tenant's run is
 /// indistinguishable from a missing one.
-fn no_such_run(run_id: &str) -> Status {
-    Status::not_found(format!("run {run_id} not found"))
-}
-
-fn store_status(e: StoreError) -> Status {
-    match e {
-        StoreError::NotFound(id) => no_such_run(&id),
-        StoreError::Conflict { .. } | StoreError::LeaseLost { .. } => {
-            Status::aborted(e.to_string())
-        }
-        StoreError::Backend(m) => Status::unavailable(format!("run store unavailable: {m}")),
-    }
+fn no_such_run(run_id: &str) -> Error {
+    Error::RunNotFound(run_id.to_owned())
 }
 
 impl SupervisorService {
@@ -81,7 +72,9 @@ impl SupervisorService {
             .send(Msg::Deliver {
                 result: Box::new(result),
             })
-            .map_err(|_| Status::failed_precondition(format!("run {run_id} is no longer running")))
+            .map_err(|_| {
+                Error::FailedPrecondition(format!("run {run_id} is no longer running")).into()
+            })
     }
 
     /// Waits, at most `grace`, for every run actor to end; call it once shutdown fired
@@ -108,7 +101,7 @@ impl SupervisorService {
         self.deps.live.lock().expect("live map lock poisoned").len()
     }
 
-    fn mailbox(&self, run_id: &str) -> Result<crate::run::Mailbox, Status> {
+    fn mailbox(&self, run_id: &str) -> Result<crate::run::Mailbox, Error> {
         self.deps
             .live
             .lock()
@@ -116,9 +109,7 @@ impl SupervisorService {
             .get(run_id)
             .cloned()
             .ok_or_else(|| {
-                Status::failed_precondition(format!(
-                    "run {run_id} is not running in this supervisor"
-                ))
+                Error::FailedPrecondition(format!("run {run_id} is not running in this supervisor"))
             })
     }
 
@@ -127,13 +118,13 @@ impl SupervisorService {
         request: &Request<T>,
         roles: &[&str],
         what: &str,
-    ) -> Result<Arc<Principal>, Status> {
+    ) -> Result<Arc<Principal>, Error> {
         let caller = self.auth.authenticate(request).await?;
         let p = caller.require_principal(what)?;
         if roles.iter().any(|r| p.has_role(r)) {
             Ok(p.clone())
         } else {
-            Err(Status::permission_denied(format!(
+            Err(Error::PermissionDenied(format!(
                 "principal {} may not {what}: it needs one of the roles {}",
                 p.id,
                 roles.join(", ")
@@ -141,7 +132,7 @@ impl SupervisorService {
         }
     }
 
-    async fn run_of_tenant(&self, run_id: &str, tenant: &str) -> Result<v1::Run, Status> {
+    async fn run_of_tenant(&self, run_id: &str, tenant: &str) -> Result<v1::Run, Error> {
         require_run_id(run_id)?;
         let run = self.stored_run(run_id).await?;
         if run.tenant == tenant {
@@ -162,12 +153,12 @@ impl SupervisorService {
         mut run: v1::Run,
         mut watch: crate::watchers::Watch,
         mut seen: Option<u64>,
-    ) -> Result<v1::Run, Status> {
+    ) -> Result<v1::Run, Error> {
         while !is_terminal(run.state) {
             let read = tokio::select! {
                 changed = watch.receiver().changed() => {
                     if changed.is_err() {
-                        return Err(Status::unavailable(format!(
+                        return Err(Error::Unavailable(format!(
                             "the supervisor stopped watching run {}; it goes on: follow it with WatchRun or GetRun",
                             run.run_id
                         )));
@@ -183,7 +174,7 @@ impl SupervisorService {
                     })
                 }
                 () = self.shutdown.wait() => {
-                    return Err(Status::unavailable(format!(
+                    return Err(Error::Unavailable(format!(
                         "the supervisor is shutting down; run {} goes on: follow it with WatchRun or GetRun",
                         run.run_id
                     )));
@@ -197,26 +188,19 @@ impl SupervisorService {
     }
 
     /// The run as stored, whatever its tenant (callers check it).
-    async fn stored_run(&self, run_id: &str) -> Result<v1::Run, Status> {
+    async fn stored_run(&self, run_id: &str) -> Result<v1::Run, Error> {
         self.deps
             .store
             .get(run_id)
-            .await
-            .map_err(store_status)?
+            .await?
             .ok_or_else(|| no_such_run(run_id))
     }
 
     /// Checks that a run of `tenant` exists, as [`Self::run_of_tenant`] does, without
     /// reading the run.
-    async fn check_run_of_tenant(&self, run_id: &str, tenant: &str) -> Result<(), Status> {
+    async fn check_run_of_tenant(&self, run_id: &str, tenant: &str) -> Result<(), Error> {
         require_run_id(run_id)?;
-        match self
-            .deps
-            .store
-            .tenant_of(run_id)
-            .await
-            .map_err(store_status)?
-        {
+        match self.deps.store.tenant_of(run_id).await? {
             Some(of) if of == tenant => Ok(()),
             _ => Err(no_such_run(run_id)),
         }
@@ -369,10 +353,9 @@ impl Supervisor for SupervisorService {
             .principal(&request, &["runs:start"], "start runs")
             .await?;
         let v1::StartRunRequest { spec, wait } = request.into_inner();
-        let spec = spec.ok_or_else(|| invalid_field("spec", "required: give the run to start"))?;
+        let spec = spec.ok_or_else(|| Error::invalid("spec", "required: give the run to start"))?;
         let now = SystemTime::now();
-        let domain =
-            validate::run_spec(&spec, now).map_err(|e| invalid_field(&e.field, &e.message))?;
+        let domain = validate::run_spec(&spec, now).map_err(Error::from)?;
         for (i, p) in domain.plan.iter().enumerate() {
             if !self.deps.policy_file.profiles.contains_key(&p.profile_id) {
                 let known: Vec<&str> = self
@@ -382,14 +365,15 @@ impl Supervisor for SupervisorService {
                     .keys()
                     .map(String::as_str)
                     .collect();
-                return Err(invalid_field(
-                    &format!("spec.delegations[{i}].profile_id"),
+                return Err(Error::invalid(
+                    format!("spec.delegations[{i}].profile_id"),
                     format!(
                         "unknown profile {}; known profiles: {}",
                         p.profile_id,
                         known.join(", ")
                     ),
-                ));
+                )
+                .into());
             }
         }
         let key = domain.idempotency_key.clone().map(|key| IdempotencyKey {
@@ -432,7 +416,7 @@ impl Supervisor for SupervisorService {
         .instrument(run_span.clone());
         let (created, issued) =
             tokio::join!(self.deps.store.create(&run, key.as_ref(), &ev), tokens);
-        match created.map_err(store_status)? {
+        match created.map_err(Error::from)? {
             Created::New => {
                 tracing::info!(run_id = %run.run_id, tenant = %run.tenant, trace_id = %run.trace_id, delegations = run.delegations.len(), "run accepted");
                 self.deps.crash.at(crate::crash::CrashPoint::AfterAccept);
@@ -474,11 +458,12 @@ impl Supervisor for SupervisorService {
                         created: false,
                     }))
                 } else {
-                    Err(Status::already_exists(format!(
+                    Err(Error::AlreadyExists(format!(
                         "idempotency key {:?} was already used by run {} with a different spec; use a new key for a new run",
                         key.map(|k| k.key).unwrap_or_default(),
                         existing.run_id
-                    )))
+                    ))
+                    .into())
                 }
             }
         }
@@ -539,7 +524,7 @@ impl Supervisor for SupervisorService {
                         }
                     }
                     Err(e) => {
-                        let _ = tx.send(Err(store_status(e))).await;
+                        let _ = tx.send(Err(Error::from(e).into())).await;
                         return;
                     }
                 }
@@ -565,7 +550,7 @@ impl Supervisor for SupervisorService {
                             }
                         }
                         () = shutdown.wait() => {
-                            let _ = tx.send(Err(Status::unavailable("the supervisor is shutting down; watch again after it is back"))).await;
+                            let _ = tx.send(Err(Error::Unavailable("the supervisor is shutting down; watch again after it is back".to_owned()).into())).await;
                             return;
                         }
                         () = tx.closed() => return,
@@ -597,8 +582,8 @@ impl Supervisor for SupervisorService {
         match self.mailbox(&run.run_id) {
             Ok(mailbox) if mailbox.send(Msg::Cancel { reason, reply }).is_ok() => {
                 let run = answer.await.map_err(|_| {
-                    Status::unavailable(
-                        "the run's owner stopped while cancelling; read the run again",
+                    Error::Unavailable(
+                        "the run's owner stopped while cancelling; read the run again".to_owned(),
                     )
                 })?;
                 Ok(Response::new(v1::CancelRunResponse { run: Some(run) }))
@@ -621,10 +606,9 @@ impl Supervisor for SupervisorService {
         let page_size = match req.page_size {
             0 => 50,
             n if n > 500 => {
-                return Err(invalid_field(
-                    "page_size",
-                    format!("{n} is over the maximum of 500"),
-                ));
+                return Err(
+                    Error::invalid("page_size", format!("{n} is over the maximum of 500")).into(),
+                );
             }
             n => n as usize,
         };
@@ -632,10 +616,11 @@ impl Supervisor for SupervisorService {
             None
         } else {
             if uuid::Uuid::parse_str(&req.page_token).is_err() {
-                return Err(invalid_field(
+                return Err(Error::invalid(
                     "page_token",
                     "not a token from a previous ListRuns response",
-                ));
+                )
+                .into());
             }
             Some(req.page_token.as_str())
         };
@@ -644,7 +629,7 @@ impl Supervisor for SupervisorService {
             .store
             .list(&principal.tenant, &req.states, page_size, after)
             .await
-            .map_err(store_status)?;
+            .map_err(Error::from)?;
         Ok(Response::new(v1::ListRunsResponse {
             runs: page.runs.into_iter().map(summary).collect(),
             next_page_token: page.next.unwrap_or_default(),
@@ -657,13 +642,14 @@ impl Supervisor for SupervisorService {
     ) -> Result<Response<v1::DelegateResponse>, Status> {
         let caller = self.auth.authenticate(&request).await?;
         let Caller::Task(claims) = caller else {
-            return Err(Status::permission_denied(
-                "Delegate is called by a worker with its task token, not with a principal credential",
-            ));
+            return Err(Error::PermissionDenied(
+                "Delegate is called by a worker with its task token, not with a principal credential".to_owned(),
+            )
+            .into());
         };
         claims
             .check_audience("convene-supervisor")
-            .map_err(|_| Status::permission_denied("your task token does not allow redelegation (its audience lacks convene-supervisor)"))?;
+            .map_err(|_| Error::PermissionDenied("your task token does not allow redelegation (its audience lacks convene-supervisor)".to_owned()))?;
         let token = bearer(&request)?.to_owned();
         let mailbox = self.mailbox(&claims.run_id)?;
         let (reply, answer) = oneshot::channel();
@@ -675,9 +661,9 @@ impl Supervisor for SupervisorService {
                 reply,
                 span: tracing::Span::current(),
             })))
-            .map_err(|_| Status::failed_precondition("the run is no longer running"))?;
+            .map_err(|_| Error::FailedPrecondition("the run is no longer running".to_owned()))?;
         let outcomes = answer.await.map_err(|_| {
-            Status::unavailable("the run's owner stopped before the children finished")
+            Error::Unavailable("the run's owner stopped before the children finished".to_owned())
         })??;
         Ok(Response::new(v1::DelegateResponse { outcomes }))
     }
@@ -702,7 +688,7 @@ impl Supervisor for SupervisorService {
                     let batch = match store.cloud_events(after.as_deref(), 512).await {
                         Ok(b) => b,
                         Err(e) => {
-                            let _ = tx.send(Err(store_status(e))).await;
+                            let _ = tx.send(Err(Error::from(e).into())).await;
                             return;
                         }
                     };
@@ -734,7 +720,7 @@ impl Supervisor for SupervisorService {
                             Err(broadcast::error::RecvError::Closed) => return,
                         },
                         () = shutdown.wait() => {
-                            let _ = tx.send(Err(Status::unavailable("the supervisor is shutting down; resume from your last event id"))).await;
+                            let _ = tx.send(Err(Error::Unavailable("the supervisor is shutting down; resume from your last event id".to_owned()).into())).await;
                             return;
                         }
                         () = tx.closed() => return,

@@ -1,0 +1,260 @@
+//! The supervisor's configuration: [`Config`], its development defaults and the checks
+//! serde cannot make.
+
+use std::ops::{Deref, DerefMut};
+use std::path::PathBuf;
+use std::time::Duration;
+
+use convene_mesh::policy_file::{self, PolicySource};
+use convene_server::{ServerSettings, ServiceCommon};
+use serde::{Deserialize, Serialize};
+
+use crate::{CrashSettings, Error};
+
+/// The supervisor's well-known port.
+pub const DEFAULT_PORT: u16 = 7400;
+
+/// How long a run's progress that decides nothing may wait for its next commit (see
+/// [`Config::commit_linger`]).
+pub const DEFAULT_COMMIT_LINGER: Duration = Duration::from_millis(50);
+
+/// The JetStream stream the relay publishes to by default.
+pub const DEFAULT_NATS_STREAM: &str = "CONVENE_EVENTS";
+
+/// The subject prefix of relayed events by default.
+pub const DEFAULT_NATS_SUBJECT_PREFIX: &str = "convene.events";
+
+/// Supervisor configuration. The defaults are the development settings of the
+/// payment-incident example. The shared keys are in [`common`](Self::common), which the
+/// config also derefs to: the server (Supervisor and WorkerRegistry), the data directory
+/// (`.convene` by default), the policy file (principals, profiles, catalog), and
+/// `database_url`, where runs, their events and the outbox are stored.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// The keys every service that reads the policy file shares.
+    #[serde(flatten)]
+    pub common: ServiceCommon,
+    /// File holding the supervisor's own credential; default
+    /// `<data_dir>/credentials/supervisor.secret`.
+    pub credential_file: Option<PathBuf>,
+    /// The policy service.
+    pub policy_endpoint: String,
+    /// The evidence store.
+    pub evidence_endpoint: String,
+    /// The approval service.
+    pub approval_endpoint: String,
+    /// A worker registration not renewed within this time is considered dead.
+    #[serde(with = "convene_server::config::duration")]
+    pub lease_ttl: Duration,
+    /// How often workers heartbeat.
+    #[serde(with = "convene_server::config::duration")]
+    pub heartbeat_interval: Duration,
+    /// First retry backoff after a transient failure (doubles per attempt, with jitter).
+    #[serde(with = "convene_server::config::duration")]
+    pub retry_backoff: Duration,
+    /// Longest retry backoff.
+    #[serde(with = "convene_server::config::duration")]
+    pub max_retry_backoff: Duration,
+    /// Time a worker gets beyond a delegation's deadline to answer.
+    #[serde(with = "convene_server::config::duration")]
+    pub dispatch_grace: Duration,
+    /// How long a run's progress that decides nothing (a delegation dispatched, a
+    /// result the join must wait past) may wait to be committed with the run's next
+    /// commit: a run's dispatches then usually commit with its first results, and its
+    /// results with the decision on them, one commit instead of three. Until committed,
+    /// that progress is not in `GetRun` or `WatchRun`, and a crash loses it (the
+    /// resumed run dispatches those delegations again under their ids). The run's
+    /// acceptance and its decision are never held. 0: commit each at once.
+    #[serde(with = "convene_server::config::duration")]
+    pub commit_linger: Duration,
+    /// This replica's id: the owner of the runs it leases. Unset: a fresh UUIDv7 at
+    /// every start, and a restarted supervisor takes its runs back once their leases
+    /// expire. A stable id (one process per id!) lets a supervisor that restarts in place
+    /// take its unfinished runs back at once.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replica_id: Option<String>,
+    /// How long a run's lease lasts unless renewed; the replica renews the leases of the
+    /// runs it runs every third of it. When a replica dies, another resumes its runs
+    /// this long after its last renewal.
+    #[serde(with = "convene_server::config::duration")]
+    pub run_lease_ttl: Duration,
+    /// How often unfinished runs whose lease is free or expired are claimed and resumed
+    /// (also once at start).
+    #[serde(with = "convene_server::config::duration")]
+    pub claim_interval: Duration,
+    /// NATS server to relay the outbox to (`nats://host:4222`), JetStream enabled.
+    /// Unset: events reach `WatchEvents` subscribers only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nats_url: Option<String>,
+    /// JetStream stream the relay publishes to; created when missing.
+    pub nats_stream: String,
+    /// Subject prefix of relayed events: an event of type T goes to `<prefix>.<T>`, and
+    /// the stream captures `<prefix>.>`.
+    pub nats_subject_prefix: String,
+    /// TEST-ONLY fault injection: abort the process at a point of a run's life (see
+    /// [`crash`]). Never set outside crash tests.
+    pub crash: CrashSettings,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            common: ServiceCommon {
+                server: ServerSettings {
+                    // Delegate calls wait for their children, and WatchRun streams start
+                    // with the backlog: give calls as long as a delegation may run.
+                    request_timeout: Some(Duration::from_secs(15 * 60)),
+                    ..ServerSettings::on_port(DEFAULT_PORT)
+                },
+                data_dir: PathBuf::from(".convene"),
+                ..ServiceCommon::default()
+            },
+            credential_file: None,
+            policy_endpoint: "http://127.0.0.1:7401".to_owned(),
+            evidence_endpoint: "http://127.0.0.1:7402".to_owned(),
+            approval_endpoint: "http://127.0.0.1:7403".to_owned(),
+            lease_ttl: Duration::from_secs(10),
+            heartbeat_interval: Duration::from_secs(3),
+            retry_backoff: Duration::from_millis(100),
+            max_retry_backoff: Duration::from_secs(2),
+            dispatch_grace: Duration::from_secs(2),
+            commit_linger: DEFAULT_COMMIT_LINGER,
+            replica_id: None,
+            run_lease_ttl: Duration::from_secs(15),
+            claim_interval: Duration::from_secs(5),
+            nats_url: None,
+            nats_stream: DEFAULT_NATS_STREAM.to_owned(),
+            nats_subject_prefix: DEFAULT_NATS_SUBJECT_PREFIX.to_owned(),
+            crash: CrashSettings::default(),
+        }
+    }
+}
+
+impl Deref for Config {
+    type Target = ServiceCommon;
+
+    fn deref(&self) -> &ServiceCommon {
+        &self.common
+    }
+}
+
+impl DerefMut for Config {
+    fn deref_mut(&mut self) -> &mut ServiceCommon {
+        &mut self.common
+    }
+}
+
+impl Config {
+    /// The credential file in effect.
+    pub fn credential_path(&self) -> PathBuf {
+        self.credential_file.clone().unwrap_or_else(|| {
+            policy_file::dev_credential_path(&self.credentials_dir(), "supervisor")
+        })
+    }
+
+    /// Where the policy comes from: `policy_file` (unset: the embedded example), with
+    /// development credentials in `<data_dir>/credentials` when `dev_credentials` is on.
+    pub fn policy_source(&self) -> PolicySource {
+        PolicySource::new(self.policy_file.clone(), self.dev_credentials_dir())
+    }
+
+    /// This replica's id: `replica_id` when configured, else a fresh UUIDv7.
+    pub fn replica(&self) -> String {
+        self.replica_id
+            .as_deref()
+            .map(str::trim)
+            .filter(|id| !id.is_empty())
+            .map_or_else(|| uuid::Uuid::now_v7().to_string(), str::to_owned)
+    }
+
+    /// Checks what serde cannot: lease and commit timing, and relay names.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Config`] naming the key and what to change.
+    pub fn check(&self) -> Result<(), Error> {
+        if self.run_lease_ttl < Duration::from_millis(300) {
+            return Err(Error::Config(format!(
+                "run_lease_ttl = {:?} is too short: give at least 300ms (leases are renewed every third of it)",
+                self.run_lease_ttl
+            )));
+        }
+        // Held progress must commit well inside the lease it is committed under.
+        let linger_limit = (self.run_lease_ttl / 3).min(Duration::from_secs(1));
+        if self.commit_linger > linger_limit {
+            return Err(Error::Config(format!(
+                "commit_linger (--commit-linger) = {:?} is too long: it may be at most 1s and \
+                 a third of run_lease_ttl ({:?}), here {linger_limit:?}; give less, or 0s to \
+                 commit every step at once",
+                self.commit_linger, self.run_lease_ttl
+            )));
+        }
+        if self.claim_interval.is_zero() {
+            return Err(Error::Config(
+                "claim_interval must be more than zero".to_owned(),
+            ));
+        }
+        if self.nats_url.is_some() {
+            let valid_token = |s: &str| {
+                !s.is_empty()
+                    && s.chars()
+                        .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+            };
+            if !valid_token(&self.nats_stream) {
+                return Err(Error::Config(format!(
+                    "nats_stream = {:?}: use letters, digits, '_' and '-' only",
+                    self.nats_stream
+                )));
+            }
+            if self.nats_subject_prefix.is_empty()
+                || !self.nats_subject_prefix.split('.').all(valid_token)
+            {
+                return Err(Error::Config(format!(
+                    "nats_subject_prefix = {:?}: give dot-separated tokens of letters, digits, '_' and '-' (no wildcards)",
+                    self.nats_subject_prefix
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn commit_linger_must_fit_well_inside_the_lease() {
+        assert!(Config::default().check().is_ok());
+        let linger = |commit_linger, run_lease_ttl| Config {
+            commit_linger,
+            run_lease_ttl,
+            ..Config::default()
+        };
+        assert!(
+            linger(Duration::ZERO, Duration::from_secs(1))
+                .check()
+                .is_ok()
+        );
+        assert!(
+            linger(Duration::from_secs(1), Duration::from_secs(15))
+                .check()
+                .is_ok()
+        );
+        let err = linger(Duration::from_millis(1500), Duration::from_secs(15))
+            .check()
+            .expect_err("more than 1s")
+            .to_string();
+        assert!(
+            err.contains("commit_linger (--commit-linger) = 1.5s is too long"),
+            "{err}"
+        );
+        // A third of a 1.5s lease: 500ms.
+        let err = linger(Duration::from_millis(600), Duration::from_millis(1500))
+            .check()
+            .expect_err("more than a third of the lease")
+            .to_string();
+        assert!(err.contains("(1.5s), here 500ms"), "{err}");
+    }
+}

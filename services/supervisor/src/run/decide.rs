@@ -1,0 +1,282 @@
+//! The join and the run's end: the join step on the results received, its timers and
+//! the run's deadline, finishing the run with its decision, and revisions for results
+//! that arrive after it.
+
+use std::sync::Arc;
+use std::time::SystemTime;
+
+use convene_core::join::{self, ExpectedDelegation, JoinInput, JoinState};
+use convene_core::model::LateResultPolicy;
+use convene_proto::v1::{self, run_event::Kind};
+use tracing::Instrument as _;
+
+use super::slot::Slot;
+use super::{RunActor, now};
+use crate::crash::CrashPoint;
+use crate::store::{Events, StoreError};
+use crate::{events, trace};
+
+impl RunActor {
+    /// The top-level delegations the join expects a result of.
+    pub(super) fn expected(&self) -> Vec<ExpectedDelegation> {
+        self.run
+            .delegations
+            .iter()
+            .zip(&self.slots)
+            .filter(|(d, s)| s.top_level && d.state != v1::DelegationState::Dropped as i32)
+            .filter_map(|(d, s)| {
+                let t = d.task.as_ref()?;
+                Some(ExpectedDelegation {
+                    delegation_id: t.delegation_id.clone(),
+                    name: t.name.clone(),
+                    profile_id: t.profile_id.clone(),
+                    worker_ids: s.workers.clone(),
+                    allowed_evidence_prefixes: t.allowed_evidence_prefixes.clone(),
+                })
+            })
+            .collect()
+    }
+
+    /// The join's input at `now`: the contract, the `expected` delegations (from
+    /// [`Self::expected`]), every result received and the evidence facts known.
+    fn join_input<'a>(
+        &'a self,
+        expected: &'a [ExpectedDelegation],
+        now: SystemTime,
+    ) -> JoinInput<'a> {
+        JoinInput {
+            contract: &self.spec.join,
+            delegations: expected,
+            results: &self.run.received,
+            evidence: &self.facts,
+            now,
+        }
+    }
+
+    /// Whether the join could decide on the results received, whatever the evidence
+    /// store says of them ([`join::may_decide`]).
+    pub(super) fn join_may_decide(&self) -> bool {
+        let expected = self.expected();
+        join::may_decide(&self.join_input(&expected, now()))
+    }
+
+    /// Evaluates the join (`trigger` says what prompted it, for the trace) and ends the
+    /// run when it decides.
+    pub(super) async fn join_step(&mut self, trigger: &'static str) -> Result<(), StoreError> {
+        if self.terminal() {
+            return Ok(());
+        }
+        // The staged results' evidence is asked about once the answer can matter: while
+        // the join waits for delegations that have not reported, whatever the store
+        // says, it stays pending, and the results are asked about with those still to
+        // come, in one call. A run that ran out of budget publishes what there is, so
+        // it asks at once.
+        if self.staging.has_unverified() && (self.budget_stopped || self.join_may_decide()) {
+            self.verify_staged().await;
+        }
+        let span = trace::join_span(&self.span, &self.spec.join, trigger);
+        let expected = self.expected();
+        let input = self.join_input(&expected, now());
+        match span.in_scope(|| join::decide(&input)) {
+            JoinState::Decided(decision) => {
+                trace::record_decision(&span, &decision);
+                let state = self.state_for(decision.outcome, false);
+                let reason = decision.reasons.first().cloned().unwrap_or_default();
+                // Approval requests the decision files are its children.
+                self.finish(Some(decision), state, reason)
+                    .instrument(span)
+                    .await
+            }
+            JoinState::Pending {
+                deadline,
+                waiting_for,
+            } => {
+                trace::record_pending(&span, &waiting_for);
+                let idle = self.slots.iter().all(|s| !s.in_flight())
+                    && self
+                        .batches
+                        .iter()
+                        .all(|b| b.queue.is_empty() || self.budget_stopped);
+                // Nothing can change any more: publish what there is.
+                let assessed = (idle && self.budget_stopped).then(|| join::assess(&input));
+                self.join_timer = deadline;
+                if let Some(decision) = assessed {
+                    trace::record_decision(&span, &decision);
+                    let reason = self.run.terminal_reason.clone();
+                    return self
+                        .finish(Some(decision), v1::RunState::BudgetExhausted, reason)
+                        .instrument(span)
+                        .await;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// The join's timer or the run's deadline is due.
+    pub(super) async fn on_timer(&mut self) -> Result<(), StoreError> {
+        let t = now();
+        if t >= self.spec.limits.deadline {
+            // The run's hard deadline: decide on what there is and stop everything.
+            self.cancel.cancel();
+            self.verify_staged().await;
+            let span = trace::join_span(&self.span, &self.spec.join, "deadline");
+            let expected = self.expected();
+            let decision = join::assess(&self.join_input(&expected, t));
+            trace::record_decision(&span, &decision);
+            let state = self.state_for(decision.outcome, true);
+            return self
+                .finish(
+                    Some(decision),
+                    state,
+                    "the run's deadline passed".to_owned(),
+                )
+                .instrument(span)
+                .await;
+        }
+        self.join_timer = None;
+        self.join_step("timer").await
+    }
+
+    /// The run's state for a join outcome.
+    pub(super) fn state_for(&self, outcome: i32, _hard_deadline: bool) -> v1::RunState {
+        match v1::JoinOutcome::try_from(outcome) {
+            Ok(v1::JoinOutcome::Complete) => v1::RunState::Succeeded,
+            Ok(v1::JoinOutcome::PartialEvidence) => v1::RunState::Partial,
+            Ok(
+                v1::JoinOutcome::CompleteWithReviewRequired
+                | v1::JoinOutcome::ConflictRequiresHuman,
+            ) => v1::RunState::WaitingInput,
+            _ => v1::RunState::Failed,
+        }
+    }
+
+    /// Ends the run: records the decision (if any), files approval requests for proposed
+    /// R2/R3 actions of accepted results, stops what must stop, and commits.
+    pub(super) async fn finish(
+        &mut self,
+        decision: Option<v1::JoinDecision>,
+        mut state: v1::RunState,
+        reason: String,
+    ) -> Result<(), StoreError> {
+        let t = now();
+        let mut ev = Events::default();
+        if let Some(decision) = decision {
+            Arc::make_mut(&mut self.run).outcome = decision.outcome;
+            Arc::make_mut(&mut self.run)
+                .revisions
+                .push(decision.clone());
+            Arc::make_mut(&mut self.run).decision = Some(decision.clone());
+            ev.cloud.push(events::cloud(
+                events::JOIN_DECIDED,
+                &self.run,
+                Some("decision"),
+                t,
+                events::join_decided_data(&self.run, &decision),
+            ));
+            let e = self.event(Kind::Decision(decision.clone()));
+            ev.run.push(e);
+            let filed = self.file_approvals(&decision, &mut ev).await;
+            if !filed.is_empty() && state == v1::RunState::WaitingInput {
+                state = v1::RunState::WaitingApproval;
+            }
+            Arc::make_mut(&mut self.run).approval_ids.extend(filed);
+        }
+        Arc::make_mut(&mut self.run).state = state as i32;
+        if !reason.is_empty() {
+            Arc::make_mut(&mut self.run).terminal_reason = reason.clone();
+        }
+        // In-flight delegations: under APPEND_REVISION their results may still revise
+        // the decision, so they keep running to their own deadlines; otherwise they stop.
+        let keep_running = state != v1::RunState::Cancelled
+            && self.spec.join.late_result == LateResultPolicy::AppendRevision
+            && !self.cancel.is_cancelled();
+        let mut never_started = Vec::new();
+        for (i, d) in Arc::make_mut(&mut self.run)
+            .delegations
+            .iter_mut()
+            .enumerate()
+        {
+            let in_flight = self.slots.get(i).is_some_and(Slot::in_flight);
+            let dormant = self.slots.get(i).is_some_and(Slot::dormant);
+            if d.state == v1::DelegationState::Pending as i32 && !in_flight {
+                d.state = v1::DelegationState::Cancelled as i32;
+                d.detail = "the run ended before it was dispatched".to_owned();
+                never_started.push(i);
+            } else if dormant && d.result.is_none() {
+                d.state = v1::DelegationState::Cancelled as i32;
+                d.detail = "the run ended before this child was asked for again after the supervisor restarted".to_owned();
+                never_started.push(i);
+            } else if in_flight && d.result.is_none() {
+                d.state = v1::DelegationState::TimedOut as i32;
+                d.detail = "the run decided before this delegation answered".to_owned();
+            }
+        }
+        for i in never_started {
+            self.end_delegation_span(i);
+        }
+        for b in &mut self.batches {
+            b.queue.clear();
+        }
+        if !keep_running {
+            for s in &mut self.slots {
+                s.cancelled = true;
+            }
+            self.cancel.cancel();
+        }
+        let e = self.event(Kind::Terminal(v1::RunTerminal {
+            state: state as i32,
+            outcome: self.run.outcome,
+            reason,
+        }));
+        ev.run.push(e);
+        ev.cloud.push(events::cloud(
+            events::RUN_COMPLETED,
+            &self.run,
+            None,
+            t,
+            events::run_completed_data(&self.run),
+        ));
+        let decided = self.run.decision.is_some();
+        self.commit(ev).await?;
+        if decided {
+            self.deps.crash.at(CrashPoint::AfterDecision);
+        }
+        trace::record_run_end(&self.span, &self.run);
+        tracing::info!(
+            run_id = %self.run.run_id,
+            state = events::run_state_name(self.run.state),
+            outcome = events::outcome_name(self.run.outcome),
+            "run finished"
+        );
+        Ok(())
+    }
+
+    /// A result arrived after the decision: discard it or append a revision, per the
+    /// contract. The run's state never changes.
+    pub(super) fn late_revision(&mut self, ev: &mut Events, delegation_id: &str) {
+        let Some(previous) = self.run.decision.clone() else {
+            return;
+        };
+        let expected = self.expected();
+        let input = self.join_input(&expected, now());
+        let span = trace::join_span(&self.span, &self.spec.join, "late_result");
+        let decision = span.in_scope(|| join::apply_late(&previous, &input, delegation_id));
+        trace::record_decision(&span, &decision);
+        if decision.revision != previous.revision {
+            Arc::make_mut(&mut self.run)
+                .revisions
+                .push(decision.clone());
+            ev.cloud.push(events::cloud(
+                events::JOIN_DECIDED,
+                &self.run,
+                Some("decision"),
+                now(),
+                events::join_decided_data(&self.run, &decision),
+            ));
+            let e = self.event(Kind::Decision(decision.clone()));
+            ev.run.push(e);
+        }
+        Arc::make_mut(&mut self.run).decision = Some(decision);
+    }
+}
