@@ -115,7 +115,7 @@ fn prepare_hold(dir: &Path, example: &Path) -> anyhow::Result<(Prepared, v1::Run
         .replacen(
             "    playbook:",
             &format!(
-                "    faults:\n      hold: {{ release: {}, log: {} }}\n    playbook:",
+                "    hold: {{ release: {}, log: {} }}\n    playbook:",
                 quoted(&hold.release)?,
                 quoted(&hold.log)?
             ),

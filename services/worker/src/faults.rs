@@ -1,227 +1,340 @@
-//! Fault injection, for chaos and end-to-end tests only.
+//! Fault injection, for chaos and end-to-end tests only: TEST-ONLY.
 //!
 //! A profile's optional `faults` section makes the worker misbehave in one precise way,
 //! so tests can prove that the supervisor, the join and the evidence checks catch it:
 //! a worker that hangs, is slow, fails transiently (before or after its tool calls),
 //! answers for the wrong delegation, cites no or foreign evidence, lies about a hash, or
-//! dies mid-task. Never set it in a profile that serves real work; the worker logs a
-//! warning for every profile that has one.
+//! dies mid-task.
 //!
-//! One section serves benchmarks rather than chaos: `hold` keeps every delegation
-//! waiting until a release file appears, so a load generator can put many runs in
-//! flight at once, measure them there, and then let them all finish.
+//! The faults exist only with the `test-faults` cargo feature, which only the test
+//! suites' dev-dependencies enable. In any other build [`Faults`] holds no fault and its
+//! hooks do nothing, and a profile that asks for a fault fails to load with an error
+//! saying fault injection is a test-only feature: it is refused, never silently ignored.
+//! The agent loop calls the same hooks in either build.
+//!
+//! The bench's `hold` is not a fault: it is in every build ([`crate::hold`]).
 
-use std::collections::HashMap;
-use std::path::{Path, PathBuf};
-use std::sync::{LazyLock, Mutex};
-use std::time::Duration;
+#[cfg(feature = "test-faults")]
+pub use injected::{Faults, Injected};
+#[cfg(not(feature = "test-faults"))]
+pub use refused::{Faults, Injected};
 
-use serde::{Deserialize, Serialize};
-use tokio::io::AsyncWriteExt as _;
-use tokio::sync::watch;
+#[cfg(feature = "test-faults")]
+mod injected {
+    use std::time::Duration;
 
-/// The faults a profile injects. Every field defaults to "no fault".
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct Faults {
-    /// Execute never returns on its own: only the task's deadline (TIMED_OUT) or a
-    /// Cancel ends it.
-    pub hang: bool,
-    /// Wait this long before starting (counts against the deadline), e.g. `"2s"`.
-    #[serde(
-        with = "convene_server::config::optional_duration",
-        skip_serializing_if = "Option::is_none"
-    )]
-    pub delay: Option<Duration>,
-    /// The first N attempts of every delegation return FAILED with `retryable = true`.
-    pub fail_attempts: u32,
-    /// The first N attempts of every delegation make their first round of tool calls
-    /// (evidence stored, children delegated), then return FAILED with `retryable =
-    /// true`: a retry repeats calls whose effects already happened.
-    pub fail_attempts_after_tools: u32,
-    /// Report this delegation id in the result instead of the task's.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub result_delegation_id: Option<String>,
-    /// Report claims without their evidence references.
-    pub drop_evidence_refs: bool,
-    /// Record evidence under this scheme (e.g. `other://`) instead of the tool's, so the
-    /// ids fall outside the profile's evidence prefixes.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub evidence_scheme: Option<String>,
-    /// Report evidence with a content hash that differs from the stored artifact's.
-    pub corrupt_evidence_hash: bool,
-    /// Exit the process once the first round of tool calls is done, before any result
-    /// is returned (a worker killed mid-task). Only the standalone binary exits; a
-    /// worker hosted in another process abandons the task instead, as if it had died.
-    pub exit_process_after_tools: bool,
-    /// Hold every delegation before it starts until a release file exists (counts
-    /// against the deadline; Cancel ends it too).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub hold: Option<Hold>,
-}
+    use convene_core::ids::content_hash;
+    use convene_proto::v1;
+    use serde::{Deserialize, Serialize};
 
-/// The `hold` fault: delegations wait at their start until `release` exists.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct Hold {
-    /// The file whose existence releases every held delegation (and lets later ones
-    /// through at once). Checked by one poll per path and process, however many
-    /// delegations wait on it.
-    pub release: PathBuf,
-    /// A file to which each delegation appends one line, its delegation id, as it
-    /// begins to wait, so whoever holds the release can count the delegations held.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub log: Option<PathBuf>,
-}
+    /// Exit status of a process killed by the `exit_process_after_tools` fault.
+    const FAULT_EXIT_CODE: i32 = 86;
 
-/// How often a release file is looked for.
-const RELEASE_POLL: Duration = Duration::from_millis(20);
-
-/// One open/closed flag per release file, fed by one poll task while anyone waits on it.
-static GATES: LazyLock<Mutex<HashMap<PathBuf, watch::Sender<bool>>>> =
-    LazyLock::new(Mutex::default);
-
-impl Hold {
-    /// Appends `delegation_id` to the log, then waits until the release file exists.
-    pub async fn wait(&self, delegation_id: &str) {
-        if let Some(log) = &self.log
-            && let Err(e) = append_line(log, delegation_id).await
-        {
-            tracing::warn!(log = %log.display(), error = %e, "cannot record a held delegation");
-        }
-        let mut open = gate(&self.release);
-        // The sender lives as long as a receiver does, so this only ends when released.
-        let _ = open.wait_for(|open| *open).await;
+    /// The faults a profile injects. Every field defaults to "no fault".
+    #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+    #[serde(deny_unknown_fields, default)]
+    pub struct Faults {
+        /// Execute never returns on its own: only the task's deadline (TIMED_OUT) or a
+        /// Cancel ends it.
+        pub hang: bool,
+        /// Wait this long before starting (counts against the deadline), e.g. `"2s"`.
+        #[serde(
+            with = "convene_server::config::optional_duration",
+            skip_serializing_if = "Option::is_none"
+        )]
+        pub delay: Option<Duration>,
+        /// The first N attempts of every delegation return FAILED with `retryable = true`.
+        pub fail_attempts: u32,
+        /// The first N attempts of every delegation make their first round of tool calls
+        /// (evidence stored, children delegated), then return FAILED with `retryable =
+        /// true`: a retry repeats calls whose effects already happened.
+        pub fail_attempts_after_tools: u32,
+        /// Report this delegation id in the result instead of the task's.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        pub result_delegation_id: Option<String>,
+        /// Report claims without their evidence references.
+        pub drop_evidence_refs: bool,
+        /// Record evidence under this scheme (e.g. `other://`) instead of the tool's, so
+        /// the ids fall outside the profile's evidence prefixes.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        pub evidence_scheme: Option<String>,
+        /// Report evidence with a content hash that differs from the stored artifact's.
+        pub corrupt_evidence_hash: bool,
+        /// Exit the process once the first round of tool calls is done, before any
+        /// result is returned (a worker killed mid-task). Only the standalone binary
+        /// exits; a worker hosted in another process abandons the task instead, as if it
+        /// had died.
+        pub exit_process_after_tools: bool,
     }
-}
 
-async fn append_line(path: &Path, line: &str) -> std::io::Result<()> {
-    let mut file = tokio::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(path)
-        .await?;
-    // One write of one short line: appends from many tasks and processes never mix.
-    file.write_all(format!("{line}\n").as_bytes()).await?;
-    file.flush().await
-}
-
-fn gates() -> std::sync::MutexGuard<'static, HashMap<PathBuf, watch::Sender<bool>>> {
-    GATES
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-}
-
-/// A receiver of the flag of `release`, starting its poll task when nobody waits on it
-/// yet.
-fn gate(release: &Path) -> watch::Receiver<bool> {
-    let mut all = gates();
-    if let Some(open) = all.get(release) {
-        return open.subscribe();
+    /// An injected failure of one attempt: FAILED, retryable.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub struct Injected {
+        /// The attempts that fail, from the first.
+        attempts: u32,
+        /// Whether the attempt failed after its first round of tool calls.
+        after_tools: bool,
     }
-    let (open, receiver) = watch::channel(release.exists());
-    all.insert(release.to_owned(), open.clone());
-    tokio::spawn(poll_release(release.to_owned(), open));
-    receiver
-}
 
-/// Follows the existence of `release` until nobody waits on it any more.
-async fn poll_release(release: PathBuf, open: watch::Sender<bool>) {
-    loop {
-        tokio::time::sleep(RELEASE_POLL).await;
-        let exists = tokio::fs::try_exists(&release).await.unwrap_or(false);
-        open.send_if_modified(|was| std::mem::replace(was, exists) != exists);
-        let mut all = gates();
-        // Receivers subscribe under this lock, so none can appear between the check
-        // and the removal.
-        if open.receiver_count() == 0 {
-            all.remove(&release);
-            return;
+    impl Injected {
+        /// The error of the failed attempt `attempt`; `gathered` says what it did.
+        pub fn error(&self, attempt: u32, gathered: &str) -> v1::ErrorInfo {
+            let n = self.attempts;
+            let message = if self.after_tools {
+                format!(
+                    "fault injection: the first {n} attempt(s) of every delegation fail \
+                     after their tool calls ({gathered}); this was attempt {attempt}"
+                )
+            } else {
+                format!(
+                    "fault injection: the first {n} attempt(s) of every delegation fail; \
+                     this was attempt {attempt}"
+                )
+            };
+            v1::ErrorInfo {
+                code: "injected_failure".to_owned(),
+                retryable: true,
+                message,
+            }
         }
     }
-}
 
-impl Faults {
-    /// Whether any fault is set.
-    pub fn any(&self) -> bool {
-        *self != Self::default()
-    }
+    impl Faults {
+        /// Whether any fault is set.
+        pub fn any(&self) -> bool {
+            *self != Self::default()
+        }
 
-    /// The evidence scheme to use instead of `tool_scheme` (without `://`).
-    pub fn scheme<'a>(&'a self, tool_scheme: &'a str) -> &'a str {
-        self.evidence_scheme
-            .as_deref()
-            .map_or(tool_scheme, |s| s.trim_end_matches("://"))
-    }
-}
+        /// Checks the section; errors name the field below `field` (the profile).
+        ///
+        /// # Errors
+        ///
+        /// `(field, detail)` for an evidence scheme that is not a URI scheme.
+        pub fn check(&self, field: &str) -> Result<(), (String, String)> {
+            if let Some(scheme) = &self.evidence_scheme {
+                let name = scheme.trim_end_matches("://");
+                let ok = name.chars().next().is_some_and(|c| c.is_ascii_alphabetic())
+                    && name
+                        .chars()
+                        .all(|c| c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.'));
+                if !ok {
+                    return Err((
+                        format!("{field}.faults.evidence_scheme"),
+                        format!("{scheme:?} is not a URI scheme; write e.g. `other://`"),
+                    ));
+                }
+            }
+            Ok(())
+        }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn faults_parse_from_yaml_and_default_to_none() {
-        let f: Faults = serde_yaml::from_str("{}").unwrap();
-        assert!(!f.any());
-        assert_eq!(f.scheme("logs"), "logs");
-        let f: Faults =
-            serde_yaml::from_str("{ delay: 2s, fail_attempts: 1, evidence_scheme: 'other://' }")
-                .unwrap();
-        assert!(f.any());
-        assert_eq!(f.fail_attempts_after_tools, 0);
-        assert_eq!(f.delay, Some(Duration::from_secs(2)));
-        assert_eq!(f.scheme("logs"), "other");
-        let err = serde_yaml::from_str::<Faults>("{ hang: true, crash: true }").unwrap_err();
-        assert!(err.to_string().contains("crash"), "{err}");
-        let f: Faults = serde_yaml::from_str("{ hold: { release: /tmp/go } }").unwrap();
-        assert!(f.any());
-        assert_eq!(f.hold.unwrap().release, PathBuf::from("/tmp/go"));
-    }
-
-    #[tokio::test]
-    async fn held_delegations_are_logged_and_wait_for_the_release_file() {
-        let dir = tempfile::tempdir().unwrap();
-        let hold = Hold {
-            release: dir.path().join("release"),
-            log: Some(dir.path().join("held")),
-        };
-        let waiting: Vec<_> = (0..20)
-            .map(|i| {
-                let hold = hold.clone();
-                tokio::spawn(async move { hold.wait(&format!("del-{i}")).await })
+        /// `fail_attempts`: whether attempt `attempt` fails before it starts.
+        pub fn fail_before_start(&self, attempt: u32) -> Option<Injected> {
+            (attempt <= self.fail_attempts).then_some(Injected {
+                attempts: self.fail_attempts,
+                after_tools: false,
             })
-            .collect();
-        let held = || {
-            std::fs::read_to_string(dir.path().join("held"))
-                .unwrap_or_default()
-                .lines()
-                .count()
-        };
-        while held() < 20 {
-            tokio::time::sleep(Duration::from_millis(5)).await;
         }
-        let mut lines: Vec<String> = std::fs::read_to_string(dir.path().join("held"))
-            .unwrap()
-            .lines()
-            .map(str::to_owned)
-            .collect();
-        lines.sort();
-        assert_eq!(lines.len(), 20);
-        assert!(lines.contains(&"del-7".to_owned()), "{lines:?}");
-        // Nobody has been let through while the release file is missing.
-        tokio::time::sleep(RELEASE_POLL * 5).await;
-        assert!(waiting.iter().all(|w| !w.is_finished()));
-        std::fs::write(&hold.release, b"").unwrap();
-        for w in waiting {
-            tokio::time::timeout(Duration::from_secs(30), w)
-                .await
-                .expect("released")
-                .unwrap();
+
+        /// `delay` and `hang`, before the loop's first model call.
+        pub async fn before_loop(&self) {
+            if let Some(delay) = self.delay {
+                tokio::time::sleep(delay).await;
+            }
+            if self.hang {
+                std::future::pending::<()>().await;
+            }
         }
-        // Once released, later delegations pass at once.
-        tokio::time::timeout(Duration::from_secs(30), hold.wait("del-late"))
-            .await
-            .expect("passes");
-        assert_eq!(held(), 21);
+
+        /// After the first round of tool calls: `exit_process_after_tools` (the process
+        /// exits when `exit_process` allows it, or the task is abandoned as if it had),
+        /// then `fail_attempts_after_tools` for attempt `attempt`.
+        pub async fn after_tools(
+            &self,
+            attempt: u32,
+            exit_process: bool,
+            profile_id: &str,
+        ) -> Option<Injected> {
+            if self.exit_process_after_tools {
+                if exit_process {
+                    tracing::error!(
+                        profile = %profile_id,
+                        "fault injection: exiting the process mid-task (exit_process_after_tools)"
+                    );
+                    std::process::exit(FAULT_EXIT_CODE);
+                }
+                tracing::warn!(
+                    profile = %profile_id,
+                    "fault injection: abandoning the task mid-task (exit_process_after_tools, process exit disabled)"
+                );
+                std::future::pending::<()>().await;
+            }
+            (attempt <= self.fail_attempts_after_tools).then_some(Injected {
+                attempts: self.fail_attempts_after_tools,
+                after_tools: true,
+            })
+        }
+
+        /// The evidence scheme to use instead of `tool_scheme` (without `://`).
+        pub fn scheme<'a>(&'a self, tool_scheme: &'a str) -> &'a str {
+            self.evidence_scheme
+                .as_deref()
+                .map_or(tool_scheme, |s| s.trim_end_matches("://"))
+        }
+
+        /// `result_delegation_id`, `drop_evidence_refs` and `corrupt_evidence_hash`,
+        /// applied to the finished result.
+        pub fn tamper(&self, result: &mut v1::TaskResult) {
+            if let Some(id) = &self.result_delegation_id {
+                result.delegation_id = id.clone();
+            }
+            if self.drop_evidence_refs {
+                for c in &mut result.claims {
+                    c.evidence_refs.clear();
+                }
+            }
+            if self.corrupt_evidence_hash {
+                for e in &mut result.evidence {
+                    e.content_hash =
+                        content_hash(format!("corrupted:{}", e.content_hash).as_bytes());
+                }
+            }
+        }
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        #[test]
+        fn faults_parse_from_yaml_and_default_to_none() {
+            let f: Faults = serde_yaml::from_str("{}").unwrap();
+            assert!(!f.any());
+            assert_eq!(f.scheme("logs"), "logs");
+            let f: Faults = serde_yaml::from_str(
+                "{ delay: 2s, fail_attempts: 1, evidence_scheme: 'other://' }",
+            )
+            .unwrap();
+            assert!(f.any());
+            assert_eq!(f.fail_attempts_after_tools, 0);
+            assert_eq!(f.delay, Some(Duration::from_secs(2)));
+            assert_eq!(f.scheme("logs"), "other");
+            let err = serde_yaml::from_str::<Faults>("{ hang: true, crash: true }").unwrap_err();
+            assert!(err.to_string().contains("crash"), "{err}");
+            // `hold` is a profile setting of its own, not a fault.
+            let err = serde_yaml::from_str::<Faults>("{ hold: { release: /tmp/go } }").unwrap_err();
+            assert!(err.to_string().contains("hold"), "{err}");
+        }
+
+        #[test]
+        fn failures_are_injected_into_the_first_attempts() {
+            let f = Faults {
+                fail_attempts: 2,
+                ..Faults::default()
+            };
+            assert!(f.fail_before_start(2).is_some());
+            assert!(f.fail_before_start(3).is_none());
+            let e = f.fail_before_start(1).unwrap().error(1, "");
+            assert_eq!(e.code, "injected_failure");
+            assert!(e.retryable);
+            assert!(e.message.contains("first 2 attempt(s)"), "{}", e.message);
+        }
+    }
+}
+
+/// A build without the `test-faults` feature: a profile may ask for no fault.
+#[cfg(not(feature = "test-faults"))]
+mod refused {
+    use std::collections::BTreeMap;
+
+    use convene_proto::v1;
+    use serde::{Deserialize, Serialize};
+
+    /// What a profile's `faults` section asked for. This build injects nothing: a
+    /// section that asks for anything is refused when the profile is checked.
+    #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+    #[serde(transparent)]
+    pub struct Faults {
+        /// The section as written, kept only to name it in the refusal.
+        asked: BTreeMap<String, serde_json::Value>,
+    }
+
+    /// An injected failure, which this build never makes.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub enum Injected {}
+
+    impl Injected {
+        /// Unreachable: there is no injected failure to describe.
+        pub fn error(&self, _attempt: u32, _gathered: &str) -> v1::ErrorInfo {
+            match *self {}
+        }
+    }
+
+    impl Faults {
+        /// Whether the section asks for anything.
+        pub fn any(&self) -> bool {
+            !self.asked.is_empty()
+        }
+
+        /// Refuses a section that asks for a fault.
+        ///
+        /// # Errors
+        ///
+        /// `(field, detail)` when the section asks for anything.
+        pub fn check(&self, field: &str) -> Result<(), (String, String)> {
+            if !self.any() {
+                return Ok(());
+            }
+            Err((
+                format!("{field}.faults"),
+                format!(
+                    "fault injection ({}) is a test-only feature, and this worker was built \
+                     without it (cargo feature `test-faults` of convene-worker, enabled only \
+                     by the test suites); remove the `faults` section",
+                    self.asked.keys().cloned().collect::<Vec<_>>().join(", ")
+                ),
+            ))
+        }
+
+        /// No attempt fails.
+        pub fn fail_before_start(&self, _attempt: u32) -> Option<Injected> {
+            None
+        }
+
+        /// Nothing to wait for.
+        pub async fn before_loop(&self) {}
+
+        /// Nothing happens after the tool calls.
+        pub async fn after_tools(
+            &self,
+            _attempt: u32,
+            _exit_process: bool,
+            _profile_id: &str,
+        ) -> Option<Injected> {
+            None
+        }
+
+        /// The tool's own scheme.
+        pub fn scheme<'a>(&'a self, tool_scheme: &'a str) -> &'a str {
+            tool_scheme
+        }
+
+        /// The result stays as it is.
+        pub fn tamper(&self, _result: &mut v1::TaskResult) {}
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        #[test]
+        fn a_fault_is_refused_as_test_only() {
+            let none: Faults = serde_yaml::from_str("{}").unwrap();
+            assert!(none.check("profiles[0]").is_ok());
+            let asked: Faults = serde_yaml::from_str("{ hang: true }").unwrap();
+            let (field, detail) = asked.check("profiles[0]").unwrap_err();
+            assert_eq!(field, "profiles[0].faults");
+            assert!(detail.contains("test-only feature"), "{detail}");
+            assert!(detail.contains("hang"), "{detail}");
+        }
     }
 }

@@ -6,19 +6,30 @@
 //! [`playbook`]) asks for tool calls; every call is authorized by the policy service and
 //! its raw output is stored with its evidence record in the evidence store; the model's
 //! final report becomes the [`v1::TaskResult`](convene_proto::v1::TaskResult) whose
-//! claims cite that evidence. The worker registers its profiles and capacity with the
-//! supervisor's worker registry and heartbeats ([`registration`]).
+//! claims cite that evidence ([`report`]). The worker registers its profiles and
+//! capacity with the supervisor's worker registry and heartbeats ([`registration`]).
 //!
 //! - [`WorkerService`]: the `convene.v1.Worker` service and its in-process handle.
 //! - [`Config`], [`run`]: the standalone binary's configuration and main loop.
-//! - [`profiles`]: the profiles file; [`tools`]: the read-only tools and `delegate@1`
-//!   (nested delegation through the supervisor); [`faults`]: fault injection for tests.
+//! - [`profiles`]: the profiles file, and the registry that builds each profile's model
+//!   provider by name; [`tools`]: the read-only tools, `delegate@1` (nested delegation
+//!   through the supervisor) and the evidence-kind argument every tool takes.
+//! - [`hold`]: the bench's `hold` (delegations wait for a release file), in every build.
+//! - [`faults`]: fault injection for tests, only with the `test-faults` cargo feature
+//!   (enabled by the test suites' dev-dependencies); a build without it refuses a
+//!   profile that asks for a fault.
+//!
+//! The modules depend on each other in one direction: [`provider`] on none of them,
+//! [`tools`] on [`provider`], [`report`] on [`provider`] and [`faults`], [`playbook`] on
+//! those three, [`profiles`] on [`playbook`], [`provider`], [`faults`] and [`hold`], and
+//! [`agent`] on [`profiles`], [`provider`], [`report`] and [`tools`].
 #![forbid(unsafe_code)]
 
 pub mod agent;
 pub mod config;
 mod error;
 pub mod faults;
+pub mod hold;
 pub mod playbook;
 pub mod profiles;
 pub mod provider;
@@ -69,7 +80,7 @@ impl WorkerService {
         Ok(Self::new(
             options,
             profiles,
-            &provider::ProviderRegistry::builtin(),
+            &profiles::ProviderRegistry::builtin(),
             tools,
             policy,
             evidence,

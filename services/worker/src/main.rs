@@ -8,9 +8,8 @@ use std::process::ExitCode;
 
 use clap::Parser;
 use convene_server::cli::ServiceArgs;
-use convene_server::{Shutdown, dump};
+use convene_server::serve_binary;
 use convene_worker::Config;
-use convene_worker::config::{DEFAULT_DATA_DIR, DEFAULT_TOOLS_DATA_DIR};
 
 /// Allocation-heavy request handling on many threads: mimalloc costs far less CPU per
 /// allocation than the system allocator here.
@@ -81,8 +80,8 @@ struct Cli {
 }
 
 impl Cli {
-    /// The config loader with the file and every flag applied; `main` adds the process
-    /// environment.
+    /// The config loader with the file and every flag applied; [`serve_binary`] adds the
+    /// process environment.
     fn loader(&self) -> convene_server::ConfigLoader {
         let mut loader = self.common.config_loader();
         if let Some(dir) = &self.tools_data {
@@ -119,63 +118,24 @@ impl Cli {
 #[tokio::main]
 async fn main() -> ExitCode {
     let cli = Cli::parse();
-    let config: Config = match cli.loader().env(std::env::vars()).load() {
-        Ok(config) => config,
-        Err(e) => {
-            eprintln!("convene-worker: {e}");
-            return ExitCode::from(2);
-        }
-    };
-    if let Some(format) = cli.common.dump_config {
-        return match dump(&config, format) {
-            Ok(text) => {
-                print!("{text}");
-                ExitCode::SUCCESS
-            }
-            Err(e) => {
-                eprintln!("convene-worker: {e}");
-                ExitCode::FAILURE
-            }
-        };
-    }
-    let telemetry = convene_telemetry::init("convene-worker", &cli.common.telemetry());
-    if cli.common.config.is_none() {
-        tracing::info!(
-            "no --config given: using the development settings of the payment-incident \
-             example (data dir {}, tool data {}, profiles {})",
-            if config.data_dir.as_os_str() == DEFAULT_DATA_DIR {
-                DEFAULT_DATA_DIR.to_owned()
-            } else {
-                config.data_dir.display().to_string()
-            },
-            if config.tools_data_dir.as_os_str() == DEFAULT_TOOLS_DATA_DIR {
-                DEFAULT_TOOLS_DATA_DIR.to_owned()
-            } else {
-                config.tools_data_dir.display().to_string()
-            },
-            config
-                .profiles_file
-                .as_ref()
-                .map_or_else(|| "built in".to_owned(), |p| p.display().to_string()),
-        );
-    }
-    let shutdown = match Shutdown::from_signals() {
-        Ok(shutdown) => shutdown,
-        Err(e) => {
-            tracing::error!(error = %e, "cannot install the signal handlers");
-            return ExitCode::FAILURE;
-        }
-    };
-    let served = convene_worker::run(config, shutdown).await;
-    telemetry.shutdown().await;
-    match served {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            tracing::error!(error = %e, "worker stopped");
-            eprintln!("convene-worker: {e}");
-            ExitCode::FAILURE
-        }
-    }
+    serve_binary(
+        "convene-worker",
+        &cli.common,
+        cli.loader(),
+        |config: &Config| {
+            format!(
+                "data dir {}, tool data {}, profiles {}",
+                config.data_dir.display(),
+                config.tools_data_dir.display(),
+                config
+                    .profiles_file
+                    .as_ref()
+                    .map_or_else(|| "built in".to_owned(), |p| p.display().to_string()),
+            )
+        },
+        convene_worker::run,
+    )
+    .await
 }
 
 #[cfg(test)]

@@ -2,16 +2,25 @@
 //!
 //! A YAML file with a list of profiles. Each has the fields of `convene.v1.WorkerProfile`
 //! (capabilities in the policy file's scope syntax), plus the provider-specific
-//! `playbook` section for the `playbook` provider and an optional `faults` section for
-//! tests ([`crate::faults`]). Unknown keys are refused, and every profile is validated
-//! with [`convene_core::validate::worker_profile`], so errors name the field
+//! `playbook` section for the `playbook` provider, an optional `hold` section for the
+//! bench ([`crate::hold`]) and an optional `faults` section for tests
+//! ([`crate::faults`]; refused by a build without fault injection). Unknown keys are
+//! refused, and every profile is validated with
+//! [`convene_core::validate::worker_profile`], so errors name the field
 //! (`profiles[1].max_iterations`).
+//!
+//! Profiles are resolved to their model providers here too: a [`ProviderRegistry`] maps
+//! a profile's `provider` name to a factory that builds the provider for that profile;
+//! a profile naming a provider the registry does not know keeps the worker from
+//! starting.
 //!
 //! The payment-incident example's profiles are embedded ([`EXAMPLE_PROFILES`]) so the
 //! binary runs from any directory.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
 use std::path::Path;
+use std::sync::Arc;
 
 use convene_core::model;
 use convene_core::validate;
@@ -20,7 +29,9 @@ use convene_proto::v1;
 use serde::{Deserialize, Serialize};
 
 use crate::faults::Faults;
-use crate::playbook::{self, PlaybookSpec};
+use crate::hold::Hold;
+use crate::playbook::{self, PlaybookProvider, PlaybookSpec};
+use crate::provider::ModelProvider;
 
 /// The profiles of the payment-incident example, embedded in the binary.
 pub const EXAMPLE_PROFILES: &str = include_str!("../../../examples/payment-incident/profiles.yaml");
@@ -116,6 +127,9 @@ pub struct ProfileEntry {
     /// The `playbook` provider's script.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub playbook: Option<PlaybookSpec>,
+    /// Delegations wait at their start for a release file (the bench's `hold`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hold: Option<Hold>,
     /// Fault injection, for tests only.
     #[serde(default, skip_serializing_if = "faults_unset")]
     pub faults: Faults,
@@ -138,6 +152,8 @@ pub struct Profile {
     pub wire: v1::WorkerProfile,
     /// The playbook, for the `playbook` provider.
     pub playbook: Option<PlaybookSpec>,
+    /// The bench's `hold`, if the profile has one.
+    pub hold: Option<Hold>,
     /// Injected faults (none in real profiles).
     pub faults: Faults,
 }
@@ -270,19 +286,7 @@ impl ProfileEntry {
             }
             (None, _) => {}
         }
-        if let Some(scheme) = &self.faults.evidence_scheme {
-            let name = scheme.trim_end_matches("://");
-            let ok = name.chars().next().is_some_and(|c| c.is_ascii_alphabetic())
-                && name
-                    .chars()
-                    .all(|c| c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.'));
-            if !ok {
-                return Err((
-                    format!("{field}.faults.evidence_scheme"),
-                    format!("{scheme:?} is not a URI scheme; write e.g. `other://`"),
-                ));
-            }
-        }
+        self.faults.check(field)?;
         // The registered form carries the defaults, so the supervisor sees the limits
         // the worker actually applies.
         let wire = v1::WorkerProfile {
@@ -305,7 +309,116 @@ impl ProfileEntry {
             profile,
             wire,
             playbook: self.playbook.clone(),
+            hold: self.hold.clone(),
             faults: self.faults.clone(),
+        })
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Model providers by name.
+
+/// Builds the provider for one profile from the profile's settings, or says what is
+/// wrong with them.
+pub type ProviderFactory =
+    Arc<dyn Fn(&Profile) -> Result<Arc<dyn ModelProvider>, String> + Send + Sync>;
+
+/// The model providers a worker knows, by the name profiles use.
+#[derive(Clone, Default)]
+pub struct ProviderRegistry {
+    factories: BTreeMap<String, ProviderFactory>,
+}
+
+impl fmt::Debug for ProviderRegistry {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ProviderRegistry")
+            .field("providers", &self.factories.keys().collect::<Vec<_>>())
+            .finish()
+    }
+}
+
+/// A profile cannot get its provider.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ProviderSetupError {
+    /// The profile names a provider the registry does not know.
+    #[error(
+        "profile {profile} asks for model provider {provider:?}, which this worker does not \
+         have (it has: {known}); set the profile's provider to one of them"
+    )]
+    Unknown {
+        /// The profile.
+        profile: String,
+        /// The provider it names.
+        provider: String,
+        /// The providers the registry knows, comma-separated.
+        known: String,
+    },
+    /// The provider refused the profile's settings.
+    #[error("profile {profile}: provider {provider} cannot use its settings: {detail}")]
+    Settings {
+        /// The profile.
+        profile: String,
+        /// The provider.
+        provider: String,
+        /// What is wrong.
+        detail: String,
+    },
+}
+
+impl ProviderRegistry {
+    /// A registry without providers.
+    pub fn empty() -> Self {
+        Self::default()
+    }
+
+    /// The providers built into the worker: [`crate::playbook`], playing the profile's
+    /// `playbook` section.
+    pub fn builtin() -> Self {
+        let mut registry = Self::empty();
+        registry.register(
+            playbook::PROVIDER_NAME,
+            Arc::new(|profile: &Profile| {
+                let spec = profile.playbook.clone().ok_or_else(|| {
+                    "the playbook provider needs a `playbook` section with steps and rules"
+                        .to_owned()
+                })?;
+                PlaybookProvider::new(&profile.profile.id, &profile.profile.default_tools, spec)
+                    .map(|p| Arc::new(p) as Arc<dyn ModelProvider>)
+            }),
+        );
+        registry
+    }
+
+    /// Adds (or replaces) the factory of provider `name`.
+    pub fn register(&mut self, name: impl Into<String>, factory: ProviderFactory) {
+        self.factories.insert(name.into(), factory);
+    }
+
+    /// The names of the known providers, sorted.
+    pub fn names(&self) -> Vec<&str> {
+        self.factories.keys().map(String::as_str).collect()
+    }
+
+    /// Builds the provider `profile` names.
+    ///
+    /// # Errors
+    ///
+    /// [`ProviderSetupError::Unknown`] for a provider the registry does not have,
+    /// [`ProviderSetupError::Settings`] when the provider refuses the profile.
+    pub fn build(&self, profile: &Profile) -> Result<Arc<dyn ModelProvider>, ProviderSetupError> {
+        let name = profile.profile.provider.as_str();
+        let factory = self
+            .factories
+            .get(name)
+            .ok_or_else(|| ProviderSetupError::Unknown {
+                profile: profile.profile.id.clone(),
+                provider: name.to_owned(),
+                known: self.names().join(", "),
+            })?;
+        factory(profile).map_err(|detail| ProviderSetupError::Settings {
+            profile: profile.profile.id.clone(),
+            provider: name.to_owned(),
+            detail,
         })
     }
 }

@@ -7,19 +7,15 @@
 //! either asks for tool calls ([`FinishReason::ToolCalls`]) or carries the final report
 //! as JSON ([`FinishReason::Stop`], see [`crate::report::FinalReport`]).
 //!
-//! A [`ProviderRegistry`] maps a profile's `provider` name to a factory that builds the
-//! provider for that profile; a profile naming a provider the registry does not know
-//! keeps the worker from starting.
+//! This module depends on no other part of the worker: providers are built for a
+//! profile by the registry where profiles are resolved
+//! ([`crate::profiles::ProviderRegistry`]).
 
-use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
-
-use crate::playbook;
-use crate::profiles::Profile;
 
 /// Who wrote a message of the conversation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -211,104 +207,4 @@ pub trait ModelProvider: Send + Sync + fmt::Debug {
 
     /// Answers the conversation with one assistant message.
     async fn complete(&self, request: &ModelRequest) -> Result<ModelResponse, ProviderError>;
-}
-
-/// Builds the provider for one profile from the profile's settings, or says what is
-/// wrong with them.
-pub type ProviderFactory =
-    Arc<dyn Fn(&Profile) -> Result<Arc<dyn ModelProvider>, String> + Send + Sync>;
-
-/// The model providers a worker knows, by the name profiles use.
-#[derive(Clone, Default)]
-pub struct ProviderRegistry {
-    factories: BTreeMap<String, ProviderFactory>,
-}
-
-impl fmt::Debug for ProviderRegistry {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("ProviderRegistry")
-            .field("providers", &self.factories.keys().collect::<Vec<_>>())
-            .finish()
-    }
-}
-
-/// A profile cannot get its provider.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum ProviderSetupError {
-    /// The profile names a provider the registry does not know.
-    #[error(
-        "profile {profile} asks for model provider {provider:?}, which this worker does not \
-         have (it has: {known}); set the profile's provider to one of them"
-    )]
-    Unknown {
-        /// The profile.
-        profile: String,
-        /// The provider it names.
-        provider: String,
-        /// The providers the registry knows, comma-separated.
-        known: String,
-    },
-    /// The provider refused the profile's settings.
-    #[error("profile {profile}: provider {provider} cannot use its settings: {detail}")]
-    Settings {
-        /// The profile.
-        profile: String,
-        /// The provider.
-        provider: String,
-        /// What is wrong.
-        detail: String,
-    },
-}
-
-impl ProviderRegistry {
-    /// A registry without providers.
-    pub fn empty() -> Self {
-        Self::default()
-    }
-
-    /// The providers built into the worker: [`crate::playbook`].
-    pub fn builtin() -> Self {
-        let mut registry = Self::empty();
-        registry.register(
-            playbook::PROVIDER_NAME,
-            Arc::new(|profile: &Profile| {
-                playbook::PlaybookProvider::for_profile(profile)
-                    .map(|p| Arc::new(p) as Arc<dyn ModelProvider>)
-            }),
-        );
-        registry
-    }
-
-    /// Adds (or replaces) the factory of provider `name`.
-    pub fn register(&mut self, name: impl Into<String>, factory: ProviderFactory) {
-        self.factories.insert(name.into(), factory);
-    }
-
-    /// The names of the known providers, sorted.
-    pub fn names(&self) -> Vec<&str> {
-        self.factories.keys().map(String::as_str).collect()
-    }
-
-    /// Builds the provider `profile` names.
-    ///
-    /// # Errors
-    ///
-    /// [`ProviderSetupError::Unknown`] for a provider the registry does not have,
-    /// [`ProviderSetupError::Settings`] when the provider refuses the profile.
-    pub fn build(&self, profile: &Profile) -> Result<Arc<dyn ModelProvider>, ProviderSetupError> {
-        let name = profile.profile.provider.as_str();
-        let factory = self
-            .factories
-            .get(name)
-            .ok_or_else(|| ProviderSetupError::Unknown {
-                profile: profile.profile.id.clone(),
-                provider: name.to_owned(),
-                known: self.names().join(", "),
-            })?;
-        factory(profile).map_err(|detail| ProviderSetupError::Settings {
-            profile: profile.profile.id.clone(),
-            provider: name.to_owned(),
-            detail,
-        })
-    }
 }

@@ -1,14 +1,30 @@
 //! The structured messages a model exchanges with the agent loop: the outcome of a tool
 //! call (the content of a tool message) and the final report (the content of the last
-//! assistant message).
+//! assistant message); and the [`v1::TaskResult`] the loop hands in, built from how the
+//! task ended and what it did.
 //!
-//! Both are JSON, so the deterministic playbook and a hosted model speak the same
-//! protocol. Citations in a report name *tool calls* (`evidence_from: [<call id>]`);
-//! the loop maps them to the evidence ids it recorded for those calls, so a model can
+//! Both messages are JSON, so the deterministic playbook and a hosted model speak the
+//! same protocol. Citations in a report name *tool calls* (`evidence_from: [<call id>]`);
+//! the result maps them to the evidence ids recorded for those calls, so a model can
 //! never cite evidence that was not gathered in this task.
+//!
+//! The result: the claims and proposed actions of the report (if the loop got one),
+//! every evidence record gathered, the usage, and the status with its error
+//! ([`status_and_error`]): a report with claims is COMPLETED (PARTIAL with missing
+//! evidence), every call denied is BLOCKED, the deadline is TIMED_OUT, and anything
+//! else is FAILED with a code saying why (retryable when retrying may cure it).
 
+use std::collections::HashMap;
+use std::time::Instant;
+
+use convene_core::permissions::RiskLevel;
+use convene_proto::v1;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
+use tonic::Code;
+
+use crate::faults::{Faults, Injected};
+use crate::provider::ProviderError;
 
 /// What a tool call came to, as the model reads it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -150,6 +166,422 @@ impl FinalReport {
     }
 }
 
+// ---------------------------------------------------------------------------------------
+// The task result.
+
+/// What happened to one tool call.
+#[derive(Debug, Clone)]
+pub(crate) enum CallState {
+    Running,
+    Succeeded(Box<v1::Evidence>),
+    /// Refused by the loop or denied by the policy service: a permission problem.
+    Denied(String),
+    /// Bad arguments, missing data, budget used up.
+    Failed(String),
+}
+
+/// One tool call of the task and what became of it.
+#[derive(Debug, Clone)]
+pub(crate) struct CallRecord {
+    pub(crate) call_id: String,
+    pub(crate) state: CallState,
+}
+
+/// What the task has done so far; read for the result whichever way the task ends.
+#[derive(Debug, Default)]
+pub(crate) struct Progress {
+    pub(crate) iterations: u32,
+    pub(crate) tool_calls: u32,
+    pub(crate) tokens: u64,
+    pub(crate) calls: Vec<CallRecord>,
+}
+
+/// A failure of the mesh (not of a tool): ends the task.
+#[derive(Debug, Clone)]
+pub(crate) struct Infra {
+    pub(crate) code: &'static str,
+    pub(crate) retryable: bool,
+    pub(crate) message: String,
+}
+
+impl Infra {
+    pub(crate) fn from_status(service: &str, status: &tonic::Status) -> Self {
+        // A connection that broke under the call (reset, or shut down by the HTTP/2
+        // peer) reaches the client as UNKNOWN "transport error": the service may well
+        // answer the same call on a new connection.
+        let broken_connection =
+            status.code() == Code::Unknown && status.message().starts_with("transport error");
+        let retryable = broken_connection
+            || matches!(
+                status.code(),
+                Code::Unavailable
+                    | Code::DeadlineExceeded
+                    | Code::ResourceExhausted
+                    | Code::Aborted
+            );
+        Self {
+            code: if retryable {
+                "upstream_unavailable"
+            } else {
+                "upstream_error"
+            },
+            retryable,
+            message: format!(
+                "the {service} answered {:?}: {}",
+                status.code(),
+                status.message()
+            ),
+        }
+    }
+}
+
+/// How the loop ended on its own.
+pub(crate) enum LoopEnd {
+    Report(FinalReport),
+    IterationLimit,
+    TokenBudget(u64),
+    Provider(ProviderError),
+    Infra(Infra),
+    /// The `fail_attempts_after_tools` fault, after the first round of tool calls.
+    InjectedFailure(Injected),
+}
+
+/// How the task ended.
+pub(crate) enum Ending {
+    Loop(LoopEnd),
+    TimedOut,
+    Cancelled(String),
+    Blocked(String),
+    /// The `fail_attempts` fault, before the task started.
+    InjectedFailure(Injected),
+}
+
+/// Who reports a result: the worker and the profile that ran the task.
+pub(crate) struct Reporter<'a> {
+    pub(crate) worker_id: &'a str,
+    pub(crate) profile_id: &'a str,
+    pub(crate) profile_version: &'a str,
+    /// The profile's iteration limit, named when the loop hit it.
+    pub(crate) max_iterations: u32,
+    pub(crate) faults: &'a Faults,
+}
+
+/// What the task's tool calls came to.
+struct Gathered<'a> {
+    /// The evidence recorded, each record once, in call order.
+    evidence: Vec<v1::Evidence>,
+    /// Evidence id by call id, for the calls that succeeded.
+    by_call: HashMap<&'a str, &'a str>,
+    /// Ids of the calls that did not succeed.
+    not_gathered: Vec<String>,
+    /// Why calls were denied.
+    denials: Vec<&'a str>,
+    /// Whether there were calls and every one was denied.
+    all_denied: bool,
+    /// Every call that did not succeed, and why.
+    failures: Vec<String>,
+    /// "N tool call(s), M evidence record(s) gathered".
+    summary: String,
+}
+
+impl<'a> Gathered<'a> {
+    fn new(progress: &'a Progress) -> Self {
+        let mut evidence: Vec<v1::Evidence> = Vec::new();
+        let mut by_call: HashMap<&str, &str> = HashMap::new();
+        for c in &progress.calls {
+            if let CallState::Succeeded(e) = &c.state {
+                by_call.insert(c.call_id.as_str(), e.evidence_id.as_str());
+                if !evidence.iter().any(|x| x.evidence_id == e.evidence_id) {
+                    evidence.push((**e).clone());
+                }
+            }
+        }
+        let not_gathered: Vec<String> = progress
+            .calls
+            .iter()
+            .filter(|c| !matches!(c.state, CallState::Succeeded(_)))
+            .map(|c| c.call_id.clone())
+            .collect();
+        let denials: Vec<&str> = progress
+            .calls
+            .iter()
+            .filter_map(|c| match &c.state {
+                CallState::Denied(reason) => Some(reason.as_str()),
+                _ => None,
+            })
+            .collect();
+        let all_denied = !progress.calls.is_empty() && denials.len() == progress.calls.len();
+        let failures: Vec<String> = progress
+            .calls
+            .iter()
+            .filter_map(|c| match &c.state {
+                CallState::Denied(reason) | CallState::Failed(reason) => {
+                    Some(format!("{} ({reason})", c.call_id))
+                }
+                CallState::Running => Some(format!("{} (unfinished)", c.call_id)),
+                CallState::Succeeded(_) => None,
+            })
+            .collect();
+        let summary = format!(
+            "{} tool call(s), {} evidence record(s) gathered",
+            progress.calls.len(),
+            evidence.len()
+        );
+        Self {
+            evidence,
+            by_call,
+            not_gathered,
+            denials,
+            all_denied,
+            failures,
+            summary,
+        }
+    }
+
+    /// The evidence ids a report's `evidence_from` (call ids, or evidence ids) cites.
+    fn cite(&self, from: &[String]) -> Vec<String> {
+        let mut refs: Vec<String> = Vec::new();
+        for f in from {
+            let id = self
+                .by_call
+                .get(f.as_str())
+                .map(|id| (*id).to_owned())
+                .or_else(|| {
+                    self.evidence
+                        .iter()
+                        .find(|e| &e.evidence_id == f)
+                        .map(|e| e.evidence_id.clone())
+                });
+            if let Some(id) = id
+                && !refs.contains(&id)
+            {
+                refs.push(id);
+            }
+        }
+        refs
+    }
+}
+
+/// Builds the result of attempt `attempt` of `task` from how it ended and what it did.
+pub(crate) fn task_result(
+    by: &Reporter<'_>,
+    task: &v1::DelegationTask,
+    attempt: u32,
+    ending: Ending,
+    progress: Progress,
+    started: Instant,
+) -> v1::TaskResult {
+    let gathered = Gathered::new(&progress);
+    let mut result = v1::TaskResult {
+        delegation_id: task.delegation_id.clone(),
+        worker_id: by.worker_id.to_owned(),
+        profile_id: by.profile_id.to_owned(),
+        profile_version: by.profile_version.to_owned(),
+        ..v1::TaskResult::default()
+    };
+    if let Ending::Loop(LoopEnd::Report(report)) = &ending {
+        add_report(&mut result, report, &gathered);
+    }
+    let (status, error) = status_and_error(&ending, &result, &gathered, by.max_iterations, attempt);
+    if result.summary.is_empty() {
+        result.summary = match &error {
+            Some(e) => format!("{}: {}", e.code, e.message),
+            None => gathered.summary.clone(),
+        };
+    }
+    if status != v1::TaskStatus::Completed && status != v1::TaskStatus::Partial {
+        for m in &gathered.not_gathered {
+            if !result.missing_evidence.contains(m) {
+                result.missing_evidence.push(m.clone());
+            }
+        }
+    }
+    result.status = status as i32;
+    result.error = error;
+    result.artifacts = gathered
+        .evidence
+        .iter()
+        .map(|e| e.artifact_uri.clone())
+        .filter(|u| !u.is_empty())
+        .fold(Vec::new(), |mut acc, u| {
+            if !acc.contains(&u) {
+                acc.push(u);
+            }
+            acc
+        });
+    result.evidence = gathered.evidence;
+    result.usage = Some(v1::Usage {
+        iterations: progress.iterations,
+        tool_calls: progress.tool_calls,
+        tokens: progress.tokens,
+        cost: 0.0,
+        duration_ms: u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX),
+    });
+    by.faults.tamper(&mut result);
+    result
+}
+
+/// Puts the model's final report into the result: claims and proposed actions citing
+/// the evidence recorded, summary, next step, and the evidence that is missing (what
+/// the report names, and every call that did not succeed).
+fn add_report(result: &mut v1::TaskResult, report: &FinalReport, gathered: &Gathered<'_>) {
+    result.claims = report
+        .claims
+        .iter()
+        .enumerate()
+        .map(|(i, c)| v1::Claim {
+            claim_id: if c.claim_id.trim().is_empty() {
+                format!("claim-{}", i + 1)
+            } else {
+                c.claim_id.clone()
+            },
+            topic: c.topic.clone(),
+            value: c.value.clone(),
+            statement: c.statement.clone(),
+            evidence_refs: gathered.cite(&c.evidence_from),
+            confidence: c.confidence.clamp(0.0, 1.0),
+        })
+        .collect();
+    result.proposed_actions = report
+        .proposed_actions
+        .iter()
+        .map(|p| v1::ProposedAction {
+            action: p.action.clone(),
+            parameters: Some(convene_proto::json::to_struct(&p.parameters)),
+            risk_level: RiskLevel::parse(&p.risk_level)
+                .map_or(v1::RiskLevel::Unspecified, RiskLevel::to_proto)
+                as i32,
+            rationale: p.rationale.clone(),
+            evidence_refs: gathered.cite(&p.evidence_from),
+        })
+        .collect();
+    result.summary = report.summary.clone();
+    result.recommended_next = report.recommended_next.clone();
+    for m in report.missing_evidence.iter().chain(&gathered.not_gathered) {
+        if !result.missing_evidence.contains(m) {
+            result.missing_evidence.push(m.clone());
+        }
+    }
+}
+
+/// The status of a task that ended as `ending`, and its error unless it succeeded.
+/// `result` already holds the report's claims and missing evidence, if there was one.
+fn status_and_error(
+    ending: &Ending,
+    result: &v1::TaskResult,
+    gathered: &Gathered<'_>,
+    max_iterations: u32,
+    attempt: u32,
+) -> (v1::TaskStatus, Option<v1::ErrorInfo>) {
+    let done = &gathered.summary;
+    match ending {
+        Ending::Loop(LoopEnd::Report(_)) => {
+            if gathered.all_denied {
+                (v1::TaskStatus::Blocked, Some(blocked(&gathered.denials)))
+            } else if result.claims.is_empty() {
+                (
+                    v1::TaskStatus::Failed,
+                    Some(error(
+                        "no_findings",
+                        false,
+                        format!(
+                            "the investigation produced no claim ({done}); failed calls: {}",
+                            describe_list(&gathered.failures)
+                        ),
+                    )),
+                )
+            } else if result.missing_evidence.is_empty() {
+                (v1::TaskStatus::Completed, None)
+            } else {
+                (v1::TaskStatus::Partial, None)
+            }
+        }
+        Ending::Loop(LoopEnd::IterationLimit) if gathered.all_denied => {
+            (v1::TaskStatus::Blocked, Some(blocked(&gathered.denials)))
+        }
+        Ending::Loop(LoopEnd::IterationLimit) => (
+            v1::TaskStatus::Failed,
+            Some(error(
+                "iteration_limit",
+                false,
+                format!(
+                    "no final report within {max_iterations} iterations ({done}); raise the \
+                     profile's max_iterations or narrow the task"
+                ),
+            )),
+        ),
+        Ending::Loop(LoopEnd::TokenBudget(limit)) => (
+            v1::TaskStatus::Failed,
+            Some(error(
+                "token_budget",
+                false,
+                format!("the model used more than the {limit} tokens the task may spend ({done})"),
+            )),
+        ),
+        Ending::Loop(LoopEnd::Provider(e)) => (
+            v1::TaskStatus::Failed,
+            Some(error("model_error", e.retryable, e.to_string())),
+        ),
+        Ending::Loop(LoopEnd::Infra(infra)) => (
+            v1::TaskStatus::Failed,
+            Some(error(infra.code, infra.retryable, infra.message.clone())),
+        ),
+        Ending::TimedOut => (
+            v1::TaskStatus::TimedOut,
+            Some(error(
+                "timeout",
+                false,
+                format!("the task deadline passed before the investigation finished; {done}"),
+            )),
+        ),
+        Ending::Cancelled(reason) => (
+            v1::TaskStatus::Failed,
+            Some(error(
+                "cancelled",
+                false,
+                format!("the delegation was cancelled: {reason}"),
+            )),
+        ),
+        Ending::Blocked(reason) => (
+            v1::TaskStatus::Blocked,
+            Some(error("permission_denied", false, reason.clone())),
+        ),
+        Ending::InjectedFailure(injected) => {
+            (v1::TaskStatus::Failed, Some(injected.error(attempt, "")))
+        }
+        Ending::Loop(LoopEnd::InjectedFailure(injected)) => {
+            (v1::TaskStatus::Failed, Some(injected.error(attempt, done)))
+        }
+    }
+}
+
+fn error(code: &str, retryable: bool, message: String) -> v1::ErrorInfo {
+    v1::ErrorInfo {
+        code: code.to_owned(),
+        retryable,
+        message,
+    }
+}
+
+fn blocked(denials: &[&str]) -> v1::ErrorInfo {
+    error(
+        "permission_denied",
+        false,
+        format!(
+            "every tool call was denied, so nothing could be investigated; first denial: {}",
+            denials.first().copied().unwrap_or("none")
+        ),
+    )
+}
+
+fn describe_list(items: &[String]) -> String {
+    if items.is_empty() {
+        "none".to_owned()
+    } else {
+        items.join(", ")
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -175,5 +607,160 @@ mod tests {
         assert_eq!(fenced, plain);
         let err = FinalReport::parse("I think it was the database").unwrap_err();
         assert!(err.contains("JSON object"), "{err}");
+    }
+
+    #[test]
+    fn a_broken_connection_is_retryable_and_a_refusal_is_not() {
+        let broken =
+            Infra::from_status("policy service", &tonic::Status::unknown("transport error"));
+        assert!(broken.retryable);
+        assert_eq!(broken.code, "upstream_unavailable");
+        let down = Infra::from_status("policy service", &tonic::Status::unavailable("down"));
+        assert!(down.retryable);
+        let bug = Infra::from_status("policy service", &tonic::Status::unknown("panicked"));
+        assert!(!bug.retryable);
+        assert_eq!(bug.code, "upstream_error");
+        let refused = Infra::from_status("policy service", &tonic::Status::invalid_argument("bad"));
+        assert!(!refused.retryable);
+        assert!(refused.message.contains("policy service"));
+    }
+
+    fn result_of(ending: Ending, calls: Vec<CallRecord>) -> v1::TaskResult {
+        let faults = Faults::default();
+        let by = Reporter {
+            worker_id: "worker-1",
+            profile_id: "logs-investigator",
+            profile_version: "1",
+            max_iterations: 12,
+            faults: &faults,
+        };
+        let task = v1::DelegationTask {
+            delegation_id: "del-1".into(),
+            ..v1::DelegationTask::default()
+        };
+        let progress = Progress {
+            calls,
+            ..Progress::default()
+        };
+        task_result(&by, &task, 1, ending, progress, Instant::now())
+    }
+
+    fn succeeded(call_id: &str) -> CallRecord {
+        CallRecord {
+            call_id: call_id.into(),
+            state: CallState::Succeeded(Box::new(v1::Evidence {
+                evidence_id: format!("logs://api/run/del-1/{call_id}"),
+                ..v1::Evidence::default()
+            })),
+        }
+    }
+
+    #[test]
+    fn action_parameters_become_a_struct_without_loss() {
+        use prost_types::value::Kind;
+        let report = FinalReport {
+            summary: "s".into(),
+            claims: vec![ReportClaim {
+                claim_id: String::new(),
+                topic: "t".into(),
+                value: "v".into(),
+                statement: "x".into(),
+                evidence_from: vec!["errors".into()],
+                confidence: 1.5,
+            }],
+            proposed_actions: [
+                serde_json::json!({"rule_id": "RC-4711", "n": 2, "ok": true, "l": [1]}),
+                serde_json::json!("RC-4711"),
+                Value::Null,
+            ]
+            .into_iter()
+            .map(|parameters| ReportAction {
+                action: "rule:rollback".into(),
+                parameters,
+                risk_level: "R3".into(),
+                rationale: String::new(),
+                evidence_from: vec!["errors".into()],
+            })
+            .collect(),
+            ..FinalReport::default()
+        };
+        let result = result_of(
+            Ending::Loop(LoopEnd::Report(report)),
+            vec![succeeded("errors")],
+        );
+        assert_eq!(result.status, v1::TaskStatus::Completed as i32);
+        assert_eq!(result.claims[0].claim_id, "claim-1");
+        assert_eq!(result.claims[0].confidence, 1.0);
+        assert_eq!(
+            result.claims[0].evidence_refs,
+            ["logs://api/run/del-1/errors"]
+        );
+        let params: Vec<&prost_types::Struct> = result
+            .proposed_actions
+            .iter()
+            .map(|a| a.parameters.as_ref().unwrap())
+            .collect();
+        let s = params[0];
+        assert_eq!(
+            s.fields["rule_id"].kind,
+            Some(Kind::StringValue("RC-4711".into()))
+        );
+        assert_eq!(s.fields["n"].kind, Some(Kind::NumberValue(2.0)));
+        assert_eq!(s.fields["ok"].kind, Some(Kind::BoolValue(true)));
+        assert!(matches!(s.fields["l"].kind, Some(Kind::ListValue(_))));
+        // Parameters that are not an object are kept, under `value`.
+        assert_eq!(
+            params[1].fields["value"].kind,
+            Some(Kind::StringValue("RC-4711".into()))
+        );
+        assert_eq!(params[2].fields["value"].kind, Some(Kind::NullValue(0)));
+    }
+
+    #[test]
+    fn endings_map_to_a_status_and_an_error() {
+        let denied = || CallRecord {
+            call_id: "errors".into(),
+            state: CallState::Denied("denied by policy".into()),
+        };
+        let status = |r: &v1::TaskResult| v1::TaskStatus::try_from(r.status).unwrap();
+        let code = |r: &v1::TaskResult| r.error.as_ref().map(|e| e.code.clone());
+
+        let blocked = result_of(Ending::Loop(LoopEnd::IterationLimit), vec![denied()]);
+        assert_eq!(status(&blocked), v1::TaskStatus::Blocked);
+        assert_eq!(code(&blocked).as_deref(), Some("permission_denied"));
+        assert_eq!(blocked.missing_evidence, ["errors"]);
+
+        let limit = result_of(Ending::Loop(LoopEnd::IterationLimit), vec![]);
+        assert_eq!(status(&limit), v1::TaskStatus::Failed);
+        assert!(
+            limit
+                .error
+                .unwrap()
+                .message
+                .contains("within 12 iterations")
+        );
+
+        let no_claims = result_of(
+            Ending::Loop(LoopEnd::Report(FinalReport::default())),
+            vec![succeeded("errors")],
+        );
+        assert_eq!(code(&no_claims).as_deref(), Some("no_findings"));
+        assert!(
+            no_claims.summary.starts_with("no_findings: "),
+            "{}",
+            no_claims.summary
+        );
+
+        let timed_out = result_of(Ending::TimedOut, vec![succeeded("errors")]);
+        assert_eq!(status(&timed_out), v1::TaskStatus::TimedOut);
+        assert_eq!(timed_out.evidence.len(), 1);
+
+        let infra = Infra::from_status("evidence store", &tonic::Status::unavailable("down"));
+        let failed = result_of(Ending::Loop(LoopEnd::Infra(infra)), vec![]);
+        assert_eq!(code(&failed).as_deref(), Some("upstream_unavailable"));
+        assert!(failed.error.unwrap().retryable);
+
+        let cancelled = result_of(Ending::Cancelled("superseded".into()), vec![]);
+        assert!(cancelled.error.unwrap().message.ends_with("superseded"));
     }
 }

@@ -28,8 +28,7 @@ use tonic::{Request, Response, Status};
 use tracing::Instrument as _;
 
 use crate::agent::{Agent, Assignment, CancelSignal};
-use crate::profiles::Profile;
-use crate::provider::{ProviderRegistry, ProviderSetupError};
+use crate::profiles::{Profile, ProviderRegistry, ProviderSetupError};
 use crate::tools::ToolRegistry;
 
 /// Finished results kept for repeated Execute calls.
@@ -220,7 +219,14 @@ impl WorkerService {
                 tracing::warn!(
                     profile = %profile.profile.id,
                     faults = ?profile.faults,
-                    "fault injection is on for this profile; it is for tests and benchmarks only"
+                    "fault injection is on for this profile; it is for tests only"
+                );
+            }
+            if let Some(hold) = &profile.hold {
+                tracing::warn!(
+                    profile = %profile.profile.id,
+                    release = %hold.release.display(),
+                    "this profile holds every delegation until its release file exists; it is for benchmarks only"
                 );
             }
             let provider = providers.build(&profile)?;

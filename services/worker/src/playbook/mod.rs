@@ -44,324 +44,31 @@
 //! (whole seconds from the value until that time) and `default:<text>` (used when the
 //! path is absent). In action parameters a string that is exactly one `{path}` keeps
 //! the value's JSON type.
+//!
+//! The YAML schema is [`spec`], the rules' conditions [`condition`], the templates
+//! [`template`]; this module plays the model's part with them.
 
-use std::cmp::Ordering;
-use std::collections::{BTreeMap, BTreeSet};
-use std::time::{SystemTime, UNIX_EPOCH};
+mod condition;
+mod spec;
+mod template;
 
-use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
 use serde_json::Value;
 
-use crate::agent::EVIDENCE_KIND_ARG;
-use crate::profiles::Profile;
+pub use condition::{Condition, Op, When, resolve};
+pub use spec::{ActionTemplate, ClaimTemplate, PlaybookSpec, Rule, Step};
+pub use template::Template;
+
 use crate::provider::{
     FinishReason, Message, ModelProvider, ModelRequest, ModelResponse, ProviderError, Role,
     TokenUsage, ToolCall,
 };
 use crate::report::{FinalReport, ReportAction, ReportClaim, ToolOutcome};
-use crate::tools::parse_time;
+use crate::tools::EVIDENCE_KIND_ARG;
 
 /// The provider's name, as profiles write it.
 pub const PROVIDER_NAME: &str = "playbook";
-
-/// A playbook as written in the profile file.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct PlaybookSpec {
-    /// Opening of the report's summary; the fired claims' statements follow.
-    #[serde(default)]
-    pub summary: String,
-    /// The report's suggested next step.
-    #[serde(default)]
-    pub recommended_next: String,
-    /// The tool calls to make, all in the first turn.
-    pub steps: Vec<Step>,
-    /// Rules turning outputs into claims and proposed actions, in report order.
-    #[serde(default)]
-    pub rules: Vec<Rule>,
-}
-
-/// One tool call of a playbook.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct Step {
-    /// Step id, `[a-z0-9_-]{1,64}`: the tool call's id and the last segment of its
-    /// evidence id.
-    pub id: String,
-    /// Tool, `name@version`; must be one of the profile's default tools.
-    pub tool: String,
-    /// The tool's arguments.
-    #[serde(default)]
-    pub args: Value,
-    /// Kind of the evidence the call records, e.g. `impact_metric`.
-    pub evidence_kind: String,
-}
-
-/// One rule: when a step's output satisfies `when`, emit a claim or an action.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct Rule {
-    /// The step whose output the rule reads; the rule fires only if it succeeded.
-    pub step: String,
-    /// Conditions on the output; none means "whenever the step succeeded".
-    #[serde(default)]
-    pub when: Option<When>,
-    /// The claim to emit.
-    #[serde(default)]
-    pub claim: Option<ClaimTemplate>,
-    /// The action to propose.
-    #[serde(default)]
-    pub action: Option<ActionTemplate>,
-    /// Steps whose evidence the claim or action cites (those that succeeded); default:
-    /// the rule's step.
-    #[serde(default)]
-    pub evidence_from: Vec<String>,
-}
-
-/// One condition or a list that must all hold.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(untagged)]
-pub enum When {
-    /// One condition.
-    One(Condition),
-    /// Every condition must hold.
-    All(Vec<Condition>),
-}
-
-impl When {
-    fn conditions(&self) -> &[Condition] {
-        match self {
-            When::One(c) => std::slice::from_ref(c),
-            When::All(cs) => cs,
-        }
-    }
-}
-
-/// A condition on a tool output.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct Condition {
-    /// Dotted path into the output.
-    pub path: String,
-    /// Comparison.
-    pub op: Op,
-    /// Value compared with (for `exists`: whether the path must exist, default true).
-    #[serde(default)]
-    pub value: Value,
-}
-
-/// Comparison operators of conditions.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Op {
-    /// Greater than.
-    Gt,
-    /// Greater than or equal.
-    Ge,
-    /// Equal.
-    Eq,
-    /// Not equal (an absent value is not equal to anything).
-    Ne,
-    /// Less than.
-    Lt,
-    /// Less than or equal.
-    Le,
-    /// The path exists and is not null (or, with `value: false`, does not).
-    Exists,
-}
-
-/// A claim a rule emits; every string is a template.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ClaimTemplate {
-    /// Claim id, unique within the playbook.
-    pub claim_id: String,
-    /// Topic, e.g. `primary_cause`.
-    pub topic: String,
-    /// Normalized value on the topic.
-    pub value: String,
-    /// Human-readable statement.
-    pub statement: String,
-    /// Confidence in `[0, 1]`.
-    #[serde(default = "default_confidence")]
-    pub confidence: f64,
-}
-
-fn default_confidence() -> f64 {
-    0.5
-}
-
-/// An action a rule proposes; strings (also inside parameters) are templates.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ActionTemplate {
-    /// Action name from the policy's catalog, e.g. `rule:rollback`.
-    pub action: String,
-    /// Parameters, a JSON object.
-    #[serde(default)]
-    pub parameters: Value,
-    /// Risk level `R0`..`R3`.
-    pub risk_level: String,
-    /// Why.
-    #[serde(default)]
-    pub rationale: String,
-}
-
-impl PlaybookSpec {
-    /// Checks the playbook against the profile's tools. Errors name the field below
-    /// `field` (e.g. `profiles[0].playbook.rules[1].step`).
-    ///
-    /// # Errors
-    ///
-    /// `(field, what is wrong)` for the first problem found.
-    pub fn validate(&self, tools: &[String], field: &str) -> Result<(), (String, String)> {
-        if self.steps.is_empty() {
-            return Err((
-                format!("{field}.steps"),
-                "a playbook needs at least one step".into(),
-            ));
-        }
-        let mut ids = BTreeSet::new();
-        for (i, step) in self.steps.iter().enumerate() {
-            let f = format!("{field}.steps[{i}]");
-            let id_ok = !step.id.is_empty()
-                && step.id.len() <= 64
-                && step
-                    .id
-                    .chars()
-                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_' || c == '-');
-            if !id_ok {
-                return Err((
-                    format!("{f}.id"),
-                    format!(
-                        "step id {:?} must be 1-64 of a-z, 0-9, `_` and `-`",
-                        step.id
-                    ),
-                ));
-            }
-            if !ids.insert(step.id.as_str()) {
-                return Err((format!("{f}.id"), format!("step id {} repeats", step.id)));
-            }
-            if !tools.contains(&step.tool) {
-                return Err((
-                    format!("{f}.tool"),
-                    format!(
-                        "tool {} is not among the profile's default_tools ({})",
-                        step.tool,
-                        tools.join(", ")
-                    ),
-                ));
-            }
-            if !(step.args.is_object() || step.args.is_null()) {
-                return Err((format!("{f}.args"), "args must be a mapping".into()));
-            }
-            if step.evidence_kind.trim().is_empty() {
-                return Err((
-                    format!("{f}.evidence_kind"),
-                    "name the kind of evidence the step records, e.g. impact_metric".into(),
-                ));
-            }
-        }
-        let mut claim_ids = BTreeSet::new();
-        for (i, rule) in self.rules.iter().enumerate() {
-            let f = format!("{field}.rules[{i}]");
-            if !ids.contains(rule.step.as_str()) {
-                return Err((
-                    format!("{f}.step"),
-                    format!("no step is called {:?}", rule.step),
-                ));
-            }
-            for (j, s) in rule.evidence_from.iter().enumerate() {
-                if !ids.contains(s.as_str()) {
-                    return Err((
-                        format!("{f}.evidence_from[{j}]"),
-                        format!("no step is called {s:?}"),
-                    ));
-                }
-            }
-            for (j, c) in rule.when.iter().flat_map(When::conditions).enumerate() {
-                if c.op != Op::Exists && c.value.is_null() {
-                    return Err((
-                        format!("{f}.when[{j}].value"),
-                        format!("operator {:?} needs a value to compare with", c.op),
-                    ));
-                }
-                if c.path.is_empty() {
-                    return Err((
-                        format!("{f}.when[{j}].path"),
-                        "path must not be empty".into(),
-                    ));
-                }
-            }
-            match (&rule.claim, &rule.action) {
-                (Some(claim), None) => {
-                    for (name, text) in [
-                        ("claim_id", &claim.claim_id),
-                        ("topic", &claim.topic),
-                        ("value", &claim.value),
-                        ("statement", &claim.statement),
-                    ] {
-                        if text.trim().is_empty() {
-                            return Err((
-                                format!("{f}.claim.{name}"),
-                                format!("{name} must not be empty"),
-                            ));
-                        }
-                        Template::parse(text).map_err(|e| (format!("{f}.claim.{name}"), e))?;
-                    }
-                    if !claim_ids.insert(claim.claim_id.as_str()) {
-                        return Err((
-                            format!("{f}.claim.claim_id"),
-                            format!("claim id {} repeats", claim.claim_id),
-                        ));
-                    }
-                    if !(0.0..=1.0).contains(&claim.confidence) {
-                        return Err((
-                            format!("{f}.claim.confidence"),
-                            format!("{} must be between 0 and 1", claim.confidence),
-                        ));
-                    }
-                }
-                (None, Some(action)) => {
-                    Template::parse(&action.action)
-                        .map_err(|e| (format!("{f}.action.action"), e))?;
-                    Template::parse(&action.rationale)
-                        .map_err(|e| (format!("{f}.action.rationale"), e))?;
-                    check_value_templates(&action.parameters)
-                        .map_err(|e| (format!("{f}.action.parameters"), e))?;
-                    if convene_core::permissions::RiskLevel::parse(&action.risk_level).is_none() {
-                        return Err((
-                            format!("{f}.action.risk_level"),
-                            format!(
-                                "{:?} is not a risk level; use R0, R1, R2 or R3",
-                                action.risk_level
-                            ),
-                        ));
-                    }
-                    if !(action.parameters.is_object() || action.parameters.is_null()) {
-                        return Err((
-                            format!("{f}.action.parameters"),
-                            "parameters must be a mapping".into(),
-                        ));
-                    }
-                }
-                _ => {
-                    return Err((f, "a rule has exactly one of `claim` and `action`".into()));
-                }
-            }
-        }
-        Ok(())
-    }
-}
-
-fn check_value_templates(value: &Value) -> Result<(), String> {
-    match value {
-        Value::String(s) => Template::parse(s).map(|_| ()),
-        Value::Array(items) => items.iter().try_for_each(check_value_templates),
-        Value::Object(map) => map.values().try_for_each(check_value_templates),
-        _ => Ok(()),
-    }
-}
 
 /// The `playbook` provider for one profile.
 #[derive(Debug, Clone)]
@@ -371,20 +78,22 @@ pub struct PlaybookProvider {
 }
 
 impl PlaybookProvider {
-    /// The provider playing `profile`'s playbook.
+    /// The provider playing `playbook` for profile `profile_id`, whose tools are
+    /// `default_tools`.
     ///
     /// # Errors
     ///
-    /// The profile has no playbook section, or it is invalid.
-    pub fn for_profile(profile: &Profile) -> Result<Self, String> {
-        let playbook = profile.playbook.clone().ok_or_else(|| {
-            "the playbook provider needs a `playbook` section with steps and rules".to_owned()
-        })?;
+    /// The playbook is invalid for those tools.
+    pub fn new(
+        profile_id: &str,
+        default_tools: &[String],
+        playbook: PlaybookSpec,
+    ) -> Result<Self, String> {
         playbook
-            .validate(&profile.profile.default_tools, "playbook")
+            .validate(default_tools, "playbook")
             .map_err(|(field, detail)| format!("{field}: {detail}"))?;
         Ok(Self {
-            profile_id: profile.profile.id.clone(),
+            profile_id: profile_id.to_owned(),
             playbook,
         })
     }
@@ -585,307 +294,15 @@ impl ModelProvider for PlaybookProvider {
     }
 }
 
-// ---------------------------------------------------------------------------------------
-// Paths and conditions.
-
-/// The value at a dotted `path` in `value`; numeric segments index arrays, and object
-/// keys containing dots are matched greedily (the longest key that exists wins).
-pub fn resolve<'a>(value: &'a Value, path: &str) -> Option<&'a Value> {
-    fn walk<'a>(value: &'a Value, segments: &[&str]) -> Option<&'a Value> {
-        let Some(first) = segments.first() else {
-            return Some(value);
-        };
-        match value {
-            Value::Array(items) => walk(items.get(first.parse::<usize>().ok()?)?, &segments[1..]),
-            Value::Object(map) => (1..=segments.len()).rev().find_map(|n| {
-                let key = segments[..n].join(".");
-                map.get(&key).and_then(|v| walk(v, &segments[n..]))
-            }),
-            _ => None,
-        }
-    }
-    let segments: Vec<&str> = path.split('.').collect();
-    walk(value, &segments)
-}
-
-impl Condition {
-    /// Whether the condition holds on `output`.
-    pub fn holds(&self, output: &Value) -> bool {
-        let got = resolve(output, &self.path).filter(|v| !v.is_null());
-        match self.op {
-            Op::Exists => got.is_some() == self.value.as_bool().unwrap_or(true),
-            Op::Eq => got.is_some_and(|g| json_eq(g, &self.value)),
-            Op::Ne => !got.is_some_and(|g| json_eq(g, &self.value)),
-            Op::Gt | Op::Ge | Op::Lt | Op::Le => {
-                let Some(ord) = got.and_then(|g| compare(g, &self.value)) else {
-                    return false;
-                };
-                match self.op {
-                    Op::Gt => ord == Ordering::Greater,
-                    Op::Ge => ord != Ordering::Less,
-                    Op::Lt => ord == Ordering::Less,
-                    _ => ord != Ordering::Greater,
-                }
-            }
-        }
-    }
-}
-
-fn json_eq(a: &Value, b: &Value) -> bool {
-    match (a.as_f64(), b.as_f64()) {
-        (Some(x), Some(y)) => x == y,
-        _ => a == b,
-    }
-}
-
-fn compare(a: &Value, b: &Value) -> Option<Ordering> {
-    match (a, b) {
-        (Value::Number(x), Value::Number(y)) => x.as_f64()?.partial_cmp(&y.as_f64()?),
-        (Value::String(x), Value::String(y)) => Some(x.cmp(y)),
-        _ => None,
-    }
-}
-
-// ---------------------------------------------------------------------------------------
-// Templates.
-
-/// A parsed template: literal text and `{path|filter...}` placeholders.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Template(Vec<Piece>);
-
-#[derive(Debug, Clone, PartialEq)]
-enum Piece {
-    Text(String),
-    Field { path: String, filters: Vec<Filter> },
-}
-
-#[derive(Debug, Clone, PartialEq)]
-enum Filter {
-    Round(usize),
-    Div(f64),
-    Mul(f64),
-    Time,
-    HourMinute,
-    SecsBefore(SystemTime),
-    Default(String),
-}
-
-/// A value between filters: JSON until a filter formats it as text.
-enum Rendered {
-    Json(Value),
-    Text(String),
-}
-
-impl Template {
-    /// Parses `text`.
-    ///
-    /// # Errors
-    ///
-    /// Unbalanced braces, an empty path or an unknown filter, named.
-    pub fn parse(text: &str) -> Result<Self, String> {
-        let mut pieces = Vec::new();
-        let mut literal = String::new();
-        let mut chars = text.chars().peekable();
-        while let Some(c) = chars.next() {
-            match c {
-                '{' if chars.peek() == Some(&'{') => {
-                    chars.next();
-                    literal.push('{');
-                }
-                '}' if chars.peek() == Some(&'}') => {
-                    chars.next();
-                    literal.push('}');
-                }
-                '{' => {
-                    let mut inner = String::new();
-                    loop {
-                        match chars.next() {
-                            Some('}') => break,
-                            Some(c) => inner.push(c),
-                            None => {
-                                return Err(format!(
-                                    "template {text:?} opens `{{` without closing it; write `{{{{` for a literal brace"
-                                ));
-                            }
-                        }
-                    }
-                    if !literal.is_empty() {
-                        pieces.push(Piece::Text(std::mem::take(&mut literal)));
-                    }
-                    pieces.push(parse_field(&inner)?);
-                }
-                '}' => {
-                    return Err(format!(
-                        "template {text:?} closes `}}` without opening it; write `}}}}` for a literal brace"
-                    ));
-                }
-                c => literal.push(c),
-            }
-        }
-        if !literal.is_empty() {
-            pieces.push(Piece::Text(literal));
-        }
-        Ok(Self(pieces))
-    }
-
-    /// The path, when the template is exactly one placeholder without filters.
-    fn whole_path(&self) -> Option<&str> {
-        match self.0.as_slice() {
-            [Piece::Field { path, filters }] if filters.is_empty() => Some(path),
-            _ => None,
-        }
-    }
-
-    /// Fills the template from `output`.
-    ///
-    /// # Errors
-    ///
-    /// A path the output lacks (without `default`), or a filter that does not fit its
-    /// value.
-    pub fn render(&self, output: &Value) -> Result<String, String> {
-        let mut out = String::new();
-        for piece in &self.0 {
-            match piece {
-                Piece::Text(t) => out.push_str(t),
-                Piece::Field { path, filters } => {
-                    let mut value = resolve(output, path)
-                        .filter(|v| !v.is_null())
-                        .map(|v| Rendered::Json(v.clone()));
-                    for f in filters {
-                        value = apply(f, value, path)?;
-                    }
-                    match value {
-                        None => return Err(format!("`{path}` is not in the output")),
-                        Some(Rendered::Text(t)) => out.push_str(&t),
-                        Some(Rendered::Json(Value::String(s))) => out.push_str(&s),
-                        Some(Rendered::Json(Value::Number(n))) => out.push_str(&plain_number(&n)),
-                        Some(Rendered::Json(v)) => out.push_str(&v.to_string()),
-                    }
-                }
-            }
-        }
-        Ok(out)
-    }
-}
-
-fn parse_field(inner: &str) -> Result<Piece, String> {
-    let mut parts = inner.split('|');
-    let path = parts.next().unwrap_or_default().trim().to_owned();
-    if path.is_empty() {
-        return Err(format!("placeholder {{{inner}}} names no path"));
-    }
-    let filters = parts
-        .map(|f| {
-            let (name, arg) = match f.split_once(':') {
-                Some((n, a)) => (n.trim(), Some(a.trim())),
-                None => (f.trim(), None),
-            };
-            let number = |what: &str| {
-                arg.and_then(|a| a.parse::<f64>().ok())
-                    .filter(|x| x.is_finite())
-                    .ok_or_else(|| format!("filter `{name}` needs a number, e.g. `{name}:{what}`"))
-            };
-            Ok(match name {
-                "round" => Filter::Round(
-                    arg.and_then(|a| a.parse::<usize>().ok())
-                        .filter(|n| *n <= 12)
-                        .ok_or("filter `round` needs a number of decimals 0-12, e.g. `round:1`")?,
-                ),
-                "div" => {
-                    let d = number("1000")?;
-                    if d == 0.0 {
-                        return Err("filter `div:0` divides by zero".to_owned());
-                    }
-                    Filter::Div(d)
-                }
-                "mul" => Filter::Mul(number("100")?),
-                "time" => Filter::Time,
-                "hm" => Filter::HourMinute,
-                "secs_before" => Filter::SecsBefore(
-                    arg.and_then(|a| parse_time(a).ok())
-                        .ok_or("filter `secs_before` needs an RFC 3339 time, e.g. `secs_before:2026-07-23T02:02:00Z`")?,
-                ),
-                "default" => Filter::Default(arg.unwrap_or_default().to_owned()),
-                other => {
-                    return Err(format!(
-                        "unknown filter `{other}`; use round, div, mul, time, hm, secs_before or default"
-                    ));
-                }
-            })
-        })
-        .collect::<Result<Vec<_>, String>>()?;
-    Ok(Piece::Field { path, filters })
-}
-
-fn apply(filter: &Filter, value: Option<Rendered>, path: &str) -> Result<Option<Rendered>, String> {
-    let Some(value) = value else {
-        return Ok(match filter {
-            Filter::Default(text) => Some(Rendered::Text(text.clone())),
-            _ => None,
-        });
-    };
-    let as_number = || match &value {
-        Rendered::Json(v) => v
-            .as_f64()
-            .ok_or_else(|| format!("`{path}` is not a number")),
-        Rendered::Text(t) => t
-            .parse::<f64>()
-            .map_err(|_| format!("`{path}` is not a number")),
-    };
-    let as_time = || {
-        let text = match &value {
-            Rendered::Json(Value::String(s)) | Rendered::Text(s) => s.as_str(),
-            Rendered::Json(_) => return Err(format!("`{path}` is not a time")),
-        };
-        parse_time(text).map_err(|e| format!("`{path}` is not an RFC 3339 time ({e})"))
-    };
-    let number = |x: f64| Rendered::Json(crate::tools::number(x));
-    Ok(Some(match filter {
-        Filter::Round(n) => Rendered::Text(format!("{:.*}", *n, as_number()?)),
-        Filter::Div(d) => number(as_number()? / d),
-        Filter::Mul(m) => number(as_number()? * m),
-        Filter::Time => Rendered::Text(clock(as_time()?, true)),
-        Filter::HourMinute => Rendered::Text(clock(as_time()?, false)),
-        Filter::SecsBefore(until) => {
-            let t = as_time()?;
-            let secs = match until.duration_since(t) {
-                Ok(d) => d.as_secs_f64().round(),
-                Err(e) => -e.duration().as_secs_f64().round(),
-            };
-            number(secs)
-        }
-        Filter::Default(_) => value,
-    }))
-}
-
-/// A number as people write it: `42`, not `42.0`, for whole floats.
-fn plain_number(n: &serde_json::Number) -> String {
-    match n.as_f64() {
-        // Whole floats within the range where every integer is exact print as integers.
-        #[allow(clippy::cast_possible_truncation)]
-        Some(x) if n.is_f64() && x.fract() == 0.0 && x.abs() < 9.0e15 => format!("{}", x as i64),
-        _ => n.to_string(),
-    }
-}
-
-/// `HH:MM:SS` (or `HH:MM`) of a UTC time.
-fn clock(t: SystemTime, seconds: bool) -> String {
-    let secs = t.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs()) % 86_400;
-    let (h, m, s) = (secs / 3600, secs / 60 % 60, secs % 60);
-    if seconds {
-        format!("{h:02}:{m:02}:{s:02}")
-    } else {
-        format!("{h:02}:{m:02}")
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use serde_json::json;
 
     use super::*;
+    use crate::tools::parse_time;
 
-    fn output() -> Value {
+    /// A tool output with numbers, times, nested keys, a dotted key and a null.
+    pub(super) fn output() -> Value {
         json!({
             "matched": 116,
             "first_ts": "2026-07-23T02:01:18.000Z",
@@ -897,109 +314,27 @@ mod tests {
         })
     }
 
-    #[test]
-    fn paths_index_arrays_and_find_dotted_keys() {
-        let out = output();
-        assert_eq!(resolve(&out, "changes.0.rule_id"), Some(&json!("RC-4711")));
-        assert_eq!(resolve(&out, "groups.risk.rule"), Some(&json!(2)));
-        assert_eq!(resolve(&out, "changes.1.rule_id"), None);
-        assert_eq!(resolve(&out, "changes.x"), None);
-        assert_eq!(resolve(&out, "matched.deeper"), None);
-    }
-
-    fn cond(path: &str, op: Op, value: Value) -> Condition {
-        Condition {
-            path: path.into(),
-            op,
-            value,
-        }
-    }
-
-    #[test]
-    fn conditions_compare_numbers_strings_and_presence() {
-        let out = output();
-        assert!(cond("matched", Op::Gt, json!(0)).holds(&out));
-        assert!(!cond("matched", Op::Gt, json!(116)).holds(&out));
-        assert!(cond("matched", Op::Ge, json!(116)).holds(&out));
-        assert!(cond("matched", Op::Eq, json!(116.0)).holds(&out));
-        assert!(cond("matched", Op::Le, json!(116)).holds(&out));
-        assert!(!cond("matched", Op::Lt, json!(116)).holds(&out));
-        assert!(cond("groups.timeout", Op::Ne, json!(0)).holds(&out));
-        assert!(cond("first_ts", Op::Lt, json!("2026-07-23T02:02:00Z")).holds(&out));
-        assert!(cond("changes.0.rule_id", Op::Eq, json!("RC-4711")).holds(&out));
-        assert!(cond("changes.0.rule_id", Op::Exists, Value::Null).holds(&out));
-        assert!(!cond("nothing", Op::Exists, Value::Null).holds(&out));
-        assert!(cond("nothing", Op::Exists, json!(false)).holds(&out));
-        // An absent value is not greater than anything, and not equal to anything.
-        assert!(!cond("groups.declined", Op::Gt, json!(0)).holds(&out));
-        assert!(cond("groups.declined", Op::Ne, json!(0)).holds(&out));
-        // Mixed types never compare.
-        assert!(!cond("first_ts", Op::Gt, json!(1)).holds(&out));
-    }
-
-    #[test]
-    fn templates_fill_paths_and_apply_filters() {
-        let out = output();
-        let r = |t: &str| Template::parse(t).unwrap().render(&out);
-        assert_eq!(r("{groups.timeout} of {matched}").unwrap(), "9 of 116");
-        assert_eq!(
-            r("{baseline|round:0} ms → {after|div:1000|round:1} s").unwrap(),
-            "420 ms → 3.8 s"
-        );
-        assert_eq!(r("from {first_ts|time}").unwrap(), "from 02:01:18");
-        assert_eq!(r("at {first_ts|hm}").unwrap(), "at 02:01");
-        assert_eq!(
-            r("{first_ts|secs_before:2026-07-23T02:02:00Z} s before").unwrap(),
-            "42 s before"
-        );
-        assert_eq!(
-            r("{groups.declined|default:0} declined").unwrap(),
-            "0 declined"
-        );
-        assert_eq!(r("{{literal}}").unwrap(), "{literal}");
-        assert_eq!(r("{baseline|mul:2}").unwrap(), "839.96");
-        let err = r("{groups.declined}").unwrap_err();
-        assert!(err.contains("groups.declined"), "{err}");
-        let err = r("{changes.0.rule_id|round:1}").unwrap_err();
-        assert!(err.contains("not a number"), "{err}");
-    }
-
-    #[test]
-    fn template_syntax_errors_are_named() {
-        assert!(
-            Template::parse("{open")
-                .unwrap_err()
-                .contains("without closing")
-        );
-        assert!(
-            Template::parse("close}")
-                .unwrap_err()
-                .contains("without opening")
-        );
-        assert!(Template::parse("{}").unwrap_err().contains("no path"));
-        assert!(
-            Template::parse("{x|shout}")
-                .unwrap_err()
-                .contains("unknown filter")
-        );
-        assert!(
-            Template::parse("{x|round:many}")
-                .unwrap_err()
-                .contains("round")
-        );
-        assert!(
-            Template::parse("{x|secs_before:noon}")
-                .unwrap_err()
-                .contains("RFC 3339")
-        );
+    /// The provider of the example profile `id`, read from the example's profiles file.
+    fn example_provider(id: &str) -> PlaybookProvider {
+        let file: serde_yaml::Value = serde_yaml::from_str(include_str!(
+            "../../../../examples/payment-incident/profiles.yaml"
+        ))
+        .unwrap();
+        let entry = file["profiles"]
+            .as_sequence()
+            .unwrap()
+            .iter()
+            .find(|p| p["id"].as_str() == Some(id))
+            .unwrap();
+        let tools: Vec<String> = serde_yaml::from_value(entry["default_tools"].clone()).unwrap();
+        let spec: PlaybookSpec = serde_yaml::from_value(entry["playbook"].clone()).unwrap();
+        PlaybookProvider::new(id, &tools, spec).unwrap()
     }
 
     /// Plays `profile`'s playbook against the real tools over the example data; tool
     /// calls whose id is in `fail` get a failed outcome instead.
     async fn play(profile: &str, fail: &[&str]) -> (Vec<ToolCall>, FinalReport) {
-        let profiles = crate::profiles::example().unwrap();
-        let profile = profiles.iter().find(|p| p.profile.id == profile).unwrap();
-        let provider = PlaybookProvider::for_profile(profile).unwrap();
+        let provider = example_provider(profile);
         let mut request = ModelRequest {
             model: String::new(),
             system: String::new(),

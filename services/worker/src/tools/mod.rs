@@ -13,6 +13,10 @@
 //! artifact and its evidence keeps its hash. `delegate@1`'s output is the children's
 //! outcomes, which are as deterministic as the children themselves.
 //!
+//! Every tool's model-facing schema also offers [`EVIDENCE_KIND_ARG`], which names the
+//! kind of evidence a call records; the loop takes it off before the tool sees the
+//! arguments.
+//!
 //! Data layout under the directory:
 //! - `logs/<service>.jsonl`: one JSON object per line with at least `ts` (RFC 3339);
 //! - `metrics/<metric>.json`: `{metric, unit, interval, points: [{ts, value}]}`;
@@ -20,6 +24,7 @@
 
 mod changes;
 mod delegate;
+mod kind;
 mod logs;
 mod metrics;
 
@@ -36,6 +41,8 @@ use serde_json::Value;
 
 pub use changes::ListChanges;
 pub use delegate::Delegate;
+pub use kind::EVIDENCE_KIND_ARG;
+pub(crate) use kind::{split_kind, with_kind_arg};
 pub use logs::SearchLogs;
 pub use metrics::{
     BASELINE_POINTS, CHANGE_PERSISTENCE, CHANGE_THRESHOLD, QueryMetrics, change_point, median,
@@ -280,7 +287,7 @@ impl ToolRegistry {
         Self {
             specs: tools
                 .iter()
-                .map(|t| (t.name(), Arc::new(crate::agent::with_kind_arg(t.spec()))))
+                .map(|t| (t.name(), Arc::new(with_kind_arg(t.spec()))))
                 .collect(),
             tools: tools.into_iter().map(|t| (t.name(), t)).collect(),
             data_dir: data_dir.into(),
@@ -288,7 +295,7 @@ impl ToolRegistry {
     }
 
     /// The spec of the tool called `name` as models are shown it: the tool's own, with
-    /// the agent's evidence-kind argument added.
+    /// the [`EVIDENCE_KIND_ARG`] argument added.
     pub fn model_spec(&self, name: &str) -> Option<&Arc<ToolSpec>> {
         self.specs.get(name)
     }
