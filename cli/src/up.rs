@@ -311,25 +311,24 @@ pub async fn start(args: &UpArgs, data_dir: &Path, shutdown: Shutdown) -> anyhow
     // Policy: keys and dev credentials in the data directory; counters, revocations and
     // decisions in the database.
     let policy_config = convene_policy::Config {
-        data_dir: data_dir.to_owned(),
-        policy_file: args.policy_file.clone(),
-        dev_credentials: true,
+        common: convene_server::ServiceCommon {
+            data_dir: data_dir.to_owned(),
+            policy_file: args.policy_file.clone(),
+            dev_credentials: true,
+            ..convene_policy::Config::default().common
+        },
         decision_log: convene_policy::DecisionLogTarget::Database,
-        ..convene_policy::Config::default()
     };
     let policy_service = convene_policy::PolicyService::open_with_database(
         &policy_config,
-        convene_policy::system_clock(),
+        convene_policy::Clock::system(),
         database.clone(),
     )
     .context("starting the policy service")?;
     let policy: Arc<Policy> = policy_service.policy().clone();
     let policy_handle: PolicyHandle = Arc::new(policy_service.clone());
 
-    let evidence_config = convene_evidence_store::Config {
-        data_dir: data_dir.to_owned(),
-        ..convene_evidence_store::Config::default()
-    };
+    let evidence_config = convene_evidence_store::Config::in_dir(data_dir);
     let catalog: Arc<dyn convene_evidence_store::catalog::Catalog> = match &database {
         Some(db) => Arc::new(convene_evidence_store::SqlCatalog::new(db.clone())),
         None => Arc::new(convene_evidence_store::catalog::MemoryCatalog::new()),
@@ -354,7 +353,10 @@ pub async fn start(args: &UpArgs, data_dir: &Path, shutdown: Shutdown) -> anyhow
     // One supervisor per data directory: its replica id is kept there, so a restarted
     // `convene up` takes back the runs it left unfinished at once.
     let supervisor_config = convene_supervisor::Config {
-        data_dir: data_dir.to_owned(),
+        common: convene_server::ServiceCommon {
+            data_dir: data_dir.to_owned(),
+            ..convene_supervisor::Config::default().common
+        },
         replica_id: Some(
             convene_supervisor::persistent_replica_id(data_dir)
                 .context("reading the supervisor's replica id in the data directory")?,

@@ -12,8 +12,10 @@
 //! - [`ids`]: deterministic delegation identities.
 //! - [`model`]: the validated domain types the rest works on.
 //!
-//! One utility the services share is not a pure function: [`recent::RecentMap`], the
-//! bounded map of recent entries a process keeps of what it checked or wrote lately.
+//! Two utilities the services share are not pure functions: [`recent::RecentMap`], the
+//! bounded map of recent entries a process keeps of what it checked or wrote lately, and
+//! [`Clock`] ([`time`]), the one source of "now" a service reads, which tests replace
+//! with a [`ManualClock`].
 #![forbid(unsafe_code)]
 
 pub mod error;
@@ -27,3 +29,4 @@ pub mod time;
 pub mod validate;
 
 pub use error::{FieldPath, Rule, ValidationError};
+pub use time::{Clock, ManualClock};

@@ -1,6 +1,8 @@
-//! Conversions between wire timestamps/durations and `std::time`.
+//! Time: conversions between wire timestamps/durations and `std::time`, and [`Clock`],
+//! the source of "now" the services read (the wall clock, or one a test moves).
 
 use std::fmt;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use crate::{Rule, ValidationError};
@@ -48,5 +50,111 @@ pub fn to_duration(d: Duration) -> prost_types::Duration {
     prost_types::Duration {
         seconds: i64::try_from(d.as_secs()).unwrap_or(i64::MAX),
         nanos: i32::try_from(d.subsec_nanos()).unwrap_or(0),
+    }
+}
+
+/// The source of "now" a service reads: a cheap, cloneable handle on the system's wall
+/// clock, or on a time that tests control ([`ManualClock`], [`Clock::from_fn`]), so
+/// expiry and validity windows can be checked without waiting.
+#[derive(Clone, Default)]
+pub struct Clock(Source);
+
+#[derive(Clone, Default)]
+enum Source {
+    /// The system's wall clock: no allocation, no indirection.
+    #[default]
+    System,
+    /// Any other time source.
+    Custom(Arc<dyn Fn() -> SystemTime + Send + Sync>),
+}
+
+impl Clock {
+    /// The system's wall clock (also the [`Default`]).
+    pub fn system() -> Self {
+        Self(Source::System)
+    }
+
+    /// A clock that reads `now` every time it is asked.
+    pub fn from_fn(now: impl Fn() -> SystemTime + Send + Sync + 'static) -> Self {
+        Self(Source::Custom(Arc::new(now)))
+    }
+
+    /// The current time.
+    pub fn now(&self) -> SystemTime {
+        match &self.0 {
+            Source::System => SystemTime::now(),
+            Source::Custom(now) => now(),
+        }
+    }
+}
+
+impl fmt::Debug for Clock {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.0 {
+            Source::System => f.write_str("Clock::System"),
+            Source::Custom(_) => f.write_str("Clock::Custom"),
+        }
+    }
+}
+
+/// A clock that stands still until moved. Clones share one time, so a test keeps a clone
+/// and moves the service's clock from outside; [`Clock::from`] turns it into the handle a
+/// service takes.
+#[derive(Clone, Debug)]
+pub struct ManualClock {
+    now: Arc<Mutex<SystemTime>>,
+}
+
+impl ManualClock {
+    /// A clock showing `start`.
+    pub fn new(start: SystemTime) -> Self {
+        Self {
+            now: Arc::new(Mutex::new(start)),
+        }
+    }
+
+    /// The time it shows.
+    pub fn now(&self) -> SystemTime {
+        *self.now.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Moves the clock forward by `by`.
+    pub fn advance(&self, by: Duration) {
+        *self.now.lock().unwrap_or_else(PoisonError::into_inner) += by;
+    }
+
+    /// Sets the clock to `to`.
+    pub fn set(&self, to: SystemTime) {
+        *self.now.lock().unwrap_or_else(PoisonError::into_inner) = to;
+    }
+}
+
+impl From<ManualClock> for Clock {
+    fn from(manual: ManualClock) -> Self {
+        Clock::from_fn(move || manual.now())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_system_clock_follows_the_wall_clock() {
+        let before = SystemTime::now();
+        let now = Clock::default().now();
+        assert!(now >= before && now <= SystemTime::now());
+    }
+
+    #[test]
+    fn a_manual_clock_moves_only_when_told_and_clones_share_it() {
+        let start = UNIX_EPOCH + Duration::from_secs(1_000);
+        let manual = ManualClock::new(start);
+        let clock = Clock::from(manual.clone());
+        assert_eq!(clock.now(), start);
+        manual.advance(Duration::from_secs(5));
+        assert_eq!(clock.clone().now(), start + Duration::from_secs(5));
+        manual.set(start);
+        assert_eq!(clock.now(), start);
     }
 }

@@ -12,9 +12,13 @@
 //!   (`AuthorizeBatch`, `PutArtifactBatch`), for processes that reach the policy
 //!   service and the evidence store over the network.
 //! - [`policy_file`]: the policy file schema shared by the services that read it.
+//! - `test_util` (feature `test-util`): a wrapper that records the calls and batches a
+//!   real policy service or evidence store receives, for the batching handles' tests.
 #![forbid(unsafe_code)]
 
 pub mod auth;
 pub mod batch;
 pub mod handles;
 pub mod policy_file;
+#[cfg(feature = "test-util")]
+pub mod test_util;

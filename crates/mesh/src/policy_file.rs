@@ -7,7 +7,7 @@
 //! is checked when the file is loaded, so a typo fails at start, not at the first call.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use convene_core::permissions::{Pattern, Permission, PermissionSet, RiskLevel, TimeWindow};
@@ -399,6 +399,72 @@ impl Policy {
                 .insert(credential_hash(&secret), id.clone());
         }
         Ok(missing)
+    }
+}
+
+/// The policy of the payment-incident example, built into every binary so a service
+/// runs from any directory without a policy file.
+pub const EXAMPLE_POLICY: &str = include_str!("../../../examples/payment-incident/policy.yaml");
+
+/// How the embedded example policy is named in errors and logs.
+pub const EXAMPLE_POLICY_NAME: &str = "<embedded payment-incident example policy>";
+
+/// Where a service's policy comes from: a file, or the embedded example; and where the
+/// principals without a listed credential get a development credential, if anywhere.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PolicySource {
+    /// The policy file (YAML or TOML, by extension). `None`: [`EXAMPLE_POLICY`].
+    pub file: Option<PathBuf>,
+    /// Directory of development credentials (`<dir>/<principal>.secret`), created when
+    /// needed. `None`: every principal needs a credential hash listed in the file.
+    pub dev_credentials: Option<PathBuf>,
+}
+
+impl PolicySource {
+    /// The policy in `file` (`None`: the embedded example), with development credentials
+    /// in `dev_credentials` when given.
+    pub fn new(file: Option<PathBuf>, dev_credentials: Option<PathBuf>) -> Self {
+        Self {
+            file,
+            dev_credentials,
+        }
+    }
+
+    /// How the policy is named in logs: the file's path, or [`EXAMPLE_POLICY_NAME`].
+    pub fn name(&self) -> String {
+        self.file.as_deref().map_or_else(
+            || EXAMPLE_POLICY_NAME.to_owned(),
+            |p| p.display().to_string(),
+        )
+    }
+
+    /// Loads and compiles the policy, then gives the principals without a listed
+    /// credential a development credential when [`dev_credentials`](Self::dev_credentials)
+    /// names a directory, and says so in the log. Returns the policy and the principals
+    /// that received one.
+    ///
+    /// # Errors
+    ///
+    /// The file cannot be read, does not parse or is invalid (each error names the file,
+    /// and the field when there is one), or the credentials directory cannot be written.
+    pub fn load(&self) -> Result<(Policy, Vec<String>), Error> {
+        let mut policy = match &self.file {
+            Some(path) => Policy::load(path)?,
+            None => PolicyFile::parse(EXAMPLE_POLICY, Some("yaml"), EXAMPLE_POLICY_NAME)?
+                .compile(EXAMPLE_POLICY_NAME)?,
+        };
+        let created = match &self.dev_credentials {
+            Some(dir) => policy.with_dev_credentials(dir)?,
+            None => Vec::new(),
+        };
+        if let (Some(dir), false) = (&self.dev_credentials, created.is_empty()) {
+            tracing::info!(
+                dir = %dir.display(),
+                principals = ?created,
+                "development credentials in use, one <principal>.secret file each"
+            );
+        }
+        Ok((policy, created))
     }
 }
 
@@ -822,5 +888,32 @@ rules:
             .compile("p.yaml")
             .unwrap_err();
         assert!(err.to_string().contains("profiles[0].tools[0]"), "{err}");
+    }
+
+    #[test]
+    fn a_policy_source_loads_the_example_or_names_the_missing_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let example = PolicySource::new(None, Some(dir.path().join("credentials")));
+        assert_eq!(example.name(), EXAMPLE_POLICY_NAME);
+        let (policy, created) = example.load().expect("the embedded example compiles");
+        assert!(created.contains(&"oncall@acme".to_owned()), "{created:?}");
+        let secret = dev_credential(&dir.path().join("credentials"), "oncall@acme").unwrap();
+        assert_eq!(
+            policy
+                .principal_by_credential(&secret)
+                .map(|p| p.id.as_str()),
+            Some("oncall@acme")
+        );
+
+        let (_, created) = PolicySource::default().load().unwrap();
+        assert!(
+            created.is_empty(),
+            "no directory, no development credentials"
+        );
+
+        let missing = PolicySource::new(Some(dir.path().join("absent.yaml")), None);
+        assert!(missing.name().ends_with("absent.yaml"));
+        let err = missing.load().unwrap_err().to_string();
+        assert!(err.contains("absent.yaml"), "{err}");
     }
 }

@@ -1,8 +1,11 @@
 //! Layered configuration: defaults → config file → `CONVENE_*` environment → flags.
 //!
 //! Any `T: Serialize + DeserializeOwned + Default` whose structs carry
-//! `#[serde(deny_unknown_fields)]` can be loaded with a [`ConfigLoader`]. Each layer
-//! overrides the ones before it, key by key:
+//! `#[serde(deny_unknown_fields)]` can be loaded with a [`ConfigLoader`]; a struct may
+//! also flatten a shared section (`#[serde(flatten)]`, e.g. [`ServiceCommon`]) and keep
+//! `deny_unknown_fields` on itself: serde then still refuses unknown keys (those the
+//! outer struct and the flattened one both ignore), and the loader names their source
+//! (see [`ConfigLoader::section`]). Each layer overrides the ones before it, key by key:
 //!
 //! 1. `T::default()`;
 //! 2. a config file, TOML (`.toml`) or YAML (`.yaml`, `.yml`), chosen by extension;
@@ -142,7 +145,12 @@ pub struct ConfigLoader {
     file: Option<PathBuf>,
     env: BTreeMap<String, String>,
     overrides: Vec<(String, Value)>,
+    sections: Vec<SectionCheck>,
 }
+
+/// Extracts a flattened section on its own, for its errors' sake (see
+/// [`ConfigLoader::section`]).
+type SectionCheck = fn(&Figment) -> figment::Result<()>;
 
 impl ConfigLoader {
     /// A loader with no file, no environment and no overrides: it yields `T::default()`.
@@ -194,6 +202,21 @@ impl ConfigLoader {
         self
     }
 
+    /// Checks the keys of `S`, a section that the loaded type flattens
+    /// (`#[serde(flatten)]`), on their own before the whole is loaded.
+    ///
+    /// serde deserializes a flattened section from a buffered copy of the values, which
+    /// has lost where each came from: a bad value of one of its keys (or an unknown key
+    /// of one of its nested tables) would be reported without the key's name and source.
+    /// Extracted on its own first, `S` is read straight from the layers, so its errors
+    /// name the key and the file, variable or flag as everywhere else. `S` must not deny
+    /// unknown fields itself: the other keys are the outer struct's.
+    pub fn section<S: DeserializeOwned>(mut self) -> Self {
+        self.sections
+            .push(|figment| figment.extract::<S>().map(drop));
+        self
+    }
+
     /// Merges the layers and deserializes `T`.
     ///
     /// # Errors
@@ -230,8 +253,38 @@ impl ConfigLoader {
         figment = figment.merge(OverrideLayer {
             overrides: &self.overrides,
         });
-        Ok(figment.extract()?)
+        for check in &self.sections {
+            check(&figment)?;
+        }
+        figment
+            .extract()
+            .map_err(|error| name_unknown_keys(&figment, error))
     }
+}
+
+/// Gives the unknown top-level keys that serde reports without a place their key and
+/// source. A struct that flattens a section refuses the keys nobody took only once it
+/// has read them all, outside figment's walk of the values, so the error carries
+/// neither; figment knows where each key came from.
+fn name_unknown_keys(figment: &Figment, errors: figment::Error) -> Error {
+    let problems = errors
+        .into_iter()
+        .map(|mut error| {
+            if error.path.is_empty()
+                && let figment::error::Kind::Message(message) = &error.kind
+                && let Some(key) = message
+                    .strip_prefix("unknown field `")
+                    .and_then(|rest| rest.strip_suffix('`'))
+                && let Some(metadata) = figment.find_metadata(key)
+            {
+                error.path = vec![key.to_owned()];
+                error.metadata = Some(metadata.clone());
+                error.profile = Some(Profile::Default);
+            }
+            error.to_string()
+        })
+        .collect();
+    Error::Invalid { problems }
 }
 
 /// Writes `value` in `format`, for `--dump-config`. The output loads back as a config
@@ -472,5 +525,55 @@ mod tests {
         let value = Value::from(dict);
         assert_eq!(value.find_ref("a.b.c").and_then(Value::to_i128), Some(1));
         assert_eq!(value.find_ref("a.d.e").and_then(Value::to_bool), Some(true));
+    }
+
+    /// A service config flattening the shared section, as the services declare theirs.
+    #[derive(Debug, Default, PartialEq, Serialize, serde::Deserialize)]
+    #[serde(deny_unknown_fields, default)]
+    struct Flattened {
+        #[serde(flatten)]
+        common: crate::ServiceCommon,
+        limit: usize,
+    }
+
+    fn load_flattened(env: &[(&str, &str)]) -> Result<Flattened, Error> {
+        ConfigLoader::new()
+            .section::<crate::ServiceCommon>()
+            .env(env.iter().copied())
+            .load()
+    }
+
+    #[test]
+    fn a_flattened_section_keeps_its_keys_at_the_top_and_unknown_keys_refused() {
+        let config = load_flattened(&[
+            ("CONVENE_DATA_DIR", "/srv/convene"),
+            ("CONVENE_DEV_CREDENTIALS", "false"),
+            ("CONVENE_LIMIT", "3"),
+        ])
+        .unwrap();
+        assert_eq!(config.common.data_dir, PathBuf::from("/srv/convene"));
+        assert!(!config.common.dev_credentials);
+        assert_eq!(config.limit, 3);
+        let dumped = dump(&config, Format::Toml).unwrap();
+        assert!(dumped.contains("data_dir = \"/srv/convene\""), "{dumped}");
+        assert!(
+            dumped.contains("limit = 3") && dumped.contains("[server]"),
+            "{dumped}"
+        );
+
+        // Unknown keys, at the top and in a nested table of the shared section, are
+        // refused with the key and the variable that set it.
+        for (var, key) in [
+            ("CONVENE_LIMTI", "limti"),
+            ("CONVENE_SERVER__LISTN", "listn"),
+        ] {
+            let err = load_flattened(&[(var, "1")]).unwrap_err().to_string();
+            assert!(err.contains(key) && err.contains(var), "{err}");
+        }
+        // A bad value of a shared key names the key too.
+        let err = load_flattened(&[("CONVENE_DEV_CREDENTIALS", "maybe")])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("CONVENE_DEV_CREDENTIALS"), "{err}");
     }
 }

@@ -7,67 +7,63 @@
 //! `CONVENE_*` environment variables (`CONVENE_DATA_DIR`, `CONVENE_DEFAULT_TTL`, ...) and
 //! by flags, through [`convene_server::ConfigLoader`].
 
-use std::{path::PathBuf, sync::Arc, time::Duration};
+use std::{
+    ops::{Deref, DerefMut},
+    time::Duration,
+};
 
-use convene_mesh::policy_file::{self, Policy, PolicyFile};
-use convene_server::ServerSettings;
+use convene_mesh::policy_file::{self, PolicySource};
+use convene_server::{ServerSettings, ServiceCommon};
 use serde::{Deserialize, Serialize};
 
 /// The approval service's well-known port.
 pub const DEFAULT_PORT: u16 = 7403;
 
-/// The policy of the payment-incident example, embedded so the binary runs from any
-/// directory without a policy file.
-pub const EXAMPLE_POLICY: &str = include_str!("../../../examples/payment-incident/policy.yaml");
-
-/// How the embedded example policy is named in errors and logs.
-pub const EXAMPLE_POLICY_NAME: &str = "<embedded payment-incident example policy>";
-
 /// Default data directory, relative to the working directory.
-pub const DEFAULT_DATA_DIR: &str = "./.convene";
+pub const DEFAULT_DATA_DIR: &str = convene_server::DEFAULT_DATA_DIR;
 
 /// Default time an approval request may wait for its approvers.
 pub const DEFAULT_TTL: Duration = Duration::from_secs(60 * 60);
 
-/// Everything the approval service is configured with.
+/// Everything the approval service is configured with. The shared keys (`server`,
+/// `data_dir`, `policy_file`, `dev_credentials`, `database_url`) are in
+/// [`common`](Self::common), which the config also derefs to: its `policy_file` holds
+/// the principals who may request, decide and execute and the action catalog with risk
+/// levels; its `database_url` says where approval requests are stored.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Config {
-    /// How the gRPC server listens and protects itself.
-    pub server: ServerSettings,
-    /// Policy file (YAML or TOML) with the principals who may request, decide and execute,
-    /// and the action catalog with risk levels. Unset: the embedded example policy.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub policy_file: Option<PathBuf>,
-    /// Directory for the service's data; development credentials go to
-    /// `<data_dir>/credentials`.
-    pub data_dir: PathBuf,
-    /// Whether principals without a listed credential hash get a development credential
-    /// in `<data_dir>/credentials/<principal>.secret`. Turn it off in production, where
-    /// the policy file lists every credential's hash.
-    pub dev_credentials: bool,
+    /// The keys every service that reads the policy file shares.
+    #[serde(flatten)]
+    pub common: ServiceCommon,
     /// Time to live of a request whose `expires_in` is 0.
     #[serde(with = "convene_server::config::duration")]
     pub default_ttl: Duration,
     /// What executes approved actions.
     pub executor: ExecutorKind,
-    /// Where approval requests are stored: `sqlite://<path>` or `postgres://...`; unset:
-    /// the SQLite file `<data_dir>/convene.db`; `memory`: in memory, lost at exit.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub database_url: Option<String>,
 }
 
 impl Default for Config {
     fn default() -> Self {
         Self {
-            server: ServerSettings::on_port(DEFAULT_PORT),
-            policy_file: None,
-            data_dir: PathBuf::from(DEFAULT_DATA_DIR),
-            dev_credentials: true,
+            common: ServiceCommon::new(ServerSettings::on_port(DEFAULT_PORT)),
             default_ttl: DEFAULT_TTL,
             executor: ExecutorKind::RecordOnly,
-            database_url: None,
         }
+    }
+}
+
+impl Deref for Config {
+    type Target = ServiceCommon;
+
+    fn deref(&self) -> &ServiceCommon {
+        &self.common
+    }
+}
+
+impl DerefMut for Config {
+    fn deref_mut(&mut self) -> &mut ServiceCommon {
+        &mut self.common
     }
 }
 
@@ -105,9 +101,10 @@ pub enum ConfigError {
 }
 
 impl Config {
-    /// Where development credentials are kept: `<data_dir>/credentials`.
-    pub fn credentials_dir(&self) -> PathBuf {
-        self.data_dir.join("credentials")
+    /// Where the policy comes from: `policy_file` (unset: the embedded example), with
+    /// development credentials in `<data_dir>/credentials` when `dev_credentials` is on.
+    pub fn policy_source(&self) -> PolicySource {
+        PolicySource::new(self.policy_file.clone(), self.dev_credentials_dir())
     }
 
     /// Checks the values that would make the service useless.
@@ -121,38 +118,12 @@ impl Config {
         }
         Ok(())
     }
-
-    /// Loads the configured policy (the embedded example when `policy_file` is unset)
-    /// and, when `dev_credentials` is on, gives principals without a listed credential a
-    /// development credential under [`credentials_dir`](Self::credentials_dir).
-    ///
-    /// # Errors
-    ///
-    /// The policy file cannot be read, does not parse or is invalid, or the credentials
-    /// directory cannot be written.
-    pub fn load_policy(&self) -> Result<Arc<Policy>, ConfigError> {
-        let mut policy = match &self.policy_file {
-            Some(path) => Policy::load(path)?,
-            None => PolicyFile::parse(EXAMPLE_POLICY, Some("yaml"), EXAMPLE_POLICY_NAME)?
-                .compile(EXAMPLE_POLICY_NAME)?,
-        };
-        if self.dev_credentials {
-            let dir = self.credentials_dir();
-            let created = policy.with_dev_credentials(&dir)?;
-            if !created.is_empty() {
-                tracing::info!(
-                    dir = %dir.display(),
-                    principals = ?created,
-                    "development credentials in use, one <principal>.secret file each"
-                );
-            }
-        }
-        Ok(Arc::new(policy))
-    }
 }
 
 #[cfg(test)]
 mod tests {
+    use std::path::PathBuf;
+
     use convene_server::ConfigLoader;
 
     use super::*;
@@ -213,10 +184,16 @@ mod tests {
     fn embedded_policy_loads_with_dev_credentials() {
         let dir = tempfile::tempdir().unwrap();
         let config = Config {
-            data_dir: dir.path().to_owned(),
+            common: ServiceCommon {
+                data_dir: dir.path().to_owned(),
+                ..Config::default().common
+            },
             ..Config::default()
         };
-        let policy = config.load_policy().expect("the example policy loads");
+        let (policy, _) = config
+            .policy_source()
+            .load()
+            .expect("the example policy loads");
         assert!(policy.principals.contains_key("alice@acme"));
         let secret = policy_file::dev_credential(&config.credentials_dir(), "alice@acme").unwrap();
         assert_eq!(

@@ -28,7 +28,6 @@
 #![forbid(unsafe_code)]
 
 pub mod canonical;
-pub mod clock;
 pub mod config;
 pub mod error;
 pub mod executor;
@@ -42,8 +41,8 @@ use std::sync::Arc;
 use convene_proto::v1::approval_server::ApprovalServer;
 use convene_server::{GrpcServer, Shutdown};
 
-pub use clock::{Clock, ManualClock, SystemClock};
 pub use config::{Config, ExecutorKind};
+pub use convene_core::time::{Clock, ManualClock};
 pub use error::{ApprovalError, Error};
 pub use executor::{ExecutionOutcome, Executor, ExecutorError, RecordOnlyExecutor};
 pub use service::{
@@ -74,7 +73,7 @@ pub async fn run(config: Config, shutdown: Shutdown) -> Result<(), Error> {
         default_ttl = %humantime::format_duration(config.default_ttl),
         "approval service starting"
     );
-    add_to_server(GrpcServer::new(config.server), service)
+    add_to_server(GrpcServer::new(config.common.server), service)
         .serve(listener, shutdown)
         .await?;
     Ok(())

@@ -2,10 +2,9 @@
 
 use std::{path::PathBuf, process::ExitCode, time::Duration};
 
-use anyhow::Context as _;
 use clap::Parser;
 use convene_approval::Config;
-use convene_server::{Shutdown, cli::ServiceArgs};
+use convene_server::{ConfigLoader, ServiceCommon, cli::ServiceArgs, serve_binary};
 
 /// Allocation-heavy request handling on many threads: mimalloc costs far less CPU per
 /// allocation than the system allocator here.
@@ -44,8 +43,10 @@ struct Cli {
 }
 
 impl Cli {
-    fn load(&self) -> anyhow::Result<Config> {
-        let mut loader = self.common.config_loader().env(std::env::vars());
+    /// The config loader with the file and every flag applied; the environment is added
+    /// by [`serve_binary`].
+    fn loader(&self) -> ConfigLoader {
+        let mut loader = self.common.config_loader().section::<ServiceCommon>();
         if let Some(path) = &self.policy_file {
             loader = loader.set("policy_file", path.display().to_string());
         }
@@ -55,45 +56,26 @@ impl Cli {
         if let Some(ttl) = self.default_ttl {
             loader = loader.set("default_ttl", humantime::format_duration(ttl).to_string());
         }
-        Ok(loader.load()?)
+        loader
     }
 }
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    match main_inner().await {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(error) => {
-            // Standard error, not the log: the failure may come before logging is set up.
-            eprintln!("convene-approval: {error:#}");
-            ExitCode::FAILURE
-        }
-    }
-}
-
-async fn main_inner() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    let config = cli.load()?;
-    if let Some(format) = cli.common.dump_config {
-        print!("{}", convene_server::dump(&config, format)?);
-        return Ok(());
-    }
-    let telemetry = convene_telemetry::init("convene-approval", &cli.common.telemetry());
-    if cli.common.config.is_none() {
-        tracing::info!(
-            "no --config given: using the development settings of the payment-incident \
-             example (data dir {}, development credentials in {}, policy {})",
-            config.data_dir.display(),
-            config.credentials_dir().display(),
-            config.policy_file.as_ref().map_or_else(
-                || "built into the binary".to_owned(),
-                |p| p.display().to_string()
-            ),
-        );
-    }
-    let shutdown = Shutdown::from_signals().context("cannot install the signal handlers")?;
-    let served = convene_approval::run(config, shutdown).await;
-    telemetry.shutdown().await;
-    served?;
-    Ok(())
+    serve_binary(
+        "convene-approval",
+        &cli.common,
+        cli.loader(),
+        |config: &Config| {
+            format!(
+                "data dir {}, development credentials in {}, policy {}",
+                config.data_dir.display(),
+                config.credentials_dir().display(),
+                config.policy_source().name(),
+            )
+        },
+        convene_approval::run,
+    )
+    .await
 }

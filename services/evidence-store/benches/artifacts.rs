@@ -77,10 +77,12 @@ async fn subject(backend: &str) -> Subject {
     let policy_file = dir.path().join("policy.yaml");
     std::fs::write(&policy_file, policy_yaml()).expect("the policy file is written");
     let policy_config = convene_policy::Config {
-        policy_file: Some(policy_file),
-        dev_credentials: false,
+        common: convene_server::ServiceCommon {
+            policy_file: Some(policy_file),
+            dev_credentials: false,
+            ..convene_policy::Config::in_dir(dir.path()).common
+        },
         decision_log: convene_policy::DecisionLogTarget::Memory,
-        ..convene_policy::Config::in_dir(dir.path())
     };
     let policy = PolicyService::open(&policy_config).expect("the policy service opens");
     let config = Config::in_dir(dir.path());

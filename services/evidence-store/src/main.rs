@@ -1,11 +1,11 @@
 //! `convene-evidence-store`: the evidence store as a standalone process.
 
 use std::path::PathBuf;
+use std::process::ExitCode;
 
-use anyhow::Context as _;
 use clap::Parser;
 use convene_evidence_store::Config;
-use convene_server::{Shutdown, cli::ServiceArgs};
+use convene_server::{ConfigLoader, ServiceCommon, cli::ServiceArgs, serve_binary};
 
 /// Allocation-heavy request handling on many threads: mimalloc costs far less CPU per
 /// allocation than the system allocator here.
@@ -47,42 +47,44 @@ struct Cli {
     max_artifact_bytes: Option<usize>,
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
-    let cli = Cli::parse();
-    let mut loader = cli.common.config_loader();
-    if let Some(path) = &cli.policy_file {
-        loader = loader.set("policy_file", path.display().to_string());
+impl Cli {
+    /// The config loader with the file and every flag applied; the environment is added
+    /// by [`serve_binary`].
+    fn loader(&self) -> ConfigLoader {
+        let mut loader = self.common.config_loader().section::<ServiceCommon>();
+        if let Some(path) = &self.policy_file {
+            loader = loader.set("policy_file", path.display().to_string());
+        }
+        if let Some(dir) = &self.data_dir {
+            loader = loader.set("data_dir", dir.display().to_string());
+        }
+        if let Some(endpoint) = &self.policy_endpoint {
+            loader = loader.set("policy_endpoint", endpoint);
+        }
+        if let Some(bytes) = self.max_artifact_bytes {
+            loader = loader.set("max_artifact_bytes", bytes);
+        }
+        loader
     }
-    if let Some(dir) = &cli.data_dir {
-        loader = loader.set("data_dir", dir.display().to_string());
-    }
-    if let Some(endpoint) = &cli.policy_endpoint {
-        loader = loader.set("policy_endpoint", endpoint);
-    }
-    if let Some(bytes) = cli.max_artifact_bytes {
-        loader = loader.set("max_artifact_bytes", bytes);
-    }
-    let config: Config = loader.env(std::env::vars()).load()?;
-    if let Some(format) = cli.common.dump_config {
-        print!("{}", convene_server::dump(&config, format)?);
-        return Ok(());
-    }
+}
 
-    let telemetry = convene_telemetry::init("convene-evidence-store", &cli.common.telemetry());
-    if cli.common.config.is_none() {
-        tracing::info!(
-            "no --config given: using the development settings of the payment-incident \
-             example (data dir {}, policy service {}, principals from {}, listening on {})",
-            config.data_dir.display(),
-            config.policy_endpoint,
-            config.policy_source(),
-            config.server.listen
-        );
-    }
-    let shutdown = Shutdown::from_signals().context("cannot install signal handlers")?;
-    let served = convene_evidence_store::run(config, shutdown).await;
-    telemetry.shutdown().await;
-    served?;
-    Ok(())
+#[tokio::main]
+async fn main() -> ExitCode {
+    let cli = Cli::parse();
+    serve_binary(
+        "convene-evidence-store",
+        &cli.common,
+        cli.loader(),
+        |config: &Config| {
+            format!(
+                "data dir {}, policy service {}, principals from {}, listening on {}",
+                config.data_dir.display(),
+                config.policy_endpoint,
+                config.policy_source().name(),
+                config.server.listen
+            )
+        },
+        convene_evidence_store::run,
+    )
+    .await
 }

@@ -87,7 +87,7 @@ impl EvidenceStoreService {
 
     /// The store as `config` says, with an in-memory catalog, reaching the policy
     /// service through `policy` (a gRPC handle, or the service itself in one process),
-    /// its principals loaded from `config` ([`Config::load_policy`]: `policy_file`, or
+    /// its principals loaded from `config` ([`Config::policy_source`]: `policy_file`, or
     /// the embedded example, with development credentials when `dev_credentials` is on).
     ///
     /// # Errors
@@ -96,7 +96,7 @@ impl EvidenceStoreService {
     /// [`Error::Storage`] when the artifact directory cannot be prepared,
     /// [`Error::Config`] for a zero `max_artifact_bytes`.
     pub fn open(config: &Config, policy: PolicyHandle) -> Result<Self, Error> {
-        let principals = config.load_policy()?;
+        let principals = Arc::new(config.policy_source().load()?.0);
         Self::open_with_policy(config, policy, principals)
     }
 

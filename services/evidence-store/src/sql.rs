@@ -353,7 +353,7 @@ impl EvidenceStoreService {
     /// As [`open`](Self::open), and [`Error::Database`] when the database cannot be
     /// opened.
     pub async fn connect(config: &Config, policy: PolicyHandle) -> Result<Self, Error> {
-        let principals = config.load_policy()?;
+        let principals = Arc::new(config.policy_source().load()?.0);
         let catalog: Arc<dyn Catalog> = match convene_store::open(
             config.database_url.as_deref(),
             &config.data_dir,

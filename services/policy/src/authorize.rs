@@ -126,7 +126,7 @@ impl Inner {
         request: &v1::AuthorizeRequest,
     ) -> Result<v1::AuthorizeResponse, Error> {
         let data = data_constraints(request.data_scope.as_ref())?;
-        let now = (self.clock)();
+        let now = self.clock.now();
         let tool = self.policy.tools.get(&request.tool);
         let outcome = match self.decide(request, tool, &data, now).await? {
             // A revocation takes precedence over every other reason a verified token is

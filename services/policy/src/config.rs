@@ -6,26 +6,18 @@
 //! decision log. Every field can be overridden by a config file, `CONVENE_*`
 //! environment variables or flags (see `convene_server::config`).
 
+use std::ops::{Deref, DerefMut};
 use std::path::PathBuf;
 
-use convene_mesh::policy_file::{Policy, PolicyFile};
-use convene_server::ServerSettings;
+use convene_mesh::policy_file::PolicySource;
+use convene_server::{ServerSettings, ServiceCommon};
 use serde::{Deserialize, Serialize};
-
-use crate::Error;
 
 /// The port the policy service listens on by default.
 pub const DEFAULT_PORT: u16 = 7401;
 
 /// The default data directory.
-pub const DEFAULT_DATA_DIR: &str = "./.convene";
-
-/// The policy file of the payment-incident example, embedded so the binary works from
-/// any directory.
-pub const EXAMPLE_POLICY: &str = include_str!("../../../examples/payment-incident/policy.yaml");
-
-/// How the embedded example is named in errors and logs.
-pub const EXAMPLE_POLICY_NAME: &str = "<embedded payment-incident example policy>";
+pub const DEFAULT_DATA_DIR: &str = convene_server::DEFAULT_DATA_DIR;
 
 /// Where decisions are logged.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -43,41 +35,42 @@ pub enum DecisionLogTarget {
     Database,
 }
 
-/// Configuration of the policy service.
+/// Configuration of the policy service. The shared keys are in
+/// [`common`](Self::common), which the config also derefs to: the server (listening on
+/// `127.0.0.1:7401` by default); the data directory (signing keys in `policy/keys`, the
+/// decision log in `policy/decisions.jsonl`, development credentials in `credentials`);
+/// the policy file; and `database_url`, where call counters, revocations and
+/// issued-token owners are kept (and decisions, with `decision_log = "database"`).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Config {
-    /// The gRPC server (listens on `127.0.0.1:7401` by default).
-    pub server: ServerSettings,
-    /// Data directory: signing keys in `policy/keys`, the decision log in
-    /// `policy/decisions.jsonl`, development credentials in `credentials`.
-    pub data_dir: PathBuf,
-    /// Policy file (YAML or TOML). Unset: the embedded payment-incident example.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub policy_file: Option<PathBuf>,
-    /// Give principals without a listed credential hash a development credential,
-    /// written to `<data_dir>/credentials/<principal>.secret`. Turn it off in production,
-    /// where the policy file lists every credential's sha256.
-    pub dev_credentials: bool,
+    /// The keys every service that reads the policy file shares.
+    #[serde(flatten)]
+    pub common: ServiceCommon,
     /// Where decisions are logged.
     pub decision_log: DecisionLogTarget,
-    /// Where call counters, revocations and issued-token owners are kept (and decisions,
-    /// with `decision_log = "database"`): `sqlite://<path>` or `postgres://...`; unset:
-    /// the SQLite file `<data_dir>/convene.db`; `memory`: in memory, lost at exit.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub database_url: Option<String>,
 }
 
 impl Default for Config {
     fn default() -> Self {
         Self {
-            server: ServerSettings::on_port(DEFAULT_PORT),
-            data_dir: PathBuf::from(DEFAULT_DATA_DIR),
-            policy_file: None,
-            dev_credentials: true,
+            common: ServiceCommon::new(ServerSettings::on_port(DEFAULT_PORT)),
             decision_log: DecisionLogTarget::File,
-            database_url: None,
         }
+    }
+}
+
+impl Deref for Config {
+    type Target = ServiceCommon;
+
+    fn deref(&self) -> &ServiceCommon {
+        &self.common
+    }
+}
+
+impl DerefMut for Config {
+    fn deref_mut(&mut self) -> &mut ServiceCommon {
+        &mut self.common
     }
 }
 
@@ -86,7 +79,10 @@ impl Config {
     /// `convene up` with a custom data directory).
     pub fn in_dir(data_dir: impl Into<PathBuf>) -> Self {
         Self {
-            data_dir: data_dir.into(),
+            common: ServiceCommon {
+                data_dir: data_dir.into(),
+                ..Self::default().common
+            },
             ..Self::default()
         }
     }
@@ -96,44 +92,15 @@ impl Config {
         self.data_dir.join("policy").join("keys")
     }
 
-    /// Directory of the development credentials.
-    pub fn credentials_dir(&self) -> PathBuf {
-        self.data_dir.join("credentials")
-    }
-
     /// Path of the decision log when it is file-backed.
     pub fn decision_log_path(&self) -> PathBuf {
         self.data_dir.join("policy").join("decisions.jsonl")
     }
 
-    /// How the policy file is named in logs: its path, or the embedded example.
-    pub fn policy_source(&self) -> String {
-        self.policy_file.as_deref().map_or_else(
-            || EXAMPLE_POLICY_NAME.to_owned(),
-            |p| p.display().to_string(),
-        )
-    }
-
-    /// Loads and compiles the policy file (or the embedded example), then, when
-    /// `dev_credentials` is on, gives principals without a listed credential a
-    /// development credential. Returns the policy and the principals that received one.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::PolicyFile`] naming the file and the offending field, or the credentials
-    /// directory that cannot be written.
-    pub fn load_policy(&self) -> Result<(Policy, Vec<String>), Error> {
-        let mut policy = match &self.policy_file {
-            Some(path) => Policy::load(path)?,
-            None => PolicyFile::parse(EXAMPLE_POLICY, Some("yaml"), EXAMPLE_POLICY_NAME)?
-                .compile(EXAMPLE_POLICY_NAME)?,
-        };
-        let created = if self.dev_credentials {
-            policy.with_dev_credentials(&self.credentials_dir())?
-        } else {
-            Vec::new()
-        };
-        Ok((policy, created))
+    /// Where the policy comes from: `policy_file` (unset: the embedded example), with
+    /// development credentials in `<data_dir>/credentials` when `dev_credentials` is on.
+    pub fn policy_source(&self) -> PolicySource {
+        PolicySource::new(self.policy_file.clone(), self.dev_credentials_dir())
     }
 }
 
@@ -151,16 +118,19 @@ mod tests {
             config.decision_log_path(),
             PathBuf::from("./.convene/policy/decisions.jsonl")
         );
-        assert!(config.policy_source().contains("embedded"));
+        assert!(config.policy_source().name().contains("embedded"));
     }
 
     #[test]
     fn embedded_example_compiles_without_touching_the_disk() {
         let config = Config {
-            dev_credentials: false,
+            common: ServiceCommon {
+                dev_credentials: false,
+                ..Config::default().common
+            },
             ..Config::default()
         };
-        let (policy, created) = config.load_policy().unwrap();
+        let (policy, created) = config.policy_source().load().unwrap();
         assert!(created.is_empty());
         assert!(policy.principals["supervisor"].has_role("tokens:issue"));
         assert!(policy.profiles.contains_key("logs-investigator"));

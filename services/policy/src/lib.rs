@@ -30,7 +30,6 @@
 #![forbid(unsafe_code)]
 
 mod authorize;
-pub mod clock;
 pub mod config;
 pub mod decision_log;
 mod error;
@@ -43,8 +42,8 @@ pub mod state;
 use convene_server::{GrpcServer, Shutdown};
 use convene_tokens::KeyRing;
 
-pub use clock::{Clock, system_clock};
 pub use config::{Config, DEFAULT_PORT, DecisionLogTarget};
+pub use convene_core::time::Clock;
 pub use error::Error;
 pub use service::{ISSUE_ROLE, PolicyService, PolicyServiceBuilder};
 

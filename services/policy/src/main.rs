@@ -1,11 +1,12 @@
 //! `convene-policy`: the policy service as a standalone process.
 
 use std::path::PathBuf;
+use std::process::ExitCode;
 
-use anyhow::Context as _;
 use clap::Parser;
 use convene_policy::Config;
-use convene_server::{Shutdown, cli::ServiceArgs};
+use convene_server::binary::BoxError;
+use convene_server::{ConfigLoader, ServiceCommon, cli::ServiceArgs, serve_binary};
 
 /// Allocation-heavy request handling on many threads: mimalloc costs far less CPU per
 /// allocation than the system allocator here.
@@ -40,40 +41,50 @@ struct Cli {
     rotate_key: bool,
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
-    let cli = Cli::parse();
-    let mut loader = cli.common.config_loader();
-    if let Some(path) = &cli.policy_file {
-        loader = loader.set("policy_file", path.display().to_string());
+impl Cli {
+    /// The config loader with the file and every flag applied; the environment is added
+    /// by [`serve_binary`].
+    fn loader(&self) -> ConfigLoader {
+        let mut loader = self.common.config_loader().section::<ServiceCommon>();
+        if let Some(path) = &self.policy_file {
+            loader = loader.set("policy_file", path.display().to_string());
+        }
+        if let Some(dir) = &self.data_dir {
+            loader = loader.set("data_dir", dir.display().to_string());
+        }
+        loader
     }
-    if let Some(dir) = &cli.data_dir {
-        loader = loader.set("data_dir", dir.display().to_string());
-    }
-    let config: Config = loader.env(std::env::vars()).load()?;
-    if let Some(format) = cli.common.dump_config {
-        print!("{}", convene_server::dump(&config, format)?);
-        return Ok(());
-    }
+}
 
-    let telemetry = convene_telemetry::init("convene-policy", &cli.common.telemetry());
-    if cli.common.config.is_none() {
-        tracing::info!(
-            "no --config given: using the development settings of the payment-incident \
-             example (data dir {}, policy {}, listening on {})",
-            config.data_dir.display(),
-            config.policy_source(),
-            config.server.listen
-        );
-    }
-    if cli.rotate_key {
-        let kid =
-            convene_policy::rotate_signing_key(&config).context("cannot rotate the signing key")?;
-        tracing::info!(signing_key = %kid, "signing key rotated; the previous key still verifies");
-    }
-    let shutdown = Shutdown::from_signals().context("cannot install signal handlers")?;
-    let served = convene_policy::run(config, shutdown).await;
-    telemetry.shutdown().await;
-    served?;
-    Ok(())
+#[tokio::main]
+async fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let rotate_key = cli.rotate_key;
+    serve_binary(
+        "convene-policy",
+        &cli.common,
+        cli.loader(),
+        |config: &Config| {
+            format!(
+                "data dir {}, policy {}, listening on {}",
+                config.data_dir.display(),
+                config.policy_source().name(),
+                config.server.listen
+            )
+        },
+        |config, shutdown| async move {
+            if rotate_key {
+                let kid = convene_policy::rotate_signing_key(&config)
+                    .map_err(|e| format!("cannot rotate the signing key: {e}"))?;
+                tracing::info!(
+                    signing_key = %kid,
+                    "signing key rotated; the previous key still verifies"
+                );
+            }
+            convene_policy::run(config, shutdown)
+                .await
+                .map_err(BoxError::from)
+        },
+    )
+    .await
 }

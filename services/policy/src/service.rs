@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use convene_core::time::to_timestamp;
+use convene_core::time::{Clock, to_timestamp};
 use convene_mesh::auth::{Authenticator, Caller};
 use convene_mesh::policy_file::{Policy, PrincipalKind};
 use convene_proto::v1::{self, policy_server::PolicyServer, revoke_request::Target};
@@ -13,7 +13,6 @@ use tonic::{Request, Response, Status};
 use tracing::Instrument as _;
 
 use crate::Error;
-use crate::clock::{Clock, system_clock};
 use crate::config::{Config, DecisionLogTarget};
 use crate::decision_log::{
     DecisionLog, JsonlDecisionLog, LogEntry, MemoryDecisionLog, RevokeRecord,
@@ -78,7 +77,7 @@ impl PolicyServiceBuilder {
         self
     }
 
-    /// Reads the time from `clock` (default: [`system_clock`]).
+    /// Reads the time from `clock` (default: the system clock).
     #[must_use]
     pub fn clock(mut self, clock: Clock) -> Self {
         self.clock = Some(clock);
@@ -97,7 +96,7 @@ impl PolicyServiceBuilder {
                 log: self
                     .log
                     .unwrap_or_else(|| Arc::new(MemoryDecisionLog::new())),
-                clock: self.clock.unwrap_or_else(system_clock),
+                clock: self.clock.unwrap_or_default(),
             }),
         }
     }
@@ -123,7 +122,7 @@ impl PolicyService {
     ///
     /// An invalid policy file, an unreadable or unwritable data directory.
     pub fn open(config: &Config) -> Result<Self, Error> {
-        Self::open_with_clock(config, system_clock())
+        Self::open_with_clock(config, Clock::system())
     }
 
     /// Like [`open`](Self::open), reading the time from `clock`.
@@ -148,14 +147,8 @@ impl PolicyService {
         clock: Clock,
         database: Option<convene_store::Database>,
     ) -> Result<Self, Error> {
-        let (policy, with_dev_credentials) = config.load_policy()?;
-        if !with_dev_credentials.is_empty() {
-            tracing::info!(
-                dir = %config.credentials_dir().display(),
-                principals = ?with_dev_credentials,
-                "development credentials for principals without a listed credential hash"
-            );
-        }
+        let source = config.policy_source();
+        let (policy, _) = source.load()?;
         let ring = KeyRing::open(config.keys_dir())?;
         let log: Arc<dyn DecisionLog> = match config.decision_log {
             DecisionLogTarget::File => {
@@ -172,7 +165,7 @@ impl PolicyService {
             None => Arc::new(MemoryState::new()),
         };
         tracing::info!(
-            policy = %config.policy_source(),
+            policy = %source.name(),
             principals = policy.principals.len(),
             profiles = policy.profiles.len(),
             tools = policy.tools.len(),
@@ -243,7 +236,7 @@ impl Inner {
                 ),
             ));
         }
-        let now = (self.clock)();
+        let now = self.clock.now();
         let keys = self.keys.current();
         // Which revocation refuses the request: its run's, or its parent token's (or the
         // parent's run's); checked again in the commit that records the tokens.
@@ -465,7 +458,7 @@ impl Inner {
         } else {
             request.reason.as_str()
         };
-        let time = humantime::format_rfc3339_millis((self.clock)()).to_string();
+        let time = humantime::format_rfc3339_millis(self.clock.now()).to_string();
         let revocations: Vec<(RevokeTarget, LogEntry)> = targets
             .into_iter()
             .map(|target| {

@@ -555,6 +555,6 @@ impl crate::PolicyService {
                  they are lost at exit"
             ),
         }
-        Self::open_with_database(config, crate::clock::system_clock(), database)
+        Self::open_with_database(config, crate::Clock::system(), database)
     }
 }

@@ -1,0 +1,132 @@
+//! [`serve_binary`]: the start-up path every service binary shares, from the parsed flags
+//! to the exit code.
+//!
+//! A service's `main.rs` keeps only its clap parser (its own flags and help) and calls
+//! [`serve_binary`], so every binary loads its configuration, answers `--dump-config`,
+//! sets up telemetry, handles signals, reports failures and exits alike:
+//!
+//! - a configuration that cannot be loaded (or dumped) exits with [`EXIT_CONFIG`] (2),
+//!   as clap does for bad flags;
+//! - a service that fails to start or stops with an error exits with [`EXIT_FAILURE`]
+//!   (1);
+//! - either way the message goes to standard error, prefixed with the binary's name
+//!   (`convene-policy: ...`), since the failure may come before logging is set up.
+
+use std::{error::Error as StdError, fmt::Write as _, process::ExitCode};
+
+use serde::{Serialize, de::DeserializeOwned};
+
+use crate::{ConfigLoader, Shutdown, cli::ServiceArgs, dump};
+
+/// Exit status of a binary whose configuration cannot be loaded.
+pub const EXIT_CONFIG: u8 = 2;
+
+/// Exit status of a binary that failed to start or stopped with an error.
+pub const EXIT_FAILURE: u8 = 1;
+
+/// The error a service's run returns, whatever its type.
+pub type BoxError = Box<dyn StdError + Send + Sync>;
+
+/// Runs a service binary named `name` (`convene-<service>`): loads its configuration
+/// from `loader` (the `--config` file and the flags, see
+/// [`ServiceArgs::config_loader`]) and the process's `CONVENE_*` environment; with
+/// `--dump-config` prints it and exits; otherwise starts telemetry, logs the development
+/// settings in use when no `--config` was given (`dev_settings` describes them, e.g.
+/// `data dir ./.convene, listening on 127.0.0.1:7401`), and runs `run(config,
+/// shutdown)` until SIGTERM or Ctrl-C, then flushes telemetry.
+///
+/// Returns the exit code; see the [module docs](self) for what each means.
+pub async fn serve_binary<C, F, Fut, E>(
+    name: &str,
+    args: &ServiceArgs,
+    loader: ConfigLoader,
+    dev_settings: impl FnOnce(&C) -> String,
+    run: F,
+) -> ExitCode
+where
+    C: Serialize + DeserializeOwned + Default,
+    F: FnOnce(C, Shutdown) -> Fut,
+    Fut: Future<Output = Result<(), E>>,
+    E: Into<BoxError>,
+{
+    let config: C = match loader.env(std::env::vars()).load() {
+        Ok(config) => config,
+        Err(error) => return fail(name, &error, EXIT_CONFIG),
+    };
+    if let Some(format) = args.dump_config {
+        return match dump(&config, format) {
+            Ok(text) => {
+                print!("{text}");
+                ExitCode::SUCCESS
+            }
+            Err(error) => fail(name, &error, EXIT_CONFIG),
+        };
+    }
+    let telemetry = convene_telemetry::init(name, &args.telemetry());
+    if args.config.is_none() {
+        tracing::info!(
+            "no --config given: using the development settings of the payment-incident \
+             example ({})",
+            dev_settings(&config)
+        );
+    }
+    let shutdown = match Shutdown::from_signals() {
+        Ok(shutdown) => shutdown,
+        Err(error) => {
+            telemetry.shutdown().await;
+            return fail(
+                name,
+                &format!("cannot install the signal handlers: {error}"),
+                EXIT_FAILURE,
+            );
+        }
+    };
+    let served = run(config, shutdown).await.map_err(Into::into);
+    telemetry.shutdown().await;
+    match served {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => fail(name, &chain(&*error), EXIT_FAILURE),
+    }
+}
+
+/// Reports `error` on standard error, prefixed with the binary's name, and returns
+/// `code`.
+fn fail(name: &str, error: &dyn std::fmt::Display, code: u8) -> ExitCode {
+    eprintln!("{name}: {error}");
+    ExitCode::from(code)
+}
+
+/// `error` followed by its sources, each after a colon, leaving out a source whose text
+/// the message before it already includes (errors that print their source themselves).
+fn chain(error: &(dyn StdError + 'static)) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        let line = cause.to_string();
+        if !text.contains(&line) {
+            let _ = write!(text, ": {line}");
+        }
+        source = cause.source();
+    }
+    text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug, thiserror::Error)]
+    enum Outer {
+        #[error("cannot start: {0}")]
+        Shows(#[source] std::io::Error),
+        #[error("cannot start")]
+        Hides(#[source] std::io::Error),
+    }
+
+    #[test]
+    fn the_chain_names_every_cause_once() {
+        let io = || std::io::Error::other("disk full");
+        assert_eq!(chain(&Outer::Shows(io())), "cannot start: disk full");
+        assert_eq!(chain(&Outer::Hides(io())), "cannot start: disk full");
+    }
+}
