@@ -2,7 +2,6 @@
 
 use std::collections::HashMap;
 use std::io::IsTerminal as _;
-use std::path::Path;
 use std::time::Duration;
 
 use anyhow::Context as _;
@@ -14,7 +13,7 @@ use futures::StreamExt as _;
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
 
 use crate::client::Client;
-use crate::{report, spec};
+use crate::report;
 
 /// Prints a message in the protobuf JSON mapping.
 pub fn print_json<T: convene_proto::json::Named>(msg: &T) -> anyhow::Result<()> {
@@ -36,9 +35,9 @@ pub struct RunOptions {
     pub jaeger: Option<String>,
 }
 
-/// `convene run FILE`: submits, follows and reports a run. Returns the final run.
-pub async fn run(client: &Client, file: &Path, opts: &RunOptions) -> anyhow::Result<v1::Run> {
-    let spec = spec::load(file)?;
+/// `convene run FILE`: submits `spec` (read from the file with [`crate::spec::load`] before
+/// the client is resolved), follows and reports the run. Returns the final run.
+pub async fn run(client: &Client, spec: v1::RunSpec, opts: &RunOptions) -> anyhow::Result<v1::Run> {
     let supervisor = client.supervisor()?;
     let started = supervisor
         .start_run(client.request(v1::StartRunRequest {

@@ -417,6 +417,10 @@ async fn main_inner(cli: Cli) -> anyhow::Result<ExitCode> {
             local,
             client: mut c,
         } => {
+            // The spec is read before anything else, so a missing or malformed file is
+            // reported as such rather than as a missing credential or an unreachable
+            // mesh, and no mesh is started for a run that could not be submitted.
+            let spec = spec::load(&file)?;
             let mut telemetry = None;
             let mesh = if local {
                 telemetry = Some(init_telemetry_quiet());
@@ -431,7 +435,7 @@ async fn main_inner(cli: Cli) -> anyhow::Result<ExitCode> {
             let c = client(&data_dir, c)?;
             let run = commands::run(
                 &c,
-                &file,
+                spec,
                 &RunOptions {
                     json,
                     detach,

@@ -119,8 +119,10 @@ pub fn from_proto_value(value: &prost_types::Value) -> serde_json::Value {
         None | Some(Kind::NullValue(_)) => serde_json::Value::Null,
         Some(Kind::BoolValue(b)) => serde_json::Value::Bool(*b),
         Some(Kind::NumberValue(n)) => {
-            #[allow(clippy::cast_possible_truncation, clippy::float_cmp)]
-            if n.fract() == 0.0 && n.abs() < 9.0e15 {
+            #[allow(clippy::float_cmp)]
+            let integral = n.fract() == 0.0 && n.abs() < 9.0e15;
+            if integral {
+                #[allow(clippy::cast_possible_truncation)]
                 serde_json::Value::from(*n as i64)
             } else {
                 serde_json::Number::from_f64(*n).map_or(serde_json::Value::Null, Into::into)
