@@ -38,6 +38,11 @@ use criterion::{BenchmarkId, Criterion, Throughput, criterion_group};
 use futures::StreamExt as _;
 use tracing::level_filters::LevelFilter;
 
+// The bench takes only the example's data and run spec from the tests' harness.
+#[path = "../harness/mod.rs"]
+#[allow(dead_code, unused_imports)]
+mod harness;
+
 const PRINCIPAL: &str = "oncall@acme";
 
 /// The allocator the shipped binaries use: allocation is a large share of a run's CPU,
@@ -81,7 +86,7 @@ impl Setup {
         let (mesh, client, credential) = tracing::dispatcher::with_default(&dispatch, || {
             runtime.block_on(async {
                 let mut args = up::UpArgs::defaults("127.0.0.1:0".parse().expect("address"));
-                args.tools_data_dir = convene_tests::example_data();
+                args.tools_data_dir = harness::example_data();
                 let mesh = up::start(&args, &data, Shutdown::new())
                     .await
                     .expect("the in-process mesh starts");
@@ -127,7 +132,7 @@ impl Setup {
     }
 
     async fn one_run(&self) {
-        let mut spec = convene_tests::example_spec();
+        let mut spec = harness::example_spec();
         spec.idempotency_key = format!("bench-{}", self.next_key.fetch_add(1, Ordering::Relaxed));
         let run = self
             .client

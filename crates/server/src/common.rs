@@ -25,6 +25,28 @@ pub const DEFAULT_DATA_DIR: &str = "./.convene";
 /// The directory in the data directory where development credentials are kept.
 pub const CREDENTIALS_DIR: &str = "credentials";
 
+/// Lets a service's `Config` that flattens a [`ServiceCommon`] into its field `common`
+/// be read and written as one (`config.data_dir`), with the section's keys at the top
+/// level of the file as before: `convene_server::common_section!(Config);`.
+#[macro_export]
+macro_rules! common_section {
+    ($config:ty) => {
+        impl ::std::ops::Deref for $config {
+            type Target = $crate::ServiceCommon;
+
+            fn deref(&self) -> &$crate::ServiceCommon {
+                &self.common
+            }
+        }
+
+        impl ::std::ops::DerefMut for $config {
+            fn deref_mut(&mut self) -> &mut $crate::ServiceCommon {
+                &mut self.common
+            }
+        }
+    };
+}
+
 /// The keys shared by the services that read the policy file. No
 /// `deny_unknown_fields` here: the keys it does not know belong to the struct that
 /// flattens it, which refuses the ones neither knows.

@@ -7,10 +7,7 @@
 //! `CONVENE_*` environment variables (`CONVENE_DATA_DIR`, `CONVENE_DEFAULT_TTL`, ...) and
 //! by flags, through [`convene_server::ConfigLoader`].
 
-use std::{
-    ops::{Deref, DerefMut},
-    time::Duration,
-};
+use std::time::Duration;
 
 use convene_mesh::policy_file::{self, PolicySource};
 use convene_server::{ServerSettings, ServiceCommon};
@@ -53,19 +50,7 @@ impl Default for Config {
     }
 }
 
-impl Deref for Config {
-    type Target = ServiceCommon;
-
-    fn deref(&self) -> &ServiceCommon {
-        &self.common
-    }
-}
-
-impl DerefMut for Config {
-    fn deref_mut(&mut self) -> &mut ServiceCommon {
-        &mut self.common
-    }
-}
+convene_server::common_section!(Config);
 
 /// The executors the service can be configured with.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]

@@ -5,7 +5,6 @@
 //! the example policy built into the binary (its principals may read evidence with role
 //! `evidence:read`), development credentials in `./.convene/credentials`.
 
-use std::ops::{Deref, DerefMut};
 use std::path::PathBuf;
 
 use convene_mesh::policy_file::PolicySource;
@@ -60,19 +59,7 @@ impl Default for Config {
     }
 }
 
-impl Deref for Config {
-    type Target = ServiceCommon;
-
-    fn deref(&self) -> &ServiceCommon {
-        &self.common
-    }
-}
-
-impl DerefMut for Config {
-    fn deref_mut(&mut self) -> &mut ServiceCommon {
-        &mut self.common
-    }
-}
+convene_server::common_section!(Config);
 
 impl Config {
     /// Development settings with the data kept under `data_dir`.

@@ -6,7 +6,6 @@
 //! decision log. Every field can be overridden by a config file, `CONVENE_*`
 //! environment variables or flags (see `convene_server::config`).
 
-use std::ops::{Deref, DerefMut};
 use std::path::PathBuf;
 
 use convene_mesh::policy_file::PolicySource;
@@ -60,19 +59,7 @@ impl Default for Config {
     }
 }
 
-impl Deref for Config {
-    type Target = ServiceCommon;
-
-    fn deref(&self) -> &ServiceCommon {
-        &self.common
-    }
-}
-
-impl DerefMut for Config {
-    fn deref_mut(&mut self) -> &mut ServiceCommon {
-        &mut self.common
-    }
-}
+convene_server::common_section!(Config);
 
 impl Config {
     /// Development settings with everything kept under `data_dir` (used by tests and by

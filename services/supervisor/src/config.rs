@@ -1,7 +1,6 @@
 //! The supervisor's configuration: [`Config`], its development defaults and the checks
 //! serde cannot make.
 
-use std::ops::{Deref, DerefMut};
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -131,19 +130,7 @@ impl Default for Config {
     }
 }
 
-impl Deref for Config {
-    type Target = ServiceCommon;
-
-    fn deref(&self) -> &ServiceCommon {
-        &self.common
-    }
-}
-
-impl DerefMut for Config {
-    fn deref_mut(&mut self) -> &mut ServiceCommon {
-        &mut self.common
-    }
-}
+convene_server::common_section!(Config);
 
 impl Config {
     /// The credential file in effect.

@@ -145,6 +145,8 @@ pub(crate) struct Deps {
     /// [`RunStore::owner`]); None: no leases, no recovery.
     pub(crate) lease: Option<recovery::Lease>,
     pub(crate) crash: crash::Crash,
+    /// What the run actors read "now" from: deadlines, timers, event and ledger times.
+    pub(crate) clock: convene_core::time::Clock,
     pub(crate) policy: PolicyHandle,
     /// Revokes finished runs' tokens, many runs to a call.
     pub(crate) revoker: revoke::Revoker,
@@ -229,6 +231,7 @@ pub fn build(parts: Parts) -> (SupervisorService, Arc<Registry>) {
     let deps = Arc::new(Deps {
         lease,
         crash: crash::Crash::new(&parts.config.crash),
+        clock: convene_core::time::Clock::system(),
         revoker: revoke::Revoker::spawn(parts.policy.clone(), parts.credential.clone()),
         policy: parts.policy,
         evidence: parts.evidence,

@@ -4,10 +4,10 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use convene_proto::v1::{self, run_event::Kind};
-use convene_tests::{
+use crate::harness::{
     MeshOptions, Mode, TestMesh, Workers, example_profiles, example_spec, wait_until,
 };
+use convene_proto::v1::{self, run_event::Kind};
 
 const ONCALL: &str = "oncall@acme";
 

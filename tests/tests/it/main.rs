@@ -2,6 +2,9 @@
 //! delegation, worker failover, durability (crashes, replicas, event delivery) and
 //! tracing across processes.
 
+#[path = "../../harness/mod.rs"]
+mod harness;
+
 mod durable;
 mod failover;
 mod nested;

@@ -5,12 +5,12 @@
 
 use std::time::Duration;
 
+use crate::harness::{
+    MeshOptions, Mode, TestMesh, Workers, example_profiles, repo_root, spec_from_yaml, wait_until,
+};
 use convene_mesh::auth::request;
 use convene_mesh::policy_file::{PolicyFile, ProfileEntry, ScopeEntry, ToolEntry};
 use convene_proto::v1::{self, evidence_store_server::EvidenceStore as _, run_event::Kind};
-use convene_tests::{
-    MeshOptions, Mode, TestMesh, Workers, example_profiles, repo_root, spec_from_yaml, wait_until,
-};
 
 const ONCALL: &str = "oncall@acme";
 const LIMIT: Duration = Duration::from_secs(30);

@@ -6,9 +6,9 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
+use crate::harness::{MeshOptions, Mode, TestMesh, example_spec};
 use convene_proto::v1;
 use convene_telemetry::test_util::{OtlpReceiver, ReceivedSpan};
-use convene_tests::{MeshOptions, Mode, TestMesh, example_spec};
 
 const ONCALL: &str = "oncall@acme";
 const LIMIT: Duration = Duration::from_secs(30);

@@ -8,7 +8,7 @@ use convene_mesh::auth::request;
 use convene_proto::v1;
 use tonic::Code;
 
-use super::{RunActor, now, status_is_transient};
+use super::{RunActor, status_is_transient};
 use crate::events;
 use crate::store::Events;
 
@@ -91,7 +91,7 @@ impl RunActor {
                                 events::APPROVAL_REQUESTED,
                                 &self.run,
                                 Some(&format!("approvals/{}", a.approval_id)),
-                                now(),
+                                self.deps.clock.now(),
                                 serde_json::json!({
                                     "runId": self.run.run_id,
                                     "approvalId": a.approval_id,

@@ -10,8 +10,8 @@ use convene_core::model::LateResultPolicy;
 use convene_proto::v1::{self, run_event::Kind};
 use tracing::Instrument as _;
 
+use super::RunActor;
 use super::slot::Slot;
-use super::{RunActor, now};
 use crate::crash::CrashPoint;
 use crate::store::{Events, StoreError};
 use crate::{events, trace};
@@ -57,7 +57,7 @@ impl RunActor {
     /// store says of them ([`join::may_decide`]).
     pub(super) fn join_may_decide(&self) -> bool {
         let expected = self.expected();
-        join::may_decide(&self.join_input(&expected, now()))
+        join::may_decide(&self.join_input(&expected, self.deps.clock.now()))
     }
 
     /// Evaluates the join (`trigger` says what prompted it, for the trace) and ends the
@@ -76,7 +76,7 @@ impl RunActor {
         }
         let span = trace::join_span(&self.span, &self.spec.join, trigger);
         let expected = self.expected();
-        let input = self.join_input(&expected, now());
+        let input = self.join_input(&expected, self.deps.clock.now());
         match span.in_scope(|| join::decide(&input)) {
             JoinState::Decided(decision) => {
                 trace::record_decision(&span, &decision);
@@ -115,7 +115,7 @@ impl RunActor {
 
     /// The join's timer or the run's deadline is due.
     pub(super) async fn on_timer(&mut self) -> Result<(), StoreError> {
-        let t = now();
+        let t = self.deps.clock.now();
         if t >= self.spec.limits.deadline {
             // The run's hard deadline: decide on what there is and stop everything.
             self.cancel.cancel();
@@ -159,7 +159,7 @@ impl RunActor {
         mut state: v1::RunState,
         reason: String,
     ) -> Result<(), StoreError> {
-        let t = now();
+        let t = self.deps.clock.now();
         let mut ev = Events::default();
         if let Some(decision) = decision {
             Arc::make_mut(&mut self.run).outcome = decision.outcome;
@@ -259,7 +259,7 @@ impl RunActor {
             return;
         };
         let expected = self.expected();
-        let input = self.join_input(&expected, now());
+        let input = self.join_input(&expected, self.deps.clock.now());
         let span = trace::join_span(&self.span, &self.spec.join, "late_result");
         let decision = span.in_scope(|| join::apply_late(&previous, &input, delegation_id));
         trace::record_decision(&span, &decision);
@@ -271,7 +271,7 @@ impl RunActor {
                 events::JOIN_DECIDED,
                 &self.run,
                 Some("decision"),
-                now(),
+                self.deps.clock.now(),
                 events::join_decided_data(&self.run, &decision),
             ));
             let e = self.event(Kind::Decision(decision.clone()));

@@ -11,9 +11,10 @@ use tonic::Request;
 use tracing::Instrument as _;
 
 use super::slot::SlotState;
-use super::{Mailbox, Msg, RunActor, deadline_of, now};
+use super::{Mailbox, Msg, RunActor, deadline_of};
 use crate::error::Error;
 use crate::registry::{Lease, Registry};
+use convene_core::time::Clock;
 
 impl RunActor {
     /// Starts queued delegations of a batch while it has free slots.
@@ -50,6 +51,7 @@ impl RunActor {
         let abandon = self.abandon.clone();
         let tx = self.tx.clone();
         let registry = self.deps.registry.clone();
+        let clock = self.deps.clock.clone();
         let grace = self.deps.settings.dispatch_grace;
         // Every attempt runs inside the delegation's span, so the worker's spans (through
         // the trace context on the Execute call) are the delegation's children.
@@ -58,6 +60,7 @@ impl RunActor {
         tokio::spawn(
             dispatch(Box::new(Dispatch {
                 registry,
+                clock,
                 tx,
                 index,
                 delegation_id: task.delegation_id.clone(),
@@ -78,6 +81,7 @@ impl RunActor {
 /// One dispatch attempt of a delegation, as its task holds it.
 struct Dispatch {
     registry: Arc<Registry>,
+    clock: Clock,
     tx: Mailbox,
     index: usize,
     /// The task's; the task itself is sent.
@@ -117,9 +121,10 @@ async fn dispatch(d: Box<Dispatch>) {
 // Thousands of these wait on their workers at once, so the task is kept small: the
 // dispatch stays boxed, and every step but the call itself is a boxed future of its own.
 async fn attempt_dispatch(mut d: Box<Dispatch>) {
-    let deadline = deadline_of(&d.task);
+    let deadline = deadline_of(&d.task, d.clock.now());
     let waited = Box::pin(wait_for_worker(
         &d.registry,
+        &d.clock,
         &d.task.profile_id,
         &d.avoid,
         deadline,
@@ -137,7 +142,7 @@ async fn attempt_dispatch(mut d: Box<Dispatch>) {
         worker_id: worker_id.clone(),
         attempt: d.attempt,
     });
-    let limit = deadline.duration_since(now()).unwrap_or_default() + d.grace;
+    let limit = deadline.duration_since(d.clock.now()).unwrap_or_default() + d.grace;
     let call = {
         let task = std::mem::take(&mut d.task);
         let mut req = Request::new(v1::WorkerExecuteRequest {
@@ -175,6 +180,7 @@ async fn attempt_dispatch(mut d: Box<Dispatch>) {
 /// outcome.
 async fn wait_for_worker(
     registry: &Arc<Registry>,
+    clock: &Clock,
     profile_id: &str,
     avoid: &[String],
     deadline: SystemTime,
@@ -191,7 +197,7 @@ async fn wait_for_worker(
         if let Some(lease) = registry.acquire(profile_id, avoid) {
             return Ok(lease);
         }
-        let wait = deadline.duration_since(now()).unwrap_or_default();
+        let wait = deadline.duration_since(clock.now()).unwrap_or_default();
         if wait.is_zero() {
             return Err(Error::NoWorker(profile_id.to_owned()));
         }

@@ -42,7 +42,7 @@ use std::time::{Duration, SystemTime};
 use convene_core::join::EvidenceFact;
 use convene_core::limits::BudgetLedger;
 use convene_core::model::{Overflow, RunSpec};
-use convene_core::time::{from_timestamp, to_timestamp};
+use convene_core::time::{Clock, from_timestamp, to_timestamp};
 use convene_core::validate;
 use convene_proto::v1::{self, run_event::Kind};
 use convene_tokens::Claims;
@@ -171,10 +171,6 @@ impl From<StoreError> for Exit {
     }
 }
 
-fn now() -> SystemTime {
-    SystemTime::now()
-}
-
 fn backoff(settings: &Settings, attempt: u32) -> Duration {
     let base = settings.retry_backoff.as_millis() as u64;
     let exp = base.saturating_mul(1 << attempt.min(8).saturating_sub(1));
@@ -193,11 +189,13 @@ fn task_or_empty(task: &Option<v1::DelegationTask>) -> &v1::DelegationTask {
         .unwrap_or_else(|| EMPTY.get_or_init(v1::DelegationTask::default))
 }
 
-fn deadline_of(task: &v1::DelegationTask) -> SystemTime {
+/// A task's deadline; `now` for one without a readable deadline (every task the
+/// supervisor plans has one), so it counts as due.
+fn deadline_of(task: &v1::DelegationTask, now: SystemTime) -> SystemTime {
     task.deadline
         .as_ref()
         .and_then(|t| from_timestamp(t, "deadline").ok())
-        .unwrap_or_else(now)
+        .unwrap_or(now)
 }
 
 fn status_is_transient(code: Code) -> bool {
@@ -211,11 +209,11 @@ fn status_is_transient(code: Code) -> bool {
     )
 }
 
-async fn sleep_until(t: Option<SystemTime>) {
+async fn sleep_until(clock: &Clock, t: Option<SystemTime>) {
     match t {
         None => std::future::pending::<()>().await,
         Some(t) => {
-            let d = t.duration_since(now()).unwrap_or_default();
+            let d = t.duration_since(clock.now()).unwrap_or_default();
             tokio::time::sleep(d).await;
         }
     }
@@ -270,7 +268,7 @@ impl RunActor {
             .created_at
             .as_ref()
             .and_then(|t| from_timestamp(t, "created_at").ok())
-            .unwrap_or_else(now);
+            .unwrap_or_else(|| deps.clock.now());
         let spec = match validate::run_spec(&wire, accepted) {
             Ok(spec) => spec,
             Err(e) => {
@@ -429,13 +427,13 @@ impl RunActor {
             } else {
                 tokio::select! {
                     msg = self.rx.recv() => msg,
-                    () = sleep_until(self.staging.flush_at()) => {
+                    () = sleep_until(&self.deps.clock, self.staging.flush_at()) => {
                         if let Err(e) = Box::pin(self.commit(Events::default())).await {
                             return e.into();
                         }
                         continue;
                     }
-                    () = sleep_until(timer) => {
+                    () = sleep_until(&self.deps.clock, timer) => {
                         if let Err(e) = Box::pin(self.on_timer()).await {
                             return e.into();
                         }
@@ -480,7 +478,7 @@ impl RunActor {
         let e = v1::RunEvent {
             sequence: self.next_seq,
             run_id: self.run.run_id.clone(),
-            time: Some(to_timestamp(now())),
+            time: Some(to_timestamp(self.deps.clock.now())),
             kind: Some(kind),
         };
         self.next_seq += 1;

@@ -12,7 +12,7 @@ use tokio::sync::oneshot;
 use tracing::{Instrument as _, Span};
 
 use super::slot::{Batch, Slot, SlotState};
-use super::{RunActor, deadline_of, now};
+use super::{RunActor, deadline_of};
 use crate::error::Error;
 use crate::plan::{self, Placement};
 use crate::store::{Events, StoreError};
@@ -115,7 +115,7 @@ impl RunActor {
         self.ledger
             .check()
             .map_err(|e| Error::ResourceExhausted(e.to_string()))?;
-        let t = now();
+        let t = self.deps.clock.now();
         let mut planned = Vec::with_capacity(children.len());
         let mut names = std::collections::BTreeSet::new();
         for (i, c) in children.iter().enumerate() {
@@ -141,7 +141,7 @@ impl RunActor {
             self.spec.limits.overflow,
         )
         .map_err(|e| Error::ResourceExhausted(e.to_string()))?;
-        let parent_deadline = deadline_of(&parent_task);
+        let parent_deadline = deadline_of(&parent_task, self.deps.clock.now());
         // A retried delegation repeats its Delegate calls: its call indices start again
         // at 0 with each attempt, so a repeated call derives the ids of the children the
         // earlier attempt created and finds them in the ledger (running or finished)
@@ -340,7 +340,7 @@ impl RunActor {
     /// delegating worker until its deadline. (Top-level delegations stay for the join,
     /// which ends the run on the exhausted budget.)
     pub(super) fn settle_queued_children(&mut self, detail: &str) {
-        let t = to_timestamp(now());
+        let t = to_timestamp(self.deps.clock.now());
         for b in 0..self.batches.len() {
             let queued: Vec<usize> = self.batches[b]
                 .queue

@@ -10,7 +10,7 @@ use tonic::Code;
 use tracing::{Instrument as _, Span};
 
 use super::slot::SlotState;
-use super::{RunActor, backoff, deadline_of, now, status_is_transient, task_or_empty};
+use super::{RunActor, backoff, deadline_of, status_is_transient, task_or_empty};
 use crate::error::Error;
 use crate::events;
 use crate::store::{Events, StoreError};
@@ -35,7 +35,7 @@ impl RunActor {
         d.worker_id.clone_from(&worker_id);
         d.attempts = attempt;
         if d.dispatched_at.is_none() {
-            d.dispatched_at = Some(to_timestamp(now()));
+            d.dispatched_at = Some(to_timestamp(self.deps.clock.now()));
         }
         let task = task_or_empty(&d.task);
         let dispatched = v1::DelegationDispatched {
@@ -59,7 +59,8 @@ impl RunActor {
         let settings = self.deps.settings;
         let max_attempts = self.spec.limits.max_redelegations + 1;
         let task = task_or_empty(&self.run.delegations[index].task);
-        let time_left = deadline_of(task) > now();
+        let now = self.deps.clock.now();
+        let time_left = deadline_of(task, now) > now;
         let (delegation_id, profile_id) = (task.delegation_id.clone(), task.profile_id.clone());
         let may_retry = !self.terminal()
             && !self.slots[index].cancelled
@@ -148,7 +149,7 @@ impl RunActor {
             if d.state != v1::DelegationState::TimedOut as i32 {
                 d.state = v1::DelegationState::Cancelled as i32;
             }
-            d.completed_at = Some(to_timestamp(now()));
+            d.completed_at = Some(to_timestamp(self.deps.clock.now()));
         }
         self.end_delegation_span(index);
         self.children_step();
@@ -216,7 +217,7 @@ impl RunActor {
         } else {
             v1::DelegationState::Completed as i32
         };
-        d.completed_at = Some(to_timestamp(now()));
+        d.completed_at = Some(to_timestamp(self.deps.clock.now()));
         d.detail = if failure {
             result.summary.clone()
         } else {
@@ -237,7 +238,7 @@ impl RunActor {
             events::DELEGATION_COMPLETED,
             &self.run,
             Some(&format!("delegations/{}", result.delegation_id)),
-            now(),
+            self.deps.clock.now(),
             events::delegation_completed_data(&self.run, &self.run.delegations[index], late),
         );
         let mut ev = Events {

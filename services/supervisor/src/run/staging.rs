@@ -9,7 +9,7 @@ use std::time::{Duration, SystemTime};
 use convene_core::time::to_timestamp;
 use convene_proto::v1::{self, run_event::Kind};
 
-use super::{Msg, RunActor, now};
+use super::{Msg, RunActor};
 use crate::crash::CrashPoint;
 use crate::store::{Events, StoreError};
 
@@ -117,13 +117,13 @@ impl Staging {
         false
     }
 
-    /// Holds what is staged for the run's next commit, `linger` from now at the latest
+    /// Holds what is staged for the run's next commit, `linger` after `now` at the latest
     /// (unless a deadline is set already).
-    fn linger(&mut self, linger: Duration) {
+    fn linger(&mut self, now: SystemTime, linger: Duration) {
         if self.flush_at.is_none() {
             // `joined` stays set: the commit that carries the results still follows
             // the join that ran on them.
-            self.flush_at = Some(now() + linger);
+            self.flush_at = Some(now + linger);
         }
     }
 }
@@ -141,7 +141,7 @@ impl RunActor {
             self.deps.crash.at(CrashPoint::DuringJoin);
         }
         Arc::make_mut(&mut self.run).version += 1;
-        Arc::make_mut(&mut self.run).updated_at = Some(to_timestamp(now()));
+        Arc::make_mut(&mut self.run).updated_at = Some(to_timestamp(self.deps.clock.now()));
         self.deps.store.commit_shared(&self.run, &all).await?;
         if dispatches {
             self.deps.crash.at(CrashPoint::AfterDispatch);
@@ -190,7 +190,8 @@ impl RunActor {
         if self.terminal() || linger.is_zero() {
             self.commit(Events::default()).await?;
         } else {
-            self.staging.linger(linger);
+            let now = self.deps.clock.now();
+            self.staging.linger(now, linger);
         }
         Ok(())
     }

@@ -13,7 +13,7 @@ use convene_proto::v1::{self, run_event::Kind};
 use tracing::Span;
 
 use super::slot::{Slot, SlotState};
-use super::{RunActor, backoff, now, status_is_transient};
+use super::{RunActor, backoff, status_is_transient};
 use crate::error::Error;
 use crate::store::{Events, StoreError};
 use crate::{Deps, events, plan, trace};
@@ -243,7 +243,7 @@ pub(crate) async fn issue_tokens(
     if tasks.is_empty() {
         return Ok(Vec::new());
     }
-    let t = now();
+    let t = deps.clock.now();
     let req = v1::IssueTaskTokenRequest {
         principal: run.principal.clone(),
         run_id: run.run_id.clone(),
@@ -295,7 +295,7 @@ pub(super) async fn fail_stored(deps: Arc<Deps>, mut run: v1::Run, reason: Strin
             return;
         }
     };
-    let t = now();
+    let t = deps.clock.now();
     run.state = v1::RunState::Failed as i32;
     run.terminal_reason = reason.clone();
     run.version += 1;

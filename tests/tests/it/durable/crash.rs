@@ -4,9 +4,9 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Instant;
 
+use crate::harness::{MeshOptions, Mode, TestMesh, Workers, wait_for};
 use convene_proto::v1::{self, run_event::Kind};
 use convene_supervisor::CrashPoint;
-use convene_tests::{MeshOptions, Mode, TestMesh, Workers, wait_for};
 
 use super::shape::{
     Shape, assert_executed_under_planned_ids, assert_once_per_delegation, executed_under, inspect,

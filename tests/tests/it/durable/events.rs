@@ -5,12 +5,12 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
+use crate::harness::{MeshOptions, Mode, TestMesh, wait_for, wait_until};
 use convene_mesh::auth::request;
 use convene_mesh::handles::SupervisorHandle;
 use convene_proto::v1;
 use convene_store::test_util::Service;
 use convene_store::{Database, sql};
-use convene_tests::{MeshOptions, Mode, TestMesh, wait_for, wait_until};
 use futures::StreamExt as _;
 
 use super::{LIMIT, ONCALL, Rng, load, outbox, outbox_ids, supervisor_env, unique, wait_terminal};

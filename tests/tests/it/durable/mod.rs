@@ -21,12 +21,12 @@ mod shape;
 use std::os::unix::process::ExitStatusExt as _;
 use std::time::{Duration, Instant, SystemTime};
 
+use crate::harness::{TestMesh, example_profiles, example_spec, wait_for};
 use convene_mesh::auth::request;
 use convene_mesh::handles::SupervisorHandle;
 use convene_proto::v1;
 use convene_store::{Database, sql};
 use convene_supervisor::CrashPoint;
-use convene_tests::{TestMesh, example_profiles, example_spec, wait_for};
 use futures::StreamExt as _;
 use tonic::Code;
 

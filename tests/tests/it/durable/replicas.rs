@@ -5,10 +5,10 @@
 use std::collections::BTreeSet;
 use std::time::Instant;
 
+use crate::harness::{MeshOptions, Mode, TestMesh, Workers, wait_until};
 use convene_mesh::handles::SupervisorHandle;
 use convene_store::test_util::POSTGRES;
 use convene_store::{Database, sql};
-use convene_tests::{MeshOptions, Mode, TestMesh, Workers, wait_until};
 
 use super::shape::{
     Shape, assert_executed_under_planned_ids, assert_once_per_delegation, executed_under, inspect,

@@ -5,9 +5,9 @@
 use std::collections::BTreeSet;
 use std::time::Duration;
 
+use crate::harness::{MeshOptions, Mode, TestMesh, Workers, example_spec, wait_until};
 use convene_mesh::auth::request;
 use convene_proto::v1::{self, run_event::Kind};
-use convene_tests::{MeshOptions, Mode, TestMesh, Workers, example_spec, wait_until};
 
 use super::{LIMIT, ONCALL, held_profiles, listed_runs, one_group, profiles_with_faults};
 

@@ -5,12 +5,12 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
+use crate::harness::{Mode, TestMesh, example_spec, wait_for, wait_until};
 use convene_mesh::auth::request;
 use convene_proto::v1::{
     self, approval_server::Approval as _, evidence_store_server::EvidenceStore as _,
     run_event::Kind,
 };
-use convene_tests::{Mode, TestMesh, example_spec, wait_for, wait_until};
 use futures::StreamExt as _;
 
 use super::{LIMIT, ONCALL, delegation_id, one_group, profiles_with_faults, with_join_timeout};

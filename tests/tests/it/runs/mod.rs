@@ -11,9 +11,9 @@ mod results;
 use std::path::Path;
 use std::time::Duration;
 
+use crate::harness::{MeshOptions, TestMesh, Workers, example_profiles};
 use convene_mesh::auth::request;
 use convene_proto::v1;
-use convene_tests::{MeshOptions, TestMesh, Workers, example_profiles};
 
 const ONCALL: &str = "oncall@acme";
 const LIMIT: Duration = Duration::from_secs(30);

@@ -4,8 +4,8 @@
 
 use std::time::Duration;
 
+use crate::harness::{Mode, TestMesh, example_spec, wait_for};
 use convene_proto::v1;
-use convene_tests::{Mode, TestMesh, example_spec, wait_for};
 
 use super::{
     LIMIT, ONCALL, delegation_id, one_group, profiles_with_faults, rejection, with_join_timeout,

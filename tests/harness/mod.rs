@@ -1,4 +1,6 @@
-//! Shared helpers for convene's end-to-end tests.
+//! The harness convene's end-to-end tests share (a module of the test binary and of the
+//! tracing bench, not a library: its test-only dependencies then never reach a build
+//! of the workspace's binaries).
 //!
 //! A [`TestMesh`] is a whole convene mesh on loopback sockets with its state in a fresh
 //! temporary directory, in one of two modes:
@@ -9,7 +11,6 @@
 //!   (`convene serve <service>`), talking gRPC to each other.
 //!
 //! Tests talk to either through the same gRPC clients, as any caller would.
-#![forbid(unsafe_code)]
 
 mod client;
 mod mesh;

@@ -9,7 +9,7 @@ use convene_server::test_util::free_port;
 use tempfile::TempDir;
 use tokio::process::{Child, Command};
 
-use crate::{Mode, TestMesh, Workers, convene_bin, example_data};
+use super::{Mode, TestMesh, Workers, convene_bin, example_data};
 
 /// The supervisor process's own environment: settings it keeps across restarts, and
 /// the extra that [`TestMesh::restart`] replaces.

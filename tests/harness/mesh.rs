@@ -8,8 +8,8 @@ use convene_mesh::policy_file::dev_credential;
 use convene_server::Shutdown;
 use tempfile::TempDir;
 
-use crate::processes::{Proc, SupervisorEnv};
-use crate::{DATABASE_ENV, MeshOptions, Mode, Workers, example_data, example_profiles};
+use super::processes::{Proc, SupervisorEnv};
+use super::{DATABASE_ENV, MeshOptions, Mode, Workers, example_data, example_profiles};
 
 /// The database URL a mesh uses (None: the default SQLite file in its data directory)
 /// and, for a PostgreSQL server, the fresh database created for it.

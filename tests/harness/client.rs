@@ -8,7 +8,7 @@ use convene_mesh::auth::request;
 use convene_mesh::handles::{GrpcApproval, GrpcEvidenceStore, GrpcSupervisor, SupervisorHandle};
 use convene_proto::v1;
 
-use crate::{TestMesh, wait_for};
+use super::{TestMesh, wait_for};
 
 impl TestMesh {
     /// The in-process supervisor (InProcess mode only).
