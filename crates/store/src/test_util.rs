@@ -11,6 +11,7 @@
 //! ```
 
 use std::fmt;
+use std::io::Write as _;
 
 use sqlx::{Connection as _, Executor as _, PgConnection};
 use tempfile::TempDir;
@@ -56,7 +57,9 @@ impl Service {
     /// every service must not pass without one.
     pub fn missing(self, why: &str) {
         let line = missing(services_required(), &current_test(), self, why);
-        eprintln!("{line}");
+        // Straight to the process's stderr, past the test harness's capture: a passing
+        // test's captured output is never shown, and a skip must be seen.
+        let _ = writeln!(std::io::stderr(), "{line}");
     }
 }
 
