@@ -202,6 +202,20 @@ impl ConfigLoader {
         self
     }
 
+    /// [`set`](Self::set) when a flag gave a value (`Some`), for the optional flags a
+    /// binary's parser leaves unset.
+    pub fn set_some(self, key: impl Into<String>, value: Option<impl Serialize>) -> Self {
+        match value {
+            Some(value) => self.set(key, value),
+            None => self,
+        }
+    }
+
+    /// [`set_some`](Self::set_some) for a path flag, as the path is displayed.
+    pub fn set_path(self, key: impl Into<String>, path: Option<&std::path::Path>) -> Self {
+        self.set_some(key, path.map(|p| p.display().to_string()))
+    }
+
     /// Checks the keys of `S`, a section that the loaded type flattens
     /// (`#[serde(flatten)]`), on their own before the whole is loaded.
     ///

@@ -46,17 +46,16 @@ impl Cli {
     /// The config loader with the file and every flag applied; the environment is added
     /// by [`serve_binary`].
     fn loader(&self) -> ConfigLoader {
-        let mut loader = self.common.config_loader().section::<ServiceCommon>();
-        if let Some(path) = &self.policy_file {
-            loader = loader.set("policy_file", path.display().to_string());
-        }
-        if let Some(dir) = &self.data_dir {
-            loader = loader.set("data_dir", dir.display().to_string());
-        }
-        if let Some(ttl) = self.default_ttl {
-            loader = loader.set("default_ttl", humantime::format_duration(ttl).to_string());
-        }
-        loader
+        self.common
+            .config_loader()
+            .section::<ServiceCommon>()
+            .set_path("policy_file", self.policy_file.as_deref())
+            .set_path("data_dir", self.data_dir.as_deref())
+            .set_some(
+                "default_ttl",
+                self.default_ttl
+                    .map(|ttl| humantime::format_duration(ttl).to_string()),
+            )
     }
 }
 

@@ -83,35 +83,22 @@ impl Cli {
     /// The config loader with the file and every flag applied; [`serve_binary`] adds the
     /// process environment.
     fn loader(&self) -> convene_server::ConfigLoader {
-        let mut loader = self.common.config_loader();
-        if let Some(dir) = &self.tools_data {
-            loader = loader.set("tools_data_dir", dir.display().to_string());
-        }
-        if let Some(file) = &self.profiles {
-            loader = loader.set("profiles_file", file.display().to_string());
-        }
-        if let Some(id) = &self.worker_id {
-            loader = loader.set("worker_id", id);
-        }
-        if let Some(n) = self.capacity {
-            loader = loader.set("capacity", n);
-        }
-        if let Some(url) = &self.supervisor {
-            loader = loader.set("supervisor_endpoint", url);
-        }
-        if let Some(url) = &self.policy {
-            loader = loader.set("policy_endpoint", url);
-        }
-        if let Some(url) = &self.evidence {
-            loader = loader.set("evidence_endpoint", url);
-        }
-        if let Some(url) = &self.advertise {
-            loader = loader.set("advertise", url);
-        }
+        let loader = self
+            .common
+            .config_loader()
+            .set_path("tools_data_dir", self.tools_data.as_deref())
+            .set_path("profiles_file", self.profiles.as_deref())
+            .set_some("worker_id", self.worker_id.as_deref())
+            .set_some("capacity", self.capacity)
+            .set_some("supervisor_endpoint", self.supervisor.as_deref())
+            .set_some("policy_endpoint", self.policy.as_deref())
+            .set_some("evidence_endpoint", self.evidence.as_deref())
+            .set_some("advertise", self.advertise.as_deref());
         if self.no_register {
-            loader = loader.set("register", false);
+            loader.set("register", false)
+        } else {
+            loader
         }
-        loader
     }
 }
 
