@@ -80,6 +80,20 @@ impl ServiceArgs {
         loader
     }
 
+    /// [`config_loader`](Self::config_loader) for a service whose `Config` flattens a
+    /// [`ServiceCommon`](crate::ServiceCommon), with its `--policy-file` and
+    /// `--data-dir` flags applied when given.
+    pub fn common_loader(
+        &self,
+        policy_file: Option<&std::path::Path>,
+        data_dir: Option<&std::path::Path>,
+    ) -> ConfigLoader {
+        self.config_loader()
+            .section::<crate::ServiceCommon>()
+            .set_path("policy_file", policy_file)
+            .set_path("data_dir", data_dir)
+    }
+
     /// Loads the service's configuration from the defaults, `--config`, the process
     /// environment and the flags. For `main` only: it reads `std::env::vars()`.
     ///

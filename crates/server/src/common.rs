@@ -79,6 +79,16 @@ impl Default for ServiceCommon {
 }
 
 impl ServiceCommon {
+    /// The development settings in use, for the log line of a binary started without
+    /// `--config`: `data dir ./.convene, policy <name>, listening on 127.0.0.1:7401`.
+    pub fn describe(&self, policy: &str) -> String {
+        format!(
+            "data dir {}, policy {policy}, listening on {}",
+            self.data_dir.display(),
+            self.server.listen
+        )
+    }
+
     /// The development settings with the server configured as `server`: data in
     /// [`DEFAULT_DATA_DIR`], the embedded example policy, development credentials on,
     /// the default database.

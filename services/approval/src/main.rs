@@ -4,7 +4,7 @@ use std::{path::PathBuf, process::ExitCode, time::Duration};
 
 use clap::Parser;
 use convene_approval::Config;
-use convene_server::{ConfigLoader, ServiceCommon, cli::ServiceArgs, serve_binary};
+use convene_server::{ConfigLoader, cli::ServiceArgs, serve_binary};
 
 /// Allocation-heavy request handling on many threads: mimalloc costs far less CPU per
 /// allocation than the system allocator here.
@@ -47,10 +47,7 @@ impl Cli {
     /// by [`serve_binary`].
     fn loader(&self) -> ConfigLoader {
         self.common
-            .config_loader()
-            .section::<ServiceCommon>()
-            .set_path("policy_file", self.policy_file.as_deref())
-            .set_path("data_dir", self.data_dir.as_deref())
+            .common_loader(self.policy_file.as_deref(), self.data_dir.as_deref())
             .set_some(
                 "default_ttl",
                 self.default_ttl

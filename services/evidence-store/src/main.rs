@@ -5,7 +5,7 @@ use std::process::ExitCode;
 
 use clap::Parser;
 use convene_evidence_store::Config;
-use convene_server::{ConfigLoader, ServiceCommon, cli::ServiceArgs, serve_binary};
+use convene_server::{ConfigLoader, cli::ServiceArgs, serve_binary};
 
 /// Allocation-heavy request handling on many threads: mimalloc costs far less CPU per
 /// allocation than the system allocator here.
@@ -52,10 +52,7 @@ impl Cli {
     /// by [`serve_binary`].
     fn loader(&self) -> ConfigLoader {
         self.common
-            .config_loader()
-            .section::<ServiceCommon>()
-            .set_path("policy_file", self.policy_file.as_deref())
-            .set_path("data_dir", self.data_dir.as_deref())
+            .common_loader(self.policy_file.as_deref(), self.data_dir.as_deref())
             .set_some("policy_endpoint", self.policy_endpoint.as_deref())
             .set_some("max_artifact_bytes", self.max_artifact_bytes)
     }

@@ -6,7 +6,7 @@ use std::process::ExitCode;
 use clap::Parser;
 use convene_policy::Config;
 use convene_server::binary::BoxError;
-use convene_server::{ConfigLoader, ServiceCommon, cli::ServiceArgs, serve_binary};
+use convene_server::{ConfigLoader, cli::ServiceArgs, serve_binary};
 
 /// Allocation-heavy request handling on many threads: mimalloc costs far less CPU per
 /// allocation than the system allocator here.
@@ -46,10 +46,7 @@ impl Cli {
     /// by [`serve_binary`].
     fn loader(&self) -> ConfigLoader {
         self.common
-            .config_loader()
-            .section::<ServiceCommon>()
-            .set_path("policy_file", self.policy_file.as_deref())
-            .set_path("data_dir", self.data_dir.as_deref())
+            .common_loader(self.policy_file.as_deref(), self.data_dir.as_deref())
     }
 }
 
@@ -61,14 +58,7 @@ async fn main() -> ExitCode {
         "convene-policy",
         &cli.common,
         cli.loader(),
-        |config: &Config| {
-            format!(
-                "data dir {}, policy {}, listening on {}",
-                config.data_dir.display(),
-                config.policy_source().name(),
-                config.server.listen
-            )
-        },
+        |config: &Config| config.describe(&config.policy_source().name()),
         |config, shutdown| async move {
             if rotate_key {
                 let kid = convene_policy::rotate_signing_key(&config)

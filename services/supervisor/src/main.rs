@@ -4,7 +4,7 @@ use std::process::ExitCode;
 
 use clap::Parser;
 use convene_server::cli::ServiceArgs;
-use convene_server::{ServiceCommon, serve_binary};
+use convene_server::serve_binary;
 use convene_supervisor::{Config, run};
 
 /// Allocation-heavy request handling on many threads: mimalloc costs far less CPU per
@@ -32,15 +32,8 @@ async fn main() -> ExitCode {
     serve_binary(
         "convene-supervisor",
         &cli.common,
-        cli.common.config_loader().section::<ServiceCommon>(),
-        |config: &Config| {
-            format!(
-                "data dir {}, policy {}, listening on {}",
-                config.data_dir.display(),
-                config.policy_source().name(),
-                config.server.listen
-            )
-        },
+        cli.common.common_loader(None, None),
+        |config: &Config| config.describe(&config.policy_source().name()),
         run,
     )
     .await
