@@ -39,10 +39,14 @@ pub(super) async fn poll(
     loop {
         tick.tick().await;
         let outcome = if notify.receiver_count() == 0 {
-            // Nobody to tell: keep up with the end without reading rows.
+            // Nobody to tell: keep up with the end without reading rows. A subscriber
+            // that came while the ends were read may be waiting for a commit they
+            // include: then the cursors stay, and the next poll reads that commit.
             ends(&db).await.map(|(e, o)| {
-                events_after = e;
-                outbox_after = o;
+                if notify.receiver_count() == 0 {
+                    events_after = e;
+                    outbox_after = o;
+                }
             })
         } else {
             poll_once(&db, &notify, &mut events_after, &mut outbox_after).await
