@@ -14,6 +14,7 @@ use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
 
 use crate::client::Client;
 use crate::report;
+use convene_mesh::handles::GrpcApproval;
 
 /// Prints a message in the protobuf JSON mapping.
 pub fn print_json<T: convene_proto::json::Named>(msg: &T) -> anyhow::Result<()> {
@@ -458,15 +459,7 @@ pub async fn approvals_decide(
     comment: &str,
 ) -> anyhow::Result<()> {
     let approval = client.approval()?;
-    let current = approval
-        .get_approval(client.request(v1::GetApprovalRequest {
-            approval_id: id.to_owned(),
-        }))
-        .await
-        .map_err(|s| client.explain(&s))?
-        .into_inner()
-        .approval
-        .context("no approval returned")?;
+    let current = current_approval(client, &approval, id).await?;
     let decided = approval
         .decide(client.request(v1::DecideRequest {
             approval_id: id.to_owned(),
@@ -497,15 +490,7 @@ pub async fn approvals_decide(
 /// `convene approvals execute`.
 pub async fn approvals_execute(client: &Client, id: &str) -> anyhow::Result<()> {
     let approval = client.approval()?;
-    let current = approval
-        .get_approval(client.request(v1::GetApprovalRequest {
-            approval_id: id.to_owned(),
-        }))
-        .await
-        .map_err(|s| client.explain(&s))?
-        .into_inner()
-        .approval
-        .context("no approval returned")?;
+    let current = current_approval(client, &approval, id).await?;
     let resp = approval
         .execute(client.request(v1::ApprovalExecuteRequest {
             approval_id: id.to_owned(),
@@ -589,4 +574,21 @@ pub async fn evidence_verify(client: &Client, run_id: &str, json: bool) -> anyho
         }
     );
     Ok(resp.intact)
+}
+
+/// Approval `id` as it stands, whose parameter hash a decision or an execution binds to.
+async fn current_approval(
+    client: &Client,
+    approval: &GrpcApproval,
+    id: &str,
+) -> anyhow::Result<v1::ApprovalRequest> {
+    approval
+        .get_approval(client.request(v1::GetApprovalRequest {
+            approval_id: id.to_owned(),
+        }))
+        .await
+        .map_err(|s| client.explain(&s))?
+        .into_inner()
+        .approval
+        .context("no approval returned")
 }
