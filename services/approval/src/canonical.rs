@@ -130,37 +130,12 @@ fn write_string(out: &mut String, s: &str) {
 ///
 /// # Errors
 ///
-/// `json` is not an object, or holds a number that is not a finite double.
+/// `json` is not an object.
 pub fn struct_from_json(json: &serde_json::Value) -> Result<Struct, String> {
     match json {
-        serde_json::Value::Object(map) => Ok(Struct {
-            fields: map
-                .iter()
-                .map(|(k, v)| Ok((k.clone(), value_from_json(v)?)))
-                .collect::<Result<_, String>>()?,
-        }),
+        serde_json::Value::Object(_) => Ok(convene_proto::json::to_struct(json)),
         other => Err(format!("parameters must be a JSON object, not {other}")),
     }
-}
-
-fn value_from_json(json: &serde_json::Value) -> Result<Value, String> {
-    let kind = match json {
-        serde_json::Value::Null => Kind::NullValue(0),
-        serde_json::Value::Bool(b) => Kind::BoolValue(*b),
-        serde_json::Value::Number(n) => Kind::NumberValue(
-            n.as_f64()
-                .ok_or_else(|| format!("{n} does not fit a double"))?,
-        ),
-        serde_json::Value::String(s) => Kind::StringValue(s.clone()),
-        serde_json::Value::Array(items) => Kind::ListValue(prost_types::ListValue {
-            values: items
-                .iter()
-                .map(value_from_json)
-                .collect::<Result<_, _>>()?,
-        }),
-        serde_json::Value::Object(_) => Kind::StructValue(struct_from_json(json)?),
-    };
-    Ok(Value { kind: Some(kind) })
 }
 
 #[cfg(test)]
