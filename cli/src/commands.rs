@@ -550,6 +550,7 @@ pub async fn evidence_verify(client: &Client, run_id: &str, json: bool) -> anyho
         print_json(&resp)?;
         return Ok(resp.intact);
     }
+    let asked_by = model_turns(client, &run, &resp.links).await?;
     for link in &resp.links {
         let status = v1::LinkStatus::try_from(link.status)
             .map_or("?", |s| s.as_str_name().trim_start_matches("LINK_STATUS_"));
@@ -562,6 +563,12 @@ pub async fn evidence_verify(client: &Client, run_id: &str, json: bool) -> anyho
             "{mark} {:<22} → {} → {} {status} {}",
             link.claim_id, link.evidence_id, link.artifact_uri, link.detail
         );
+        if let Some((call, turn)) = asked_by.get(&link.evidence_id) {
+            println!(
+                "    {:<22}   recorded by tool call {call}, asked for by model turn {turn}",
+                ""
+            );
+        }
     }
     println!(
         "{} link(s) checked for run {}: {}",
@@ -574,6 +581,84 @@ pub async fn evidence_verify(client: &Client, run_id: &str, json: bool) -> anyho
         }
     );
     Ok(resp.intact)
+}
+
+/// For each evidence id among `links`, the tool call that recorded it and the model turn
+/// (`model_turn` evidence) that asked for that call, for delegations run by a model.
+///
+/// A delegation's turns are found without a search: their ids follow from the run, the
+/// delegation, its last dispatch attempt and the result's iteration count, and each
+/// turn's artifact lists the tool calls it asked for.
+async fn model_turns(
+    client: &Client,
+    run: &v1::Run,
+    links: &[v1::ChainLink],
+) -> anyhow::Result<std::collections::HashMap<String, (String, String)>> {
+    use std::collections::HashMap;
+    let evidence = client.evidence()?;
+    let mut turn_ids = Vec::new();
+    for d in &run.delegations {
+        let (Some(task), Some(result)) = (&d.task, &d.result) else {
+            continue;
+        };
+        let turns = result.usage.as_ref().map_or(0, |u| u.iterations);
+        for turn in 1..=turns {
+            turn_ids.push(convene_worker::agent::turns::turn_evidence_id(
+                &task.run_id,
+                &task.delegation_id,
+                d.attempts.max(1),
+                turn,
+            ));
+        }
+    }
+    let mut wanted: Vec<String> = links.iter().map(|l| l.evidence_id.clone()).collect();
+    wanted.sort();
+    wanted.dedup();
+    wanted.extend(turn_ids);
+    if wanted.is_empty() {
+        return Ok(HashMap::new());
+    }
+    let found = evidence
+        .get_evidence(client.request(v1::GetEvidenceRequest {
+            evidence_ids: wanted,
+        }))
+        .await
+        .map_err(|s| client.explain(&s))?
+        .into_inner()
+        .evidence;
+    // tool call id (`<delegation>/<call>`) → the turn that asked for it.
+    let mut turn_of_call: HashMap<String, String> = HashMap::new();
+    for turn in found
+        .iter()
+        .filter(|e| e.kind == convene_worker::agent::turns::MODEL_TURN_KIND)
+    {
+        let artifact = evidence
+            .get_artifact(client.request(v1::GetArtifactRequest {
+                uri: turn.artifact_uri.clone(),
+            }))
+            .await
+            .map_err(|s| client.explain(&s))?
+            .into_inner();
+        let Ok(body) = serde_json::from_slice::<serde_json::Value>(&artifact.content) else {
+            continue;
+        };
+        let delegation = body["delegation_id"].as_str().unwrap_or_default();
+        for call in body["tool_call_ids"].as_array().into_iter().flatten() {
+            if let Some(call) = call.as_str() {
+                turn_of_call.insert(format!("{delegation}/{call}"), turn.evidence_id.clone());
+            }
+        }
+    }
+    Ok(found
+        .iter()
+        .filter_map(|e| {
+            let turn = turn_of_call.get(&e.tool_call_id)?;
+            Some((
+                e.evidence_id.clone(),
+                (e.tool_call_id.clone(), turn.clone()),
+            ))
+        })
+        .collect())
 }
 
 /// Approval `id` as it stands, whose parameter hash a decision or an execution binds to.

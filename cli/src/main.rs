@@ -85,6 +85,19 @@ enum Command {
         /// needs to be running.
         #[arg(long)]
         local: bool,
+        /// With --local: the policy file (principals, capabilities, tool catalog,
+        /// runtime rules), as `convene up --policy`. [default: the payment-incident
+        /// example's, built in]
+        #[arg(long = "policy", value_name = "FILE", requires = "local")]
+        policy_file: Option<PathBuf>,
+        /// With --local: the worker profiles file, as `convene up --profiles`.
+        /// [default: the payment-incident example's, built in]
+        #[arg(long = "profiles", value_name = "FILE", requires = "local")]
+        profiles_file: Option<PathBuf>,
+        /// With --local: MCP servers whose tools the workers mount (those the policy's
+        /// tool catalog declares), as `convene up --mcp`; see examples/mcp/mcp.yaml.
+        #[arg(long = "mcp", value_name = "FILE", requires = "local")]
+        mcp_file: Option<PathBuf>,
         #[command(flatten)]
         client: ClientArgs,
     },
@@ -415,6 +428,9 @@ async fn main_inner(cli: Cli) -> anyhow::Result<ExitCode> {
             json,
             detach,
             local,
+            policy_file,
+            profiles_file,
+            mcp_file,
             client: mut c,
         } => {
             // The spec is read before anything else, so a missing or malformed file is
@@ -424,7 +440,12 @@ async fn main_inner(cli: Cli) -> anyhow::Result<ExitCode> {
             let mut telemetry = None;
             let mesh = if local {
                 telemetry = Some(init_telemetry_quiet());
-                let args = up::UpArgs::defaults("127.0.0.1:0".parse()?);
+                let args = up::UpArgs {
+                    policy_file,
+                    profiles_file,
+                    mcp_file,
+                    ..up::UpArgs::defaults("127.0.0.1:0".parse()?)
+                };
                 let mesh = up::start(&args, &data_dir, Shutdown::new()).await?;
                 c.endpoint = format!("http://{}", mesh.addr);
                 c.approval_endpoint = None;

@@ -8,6 +8,10 @@
 //! State outlives the process: a `convene up` started again on the same data directory
 //! resumes the runs the previous one left unfinished (its supervisor keeps one replica
 //! id in the data directory, so it takes them back at once).
+//!
+//! With `--mcp FILE` the workers also mount the tools of MCP servers, those the policy's
+//! tool catalog declares (see `convene_worker::tools::mcp`). The servers are started (or
+//! reached) once and shared by every in-process worker.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -44,6 +48,12 @@ pub struct UpArgs {
     /// Worker profiles file. Default: the payment-incident example's, built in.
     #[arg(long = "profiles", value_name = "FILE")]
     pub profiles_file: Option<PathBuf>,
+    /// MCP servers whose tools the workers mount (YAML or TOML: `servers:`, each with a
+    /// `name` and a stdio `command` + `args` + `env` or a streamable-HTTP `url`; see
+    /// examples/mcp/mcp.yaml). Only the tools the policy's tool catalog declares, as
+    /// mcp:<server>/<tool>@<version>, are mounted. [default: no MCP servers]
+    #[arg(long = "mcp", value_name = "FILE")]
+    pub mcp_file: Option<PathBuf>,
     /// Directory the workers' read-only tools read (logs/, metrics/, changes/).
     #[arg(
         long = "tools-data",
@@ -105,6 +115,7 @@ impl UpArgs {
             listen,
             policy_file: None,
             profiles_file: None,
+            mcp_file: None,
             tools_data_dir: PathBuf::from("examples/payment-incident/data"),
             workers: 2,
             capacity: 64,
@@ -143,6 +154,29 @@ pub struct Mesh {
     pool: WorkerPool,
 }
 
+/// Mounts the MCP tools of `file` for the in-process workers: reads the configuration,
+/// asks the (in-process) policy service for its tool catalog as `worker-pool`, and starts
+/// or reaches every server. A server that cannot be started or reached is a warning.
+async fn mount_mcp(
+    file: &Path,
+    policy: &PolicyHandle,
+    credential: &str,
+) -> anyhow::Result<convene_worker::tools::mcp::McpTools> {
+    use convene_worker::tools::mcp::{Catalog, McpConfig, McpTools};
+    let config = McpConfig::load(file).map_err(anyhow::Error::msg)?;
+    let catalog = Catalog::fetch(policy, credential, Duration::ZERO)
+        .await
+        .context("reading the tool catalog for the MCP tools")?;
+    let mcp = McpTools::mount(&config, &catalog).await;
+    tracing::info!(
+        file = %file.display(),
+        servers = config.servers.len(),
+        tools = ?mcp.names(),
+        "MCP tools mounted"
+    );
+    Ok(mcp)
+}
+
 /// What starting another in-process worker needs.
 #[derive(Clone)]
 struct WorkerPool {
@@ -155,6 +189,8 @@ struct WorkerPool {
     credential: String,
     data_dir: PathBuf,
     shutdown: Shutdown,
+    /// The MCP tools every worker mounts (`--mcp`), shared.
+    mcp: Option<convene_worker::tools::mcp::McpTools>,
 }
 
 impl WorkerPool {
@@ -180,8 +216,13 @@ impl WorkerPool {
                 data_dir: self.data_dir.clone(),
                 ..convene_worker::Config::default()
             };
-            let worker = convene_worker::WorkerService::from_config(
+            let mut tools = worker_config.tools().context("starting a worker")?;
+            if let Some(mcp) = &self.mcp {
+                tools = tools.with_mcp(mcp);
+            }
+            let worker = convene_worker::WorkerService::from_config_with_tools(
                 &worker_config,
+                tools,
                 self.policy.clone(),
                 self.evidence.clone(),
                 false,
@@ -264,6 +305,9 @@ impl Mesh {
         self.supervisor
             .actors_stopped(convene_supervisor::ACTOR_STOP_GRACE)
             .await;
+        if let Some(mcp) = &self.pool.mcp {
+            mcp.shutdown().await;
+        }
         served.context("the gRPC server failed")
     }
 }
@@ -390,16 +434,22 @@ pub async fn start(args: &UpArgs, data_dir: &Path, shutdown: Shutdown) -> anyhow
         shutdown: shutdown.clone(),
     });
 
-    // Workers: in-process, registered like remote ones.
+    // Workers: in-process, registered like remote ones, with the MCP tools of --mcp.
+    let worker_credential = dev_credential(&creds, "worker-pool").context("worker credential")?;
+    let mcp = match &args.mcp_file {
+        Some(file) => Some(mount_mcp(file, &policy_handle, &worker_credential).await?),
+        None => None,
+    };
     let pool = WorkerPool {
         policy: policy_handle.clone(),
         evidence: evidence_handle.clone(),
         supervisor: Arc::new(supervisor.clone()),
         connector: connector.clone(),
         registry: registry.clone(),
-        credential: dev_credential(&creds, "worker-pool").context("worker credential")?,
+        credential: worker_credential,
         data_dir: data_dir.to_owned(),
         shutdown: shutdown.clone(),
+        mcp,
     };
     let (profile_ids, workers) = pool.start(
         args.profiles_file.as_deref(),

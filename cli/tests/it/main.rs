@@ -4,5 +4,6 @@
 mod bench;
 mod cli;
 mod durable;
+mod model;
 mod support;
 mod trace;

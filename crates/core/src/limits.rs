@@ -239,6 +239,28 @@ impl BudgetLedger {
         }
     }
 
+    /// The wire budget a delegation is dispatched with: [`Self::budget_for`] its own
+    /// (`asked`, where 0 means "no limit"), or None when neither limits anything.
+    pub fn dispatch_budget(&self, asked: Option<&v1::Budget>) -> Option<v1::Budget> {
+        let nonzero_u32 = |v: u32| (v > 0).then_some(v);
+        let asked = asked.map_or_else(model::Budget::default, |b| model::Budget {
+            max_tool_calls: nonzero_u32(b.max_tool_calls),
+            max_tokens: (b.max_tokens > 0).then_some(b.max_tokens),
+            max_cost: (b.max_cost > 0.0).then_some(b.max_cost),
+        });
+        let given = self.budget_for(&asked);
+        if given == model::Budget::default() {
+            return None;
+        }
+        Some(v1::Budget {
+            // An exhausted kind would read as "no limit" on the wire; the ledger's check
+            // stops dispatching before that, and 1 is the least a dispatch can be given.
+            max_tool_calls: given.max_tool_calls.map_or(0, |v| v.max(1)),
+            max_tokens: given.max_tokens.map_or(0, |v| v.max(1)),
+            max_cost: given.max_cost.map_or(0.0, |v| v.max(f64::MIN_POSITIVE)),
+        })
+    }
+
     /// Starts the next planning round and returns its 0-based index (the static plan is
     /// round 0), or refuses once `max_rounds` rounds have started.
     pub fn start_round(&mut self) -> Result<u32, LimitError> {

@@ -407,6 +407,13 @@ impl Policy for BatchingPolicy {
     ) -> Result<Response<v1::GetSigningKeysResponse>, Status> {
         self.inner.get_signing_keys(request).await
     }
+
+    async fn list_tools(
+        &self,
+        request: Request<v1::ListToolsRequest>,
+    ) -> Result<Response<v1::ListToolsResponse>, Status> {
+        self.inner.list_tools(request).await
+    }
 }
 
 /// `PutArtifact` calls, batched as `PutArtifactBatch`.

@@ -145,6 +145,7 @@ grpc_adapter!(
         authorize_batch: AuthorizeBatchRequest => AuthorizeBatchResponse,
         revoke: RevokeRequest => RevokeResponse,
         get_signing_keys: GetSigningKeysRequest => GetSigningKeysResponse,
+        list_tools: ListToolsRequest => ListToolsResponse,
     }
 );
 

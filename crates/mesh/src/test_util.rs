@@ -179,6 +179,13 @@ impl<S: Policy> Policy for Recording<S> {
     ) -> Result<Response<v1::GetSigningKeysResponse>, Status> {
         self.inner.get_signing_keys(request).await
     }
+
+    async fn list_tools(
+        &self,
+        request: Request<v1::ListToolsRequest>,
+    ) -> Result<Response<v1::ListToolsResponse>, Status> {
+        self.inner.list_tools(request).await
+    }
 }
 
 #[tonic::async_trait]

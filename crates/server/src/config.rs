@@ -49,6 +49,9 @@ pub const RESERVED_ENV_VARS: &[&str] = &[
     "CONVENE_CREDENTIAL",
     "CONVENE_JAEGER_URL",
     "CONVENE_LISTEN",
+    // The model every `openai` worker profile uses; read by the worker (and by
+    // `convene up`) itself, and harmless to every other service.
+    "CONVENE_MODEL",
 ];
 
 /// Variables with this prefix belong to the test suites (the database and broker servers

@@ -6,7 +6,8 @@
 //! other check, and before any other reason for one that does not); the presenter is in
 //! its audience; the tenant matches;
 //! the tool is in the catalog and in the token; no runtime rule denies the tool to the
-//! token's profile; the tool's catalog action covers the asked action; the token's scopes
+//! token's profile; the tool's catalog action covers the asked action; the resource is
+//! one the tool's catalog resource template can produce (MCP tools); the token's scopes
 //! cover action, resource and data scope; and finally the call is counted against
 //! `max_calls`. Only a call that passes every check consumes a call.
 
@@ -360,6 +361,21 @@ impl Inner {
                     tool.name, tool.action
                 )
             };
+            return Ok(Outcome::deny(
+                Some(claims),
+                AuthorizeReason::ScopeNotGranted,
+                detail,
+            ));
+        }
+        if let Some(template) = &tool.resource
+            && !template.matches(&request.resource)
+        {
+            let detail = format!(
+                "tool `{}` touches resources shaped `{template}` (its catalog resource \
+                 template), and `{}` is not one; name the resource the call's arguments fill \
+                 the template with",
+                tool.name, request.resource
+            );
             return Ok(Outcome::deny(
                 Some(claims),
                 AuthorizeReason::ScopeNotGranted,

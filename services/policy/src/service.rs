@@ -622,6 +622,40 @@ impl v1::policy_server::Policy for PolicyService {
             keys: self.inner.keys.current().jwks.clone(),
         }))
     }
+
+    async fn list_tools(
+        &self,
+        request: Request<v1::ListToolsRequest>,
+    ) -> Result<Response<v1::ListToolsResponse>, Status> {
+        // Any principal: the catalog says what tools exist and what their calls ask for,
+        // nothing a token allows.
+        self.inner.auth.authenticate(&request).await?;
+        Ok(Response::new(list_tools(
+            &self.inner.policy,
+            &request.get_ref().name_prefix,
+        )))
+    }
+}
+
+/// The catalog's tools whose name starts with `prefix`, sorted by name.
+fn list_tools(policy: &Policy, prefix: &str) -> v1::ListToolsResponse {
+    let tools = policy
+        .tools
+        .values()
+        .filter(|t| t.name.starts_with(prefix))
+        .map(|t| v1::CatalogTool {
+            name: t.name.clone(),
+            action: t.action.clone(),
+            resource_template: t
+                .resource
+                .as_ref()
+                .map(|r| r.as_str().to_owned())
+                .unwrap_or_default(),
+            risk_level: t.risk.to_proto().into(),
+            description: t.description.clone(),
+        })
+        .collect();
+    v1::ListToolsResponse { tools }
 }
 
 /// Most runs one `Revoke` call names.

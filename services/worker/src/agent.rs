@@ -44,31 +44,29 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument as _;
 use tracing::field::Empty;
 
+use crate::models::ModelSettings;
 use crate::profiles::Profile;
 use crate::provider::{
-    FinishReason, Message, ModelProvider, ModelRequest, ModelResponse, ProviderError, ToolSpec,
+    FinishReason, Message, ModelProvider, ModelRequest, ModelResponse, ProviderError, ToolCall,
+    ToolSpec,
 };
-use crate::report::{self, Ending, FinalReport, LoopEnd, Progress, Reporter};
+use crate::report::{
+    self, Ending, FinalReport, LoopEnd, Progress, Reporter, SUBMIT_REPORT, ToolOutcome,
+};
 use crate::tools::ToolRegistry;
 
 mod calls;
+pub mod turns;
 
-/// Retries of a model call that failed transiently, before the task fails.
-const PROVIDER_RETRIES: u32 = 2;
-/// First pause between model retries; it doubles each time.
-const PROVIDER_BACKOFF: Duration = Duration::from_millis(200);
 /// Time kept back from the deadline to hand in a TIMED_OUT result before the deadline.
 const RESULT_MARGIN: Duration = Duration::from_millis(200);
 
-/// What the model is told about the report it must give.
-const REPORT_FORMAT: &str = "When you have what you need, answer with one JSON object and \
-nothing else: {\"summary\": string, \"claims\": [{\"claim_id\": string, \"topic\": string, \
-\"value\": string, \"statement\": string, \"evidence_from\": [tool call ids], \
-\"confidence\": number in [0, 1]}], \"proposed_actions\": [{\"action\": string, \
-\"parameters\": object, \"risk_level\": \"R0\"..\"R3\", \"rationale\": string, \
-\"evidence_from\": [tool call ids]}], \"missing_evidence\": [string], \
-\"recommended_next\": string}. Cite only tool calls that succeeded. Never perform an \
-action: propose it.";
+/// What the model is told about how a task ends.
+const REPORT_INSTRUCTIONS: &str = "Investigate with the tools you are given. Every tool \
+call returns an evidence_id for what it recorded. When you have what you need, end the task \
+by calling submit_report: a summary, and claims that each cite in evidence_refs the \
+evidence ids your tool calls returned. Do not answer in plain text. Propose actions; never \
+perform them.";
 
 /// One delegation to run.
 #[derive(Debug, Clone)]
@@ -126,6 +124,8 @@ pub struct Agent {
     /// Whether the `exit_process_after_tools` fault may exit the process (standalone
     /// binary only).
     pub exit_process: bool,
+    /// Retries, prices and span content of model calls.
+    pub models: Arc<ModelSettings>,
 }
 
 impl std::fmt::Debug for Agent {
@@ -147,6 +147,9 @@ struct TaskContext<'a> {
     window: TimeWindow,
     scope: Option<v1::TaskScope>,
     callable: BTreeSet<String>,
+    /// The tools the task token names (a tool outside them is denied by the policy
+    /// service, which logs the decision).
+    token_tools: BTreeSet<String>,
     max_tool_calls: u32,
 }
 
@@ -231,6 +234,7 @@ impl Agent {
             window,
             scope: a.task.scope.clone(),
             callable,
+            token_tools: claims.tools.into_iter().collect(),
             max_tool_calls,
         })
     }
@@ -241,83 +245,149 @@ impl Agent {
         }
         self.profile.faults.before_loop().await;
         let profile = &self.profile.profile;
-        let budget_tokens = ctx.task.budget.as_ref().map_or(0, |b| b.max_tokens);
-        let max_tokens = match budget_tokens {
-            0 => u64::from(profile.max_tokens),
-            b => b.min(u64::from(profile.max_tokens)),
-        };
-        let specs: Vec<Arc<ToolSpec>> = ctx
+        let budget = Budget::of(ctx.task);
+        let mut specs: Vec<Arc<ToolSpec>> = ctx
             .callable
             .iter()
             .filter_map(|name| self.tools.model_spec(name))
             .cloned()
             .collect();
+        specs.push(submit_report_spec());
+        let system = format!("{}\n\n{REPORT_INSTRUCTIONS}", profile.instructions.trim());
         let mut messages = vec![Message::user(task_prompt(ctx))];
         for iteration in 1..=profile.max_iterations {
-            lock(progress).iterations = iteration;
-            let used = lock(progress).tokens;
+            let used = {
+                let mut p = lock(progress);
+                p.iterations = iteration;
+                p.tokens
+            };
+            if let Some(spent) = budget.spent(used, lock(progress).cost) {
+                return LoopEnd::Budget {
+                    report: None,
+                    detail: spent,
+                };
+            }
             let request = ModelRequest {
                 model: profile.model.clone(),
-                system: format!("{}\n\n{REPORT_FORMAT}", profile.instructions.trim()),
+                system: system.clone(),
                 messages: messages.clone(),
                 tools: specs.clone(),
-                max_tokens: u32::try_from(max_tokens.saturating_sub(used)).unwrap_or(u32::MAX),
+                max_tokens: budget.answer_limit(profile.max_tokens, used),
                 temperature: profile.temperature,
             };
             let response = match self.complete(&request).await {
                 Ok(r) => r,
                 Err(e) => return LoopEnd::Provider(e),
             };
-            let used = {
+            let (used, cost) = {
+                let model = if response.model.is_empty() {
+                    &profile.model
+                } else {
+                    &response.model
+                };
                 let mut p = lock(progress);
                 p.tokens = p.tokens.saturating_add(response.usage.total());
-                p.tokens
+                p.cost += self.models.cost(model, response.usage);
+                (p.tokens, p.cost)
             };
-            let calls = response.message.tool_calls.clone();
-            let content = response.message.content.clone();
-            messages.push(response.message);
-            if used > max_tokens {
-                return LoopEnd::TokenBudget(max_tokens);
+            if self.provider.records_turns()
+                && let Err(infra) = self.record_turn(ctx, iteration, &request, &response).await
+            {
+                return LoopEnd::Infra(infra);
             }
-            if !calls.is_empty() {
-                let outcomes = futures::future::join_all(
-                    calls.iter().map(|c| self.call_tool(ctx, c, progress)),
-                )
-                .await;
-                for (call, outcome) in calls.iter().zip(outcomes) {
-                    match outcome {
-                        Ok(o) => messages.push(Message::tool_result(&call.id, o.to_content())),
-                        Err(infra) => return LoopEnd::Infra(infra),
-                    }
+            let calls = response.message.tool_calls.clone();
+            let finish = response.finish;
+            messages.push(response.message);
+            let (reports, tool_calls): (Vec<&ToolCall>, Vec<&ToolCall>) =
+                calls.iter().partition(|c| c.name == SUBMIT_REPORT);
+            if let Some(spent) = budget.spent(used, cost) {
+                // Out of budget: a report handed in on this very turn still counts, if it
+                // cites only evidence already recorded.
+                let report = reports
+                    .first()
+                    .and_then(|c| FinalReport::from_arguments(&c.arguments).ok())
+                    .filter(|r| report::check_citations(r, &lock(progress)).is_ok());
+                return LoopEnd::Budget {
+                    report,
+                    detail: spent,
+                };
+            }
+            if calls.is_empty() {
+                messages.push(Message::user(if finish == FinishReason::Length {
+                    format!(
+                        "Your answer was cut off at the token limit. Call {SUBMIT_REPORT} with \
+                         a shorter report, or a tool, instead."
+                    )
+                } else {
+                    format!(
+                        "You answered in plain text. Continue with tool calls, and end the \
+                         task by calling {SUBMIT_REPORT}; plain text is not a report."
+                    )
+                }));
+                continue;
+            }
+            let outcomes = futures::future::join_all(
+                tool_calls.iter().map(|c| self.call_tool(ctx, c, progress)),
+            )
+            .await;
+            let mut answers: Vec<(&str, String)> = Vec::with_capacity(calls.len());
+            for (call, outcome) in tool_calls.iter().zip(outcomes) {
+                match outcome {
+                    Ok(o) => answers.push((&call.id, o.to_content())),
+                    Err(infra) => return LoopEnd::Infra(infra),
                 }
-                if let Some(injected) = self
+            }
+            let mut accepted = None;
+            for (i, call) in reports.iter().enumerate() {
+                let outcome = if i > 0 {
+                    ToolOutcome::failure(format!(
+                        "only the first {SUBMIT_REPORT} call of a turn is read"
+                    ))
+                } else {
+                    match FinalReport::from_arguments(&call.arguments)
+                        .and_then(|r| report::check_citations(&r, &lock(progress)).map(|()| r))
+                    {
+                        Ok(r) => {
+                            accepted = Some(r);
+                            break;
+                        }
+                        Err(why) => {
+                            tracing::info!(
+                                delegation_id = %ctx.task.delegation_id,
+                                error = %why,
+                                "report not accepted; the model gets another turn"
+                            );
+                            ToolOutcome::failure(why)
+                        }
+                    }
+                };
+                answers.push((&call.id, outcome.to_content()));
+            }
+            if let Some(report) = accepted {
+                return LoopEnd::Report(report);
+            }
+            // Answers in call order, as the API expects.
+            for call in &calls {
+                if let Some((_, content)) = answers.iter().find(|(id, _)| *id == call.id) {
+                    messages.push(Message::tool_result(&call.id, content.clone()));
+                }
+            }
+            if !tool_calls.is_empty()
+                && let Some(injected) = self
                     .profile
                     .faults
                     .after_tools(ctx.attempt, self.exit_process, &profile.id)
                     .await
-                {
-                    return LoopEnd::InjectedFailure(injected);
-                }
-                continue;
-            }
-            if response.finish == FinishReason::Length {
-                messages.push(Message::user(
-                    "Your answer was cut off at the token limit; give the final report as \
-                     a shorter JSON object.",
-                ));
-                continue;
-            }
-            match FinalReport::parse(&content) {
-                Ok(report) => return LoopEnd::Report(report),
-                Err(e) => messages.push(Message::user(e)),
+            {
+                return LoopEnd::InjectedFailure(injected);
             }
         }
         LoopEnd::IterationLimit
     }
 
-    /// A model call, retried with backoff while the error is transient; one
-    /// `model.call` span with the OpenTelemetry GenAI attributes (`gen_ai.*`), retries
-    /// included.
+    /// A model call, retried with backoff and jitter while the error is transient
+    /// (honouring the server's `Retry-After`); one `model.call` span with the
+    /// OpenTelemetry GenAI attributes (`gen_ai.*`), retries included.
     async fn complete(&self, request: &ModelRequest) -> Result<ModelResponse, ProviderError> {
         let provider = self.provider.name();
         // A provider without models (the playbook) is its own model.
@@ -330,28 +400,41 @@ impl Agent {
             "model.call",
             convene.service = "worker",
             gen_ai.operation.name = "chat",
-            gen_ai.system = %provider,
             gen_ai.provider.name = %provider,
             gen_ai.request.model = %model,
             gen_ai.request.max_tokens = request.max_tokens,
             gen_ai.request.temperature = request.temperature,
+            gen_ai.response.model = Empty,
             gen_ai.usage.input_tokens = Empty,
             gen_ai.usage.output_tokens = Empty,
             gen_ai.response.finish_reasons = Empty,
+            gen_ai.input.messages = Empty,
+            gen_ai.output.messages = Empty,
             convene.model.tool_calls = Empty,
             convene.model.retries = Empty,
             error.type = Empty,
         );
-        let mut pause = PROVIDER_BACKOFF;
+        if self.models.record_content {
+            span.record(
+                "gen_ai.input.messages",
+                serde_json::to_string(&request.messages).unwrap_or_default(),
+            );
+        }
         let mut tries = 0;
         let outcome = async {
             loop {
                 match self.provider.complete(request).await {
-                    Err(e) if e.retryable && tries < PROVIDER_RETRIES => {
+                    Err(e) if e.retryable && tries < self.models.retries => {
                         tries += 1;
-                        tracing::warn!(provider = %e.provider, error = %e.message, tries, "model call failed, retrying");
+                        let pause = self.models.pause(tries, e.retry_after);
+                        tracing::warn!(
+                            provider = %e.provider,
+                            error = %e.message,
+                            tries,
+                            pause_ms = u64::try_from(pause.as_millis()).unwrap_or(u64::MAX),
+                            "model call failed, retrying"
+                        );
                         tokio::time::sleep(pause).await;
-                        pause *= 2;
                     }
                     other => return other,
                 }
@@ -362,20 +445,25 @@ impl Agent {
         span.record("convene.model.retries", tries);
         match &outcome {
             Ok(response) => {
+                let answered_by = if response.model.is_empty() {
+                    model
+                } else {
+                    response.model.as_str()
+                };
+                span.record("gen_ai.response.model", answered_by);
                 span.record("gen_ai.usage.input_tokens", response.usage.input);
                 span.record("gen_ai.usage.output_tokens", response.usage.output);
-                span.record(
-                    "gen_ai.response.finish_reasons",
-                    match response.finish {
-                        FinishReason::ToolCalls => "tool_calls",
-                        FinishReason::Stop => "stop",
-                        FinishReason::Length => "length",
-                    },
-                );
+                span.record("gen_ai.response.finish_reasons", response.finish.as_str());
                 span.record(
                     "convene.model.tool_calls",
                     response.message.tool_calls.len(),
                 );
+                if self.models.record_content {
+                    span.record(
+                        "gen_ai.output.messages",
+                        serde_json::to_string(&response.message).unwrap_or_default(),
+                    );
+                }
             }
             Err(e) => {
                 span.record(
@@ -390,6 +478,56 @@ impl Agent {
             }
         }
         outcome
+    }
+}
+
+/// The `submit_report` tool, built once.
+fn submit_report_spec() -> Arc<ToolSpec> {
+    static SPEC: std::sync::OnceLock<Arc<ToolSpec>> = std::sync::OnceLock::new();
+    SPEC.get_or_init(|| Arc::new(FinalReport::tool_spec()))
+        .clone()
+}
+
+/// A task's token and cost budget (0: unlimited).
+struct Budget {
+    tokens: u64,
+    cost: f64,
+}
+
+impl Budget {
+    fn of(task: &v1::DelegationTask) -> Self {
+        let b = task.budget.as_ref();
+        Self {
+            tokens: b.map_or(0, |b| b.max_tokens),
+            cost: b.map_or(0.0, |b| b.max_cost),
+        }
+    }
+
+    /// Why the budget is spent, if it is.
+    fn spent(&self, tokens: u64, cost: f64) -> Option<String> {
+        if self.tokens > 0 && tokens >= self.tokens {
+            Some(format!(
+                "the task's token budget is spent ({tokens} of {} tokens used)",
+                self.tokens
+            ))
+        } else if self.cost > 0.0 && cost >= self.cost {
+            Some(format!(
+                "the task's cost budget is spent ({cost:.4} of {:.4} used)",
+                self.cost
+            ))
+        } else {
+            None
+        }
+    }
+
+    /// The most tokens the next answer may use: the profile's limit, and no more than
+    /// the budget has left.
+    fn answer_limit(&self, profile_limit: u32, used: u64) -> u32 {
+        if self.tokens == 0 {
+            return profile_limit;
+        }
+        let left = self.tokens.saturating_sub(used);
+        u32::try_from(left).unwrap_or(u32::MAX).min(profile_limit)
     }
 }
 

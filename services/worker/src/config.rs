@@ -15,9 +15,12 @@ use std::time::Duration;
 use convene_server::ServerSettings;
 use serde::{Deserialize, Serialize};
 
+use convene_mesh::handles::PolicyHandle;
+
 use crate::Error;
 use crate::profiles::{self, Profile};
 use crate::tools::ToolRegistry;
+use crate::tools::mcp::{CATALOG_PATIENCE, Catalog, McpConfig, McpTools};
 
 /// The worker's well-known port.
 pub const DEFAULT_PORT: u16 = 7410;
@@ -34,7 +37,7 @@ pub const DEFAULT_CAPACITY: u32 = 16;
 pub const WORKER_POOL_PRINCIPAL: &str = "worker-pool";
 
 /// Everything a worker is configured with.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Config {
     /// How the gRPC server listens; `request_timeout` must cover a whole task (or be
@@ -69,6 +72,16 @@ pub struct Config {
     /// the data directory (created if absent, shared with the other services there).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub credential_file: Option<PathBuf>,
+    /// Model of every profile whose provider is `openai`, over the profiles' own. Unset:
+    /// the `CONVENE_MODEL` variable, if set.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+    /// Retries, timeout, prices and span content of model calls.
+    pub models: crate::models::ModelSettings,
+    /// MCP servers whose tools the worker mounts, those the tool catalog declares (see
+    /// [`crate::tools::mcp`]). Their catalog entries are read from the policy service
+    /// with the `worker-pool` credential.
+    pub mcp: McpConfig,
 }
 
 impl Default for Config {
@@ -89,6 +102,9 @@ impl Default for Config {
             evidence_endpoint: "http://127.0.0.1:7402".to_owned(),
             data_dir: PathBuf::from(DEFAULT_DATA_DIR),
             credential_file: None,
+            model: None,
+            models: crate::models::ModelSettings::default(),
+            mcp: McpConfig::default(),
         }
     }
 }
@@ -124,6 +140,8 @@ impl Config {
                 "capacity must be at least 1 (delegations run at once)".into(),
             ));
         }
+        self.mcp.validate().map_err(Error::Config)?;
+        self.models.validate().map_err(Error::Config)?;
         if self.worker_id.trim().is_empty() {
             return Err(Error::Config(
                 "worker_id must not be empty; leave it unset for <hostname>-<pid>".into(),
@@ -137,6 +155,16 @@ impl Config {
     /// # Errors
     ///
     /// The file cannot be read or a profile is invalid.
+    /// The model every `openai` profile uses instead of its own: `model`, else
+    /// `CONVENE_MODEL`.
+    pub fn model_override(&self) -> Option<String> {
+        self.model
+            .clone()
+            .map(|m| m.trim().to_owned())
+            .filter(|m| !m.is_empty())
+            .or_else(crate::models::model_from_env)
+    }
+
     pub fn load_profiles(&self) -> Result<Vec<Profile>, Error> {
         Ok(match &self.profiles_file {
             Some(path) => profiles::load(path)?,
@@ -144,18 +172,55 @@ impl Config {
         })
     }
 
-    /// The built-in tools over `tools_data_dir`.
+    /// The built-in tools over `tools_data_dir`, for a worker without MCP servers.
     ///
     /// # Errors
     ///
-    /// [`Error::ToolsDataDir`] when the directory does not exist.
+    /// [`Error::ToolsDataDir`] when the directory does not exist, [`Error::Config`] when
+    /// `mcp.servers` is set (use [`mount_tools`](Self::mount_tools)).
     pub fn tools(&self) -> Result<ToolRegistry, Error> {
+        if !self.mcp.is_empty() {
+            return Err(Error::Config(
+                "mcp.servers is set, and MCP tools are mounted at start-up from the tool \
+                 catalog: build the tools with Config::mount_tools"
+                    .into(),
+            ));
+        }
         if !self.tools_data_dir.is_dir() {
             return Err(Error::ToolsDataDir {
                 path: self.tools_data_dir.clone(),
             });
         }
         Ok(ToolRegistry::builtin(self.tools_data_dir.clone()))
+    }
+
+    /// The built-in tools over `tools_data_dir` and the MCP tools of `mcp.servers`: the
+    /// ones the tool catalog declares, read from `policy` with the `worker-pool`
+    /// credential (see [`crate::tools::mcp`]). Returns the mounted MCP tools too (None
+    /// without servers), to [shut down](McpTools::shutdown) with the worker. A server
+    /// that cannot be started or reached is a warning, not an error.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::ToolsDataDir`], an unreadable credential, or a catalog the policy service
+    /// does not give ([`Error::Mcp`]).
+    pub async fn mount_tools(
+        &self,
+        policy: &PolicyHandle,
+    ) -> Result<(ToolRegistry, Option<McpTools>), Error> {
+        if self.mcp.is_empty() {
+            return Ok((self.tools()?, None));
+        }
+        if !self.tools_data_dir.is_dir() {
+            return Err(Error::ToolsDataDir {
+                path: self.tools_data_dir.clone(),
+            });
+        }
+        let credential = self.credential()?;
+        let catalog = Catalog::fetch(policy, &credential, CATALOG_PATIENCE).await?;
+        let mcp = McpTools::mount(&self.mcp, &catalog).await;
+        let tools = ToolRegistry::builtin(self.tools_data_dir.clone()).with_mcp(&mcp);
+        Ok((tools, Some(mcp)))
     }
 
     /// The `worker-pool` credential the worker registers with.
@@ -231,7 +296,7 @@ mod tests {
             PathBuf::from("./.convene/credentials")
         );
         config.validate().unwrap();
-        assert_eq!(config.load_profiles().unwrap().len(), 3);
+        assert_eq!(config.load_profiles().unwrap().len(), 6);
     }
 
     #[test]
@@ -254,6 +319,28 @@ mod tests {
             .load::<Config>()
             .unwrap_err();
         assert!(err.to_string().contains("CONVENE_TOOL_DATA_DIR"), "{err}");
+    }
+
+    #[test]
+    fn mcp_servers_come_from_the_file_and_are_checked() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("worker.yaml");
+        std::fs::write(
+            &file,
+            "mcp:\n  servers:\n    - { name: runbooks, command: python3, args: [r.py] }\n",
+        )
+        .unwrap();
+        let config: Config = ConfigLoader::new().file(&file).load().unwrap();
+        assert_eq!(config.mcp.servers[0].name, "runbooks");
+        config.validate().unwrap();
+        // The sync builder cannot mount them: it says which one can.
+        let err = config.tools().unwrap_err().to_string();
+        assert!(err.contains("mount_tools"), "{err}");
+
+        std::fs::write(&file, "mcp:\n  servers:\n    - { name: runbooks }\n").unwrap();
+        let config: Config = ConfigLoader::new().file(&file).load().unwrap();
+        let err = config.validate().unwrap_err().to_string();
+        assert!(err.contains("mcp.servers[0]"), "{err}");
     }
 
     #[test]

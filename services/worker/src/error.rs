@@ -45,6 +45,9 @@ pub enum Error {
     /// An endpoint of another service is not a URL.
     #[error(transparent)]
     Endpoint(#[from] EndpointError),
+    /// The MCP tools cannot be mounted (the tool catalog cannot be read).
+    #[error(transparent)]
+    Mcp(#[from] crate::tools::mcp::McpError),
     /// The gRPC server failed.
     #[error(transparent)]
     Serve(#[from] ServeError),

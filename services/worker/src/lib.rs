@@ -30,6 +30,9 @@ pub mod config;
 mod error;
 pub mod faults;
 pub mod hold;
+pub mod model_server;
+pub mod models;
+pub mod openai;
 pub mod playbook;
 pub mod profiles;
 pub mod provider;
@@ -70,17 +73,39 @@ impl WorkerService {
         exit_process_on_fault: bool,
     ) -> Result<Self, Error> {
         config.validate()?;
-        let profiles = config.load_profiles()?;
         let tools = config.tools()?;
+        Self::from_config_with_tools(config, tools, policy, evidence, exit_process_on_fault)
+    }
+
+    /// Like [`from_config`](Self::from_config), with the tools built already: the
+    /// built-in tools and the MCP tools mounted from `config.mcp`
+    /// ([`Config::mount_tools`]), which `from_config` cannot mount.
+    ///
+    /// # Errors
+    ///
+    /// As [`from_config`](Self::from_config).
+    pub fn from_config_with_tools(
+        config: &Config,
+        tools: tools::ToolRegistry,
+        policy: PolicyHandle,
+        evidence: EvidenceHandle,
+        exit_process_on_fault: bool,
+    ) -> Result<Self, Error> {
+        config.validate()?;
+        let mut profiles = config.load_profiles()?;
+        if let Some(model) = config.model_override() {
+            profiles::override_model(&mut profiles, &model);
+        }
         let options = WorkerOptions {
             worker_id: config.worker_id.clone(),
             capacity: config.capacity,
             exit_process_on_fault,
+            models: Arc::new(config.models.clone()),
         };
         Ok(Self::new(
             options,
             profiles,
-            &profiles::ProviderRegistry::builtin(),
+            &profiles::ProviderRegistry::builtin(&config.models.client()),
             tools,
             policy,
             evidence,
@@ -138,8 +163,11 @@ pub async fn run(config: Config, shutdown: Shutdown) -> Result<(), Error> {
     ));
     let supervisor: SupervisorHandle =
         Arc::new(GrpcSupervisor::connect(&config.supervisor_endpoint)?);
-    let worker =
-        WorkerService::from_config(&config, policy, evidence, true)?.with_supervisor(supervisor);
+    // MCP tools are mounted before anything is served, as the policy service's tool
+    // catalog declares them.
+    let (tools, mcp) = config.mount_tools(&policy).await?;
+    let worker = WorkerService::from_config_with_tools(&config, tools, policy, evidence, true)?
+        .with_supervisor(supervisor);
     let listener = convene_server::bind(config.server.listen)
         .await
         .map_err(Error::Serve)?;
@@ -176,6 +204,9 @@ pub async fn run(config: Config, shutdown: Shutdown) -> Result<(), Error> {
         && let Err(e) = registrar.await
     {
         tracing::warn!(error = %e, "the registrar task failed");
+    }
+    if let Some(mcp) = mcp {
+        mcp.shutdown().await;
     }
     served.map_err(Error::from)
 }

@@ -23,6 +23,10 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 /// Without --config it runs the development settings of the payment-incident example:
 /// the built-in example profiles over examples/payment-incident/data, with the
 /// supervisor, policy service and evidence store on 127.0.0.1:7400, :7401 and :7402.
+///
+/// MCP servers whose tools the worker mounts (only those the policy's tool catalog
+/// declares) are listed in the config file's `mcp` section (`servers`, as in
+/// examples/mcp/mcp.yaml).
 #[derive(Debug, Parser)]
 #[command(name = "convene-worker", version)]
 struct Cli {
@@ -111,13 +115,14 @@ async fn main() -> ExitCode {
         cli.loader(),
         |config: &Config| {
             format!(
-                "data dir {}, tool data {}, profiles {}",
+                "data dir {}, tool data {}, profiles {}, MCP servers {}",
                 config.data_dir.display(),
                 config.tools_data_dir.display(),
                 config
                     .profiles_file
                     .as_ref()
                     .map_or_else(|| "built in".to_owned(), |p| p.display().to_string()),
+                config.mcp.servers.len(),
             )
         },
         convene_worker::run,

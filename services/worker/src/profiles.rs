@@ -30,6 +30,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::faults::Faults;
 use crate::hold::Hold;
+use crate::openai::{self, ClientSettings, Connection, OpenAiProvider};
 use crate::playbook::{self, PlaybookProvider, PlaybookSpec};
 use crate::provider::ModelProvider;
 
@@ -124,6 +125,17 @@ pub struct ProfileEntry {
     /// Whether its delegations complete without external input.
     #[serde(default)]
     pub supports_parallel_completion: bool,
+    /// The `openai` provider's API base, with its version path (default: the
+    /// `OPENAI_BASE_URL` variable, else OpenAI's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub base_url: Option<String>,
+    /// The `openai` provider: the *name* of the variable holding the API key (default
+    /// `OPENAI_API_KEY`). The key itself never goes in a profile.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub api_key_env: Option<String>,
+    /// The `openai` provider: a file holding the API key, instead of a variable.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub api_key_file: Option<std::path::PathBuf>,
     /// The `playbook` provider's script.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub playbook: Option<PlaybookSpec>,
@@ -152,6 +164,8 @@ pub struct Profile {
     pub wire: v1::WorkerProfile,
     /// The playbook, for the `playbook` provider.
     pub playbook: Option<PlaybookSpec>,
+    /// Where the `openai` provider's server and key are.
+    pub connection: Connection,
     /// The bench's `hold`, if the profile has one.
     pub hold: Option<Hold>,
     /// Injected faults (none in real profiles).
@@ -286,6 +300,15 @@ impl ProfileEntry {
             }
             (None, _) => {}
         }
+        let connection = self.connection(field, &profile.provider)?;
+        if profile.provider == openai::PROVIDER_NAME && profile.model.trim().is_empty() {
+            return Err((
+                format!("{field}.model"),
+                "name the model the server should run, e.g. `gpt-4o-mini` or `llama3.1:8b` \
+                 (CONVENE_MODEL overrides it for every openai profile)"
+                    .into(),
+            ));
+        }
         self.faults.check(field)?;
         // The registered form carries the defaults, so the supervisor sees the limits
         // the worker actually applies.
@@ -309,9 +332,84 @@ impl ProfileEntry {
             profile,
             wire,
             playbook: self.playbook.clone(),
+            connection,
             hold: self.hold.clone(),
             faults: self.faults.clone(),
         })
+    }
+}
+
+impl ProfileEntry {
+    /// The `openai` connection settings, refused on other providers.
+    fn connection(&self, field: &str, provider: &str) -> Result<Connection, (String, String)> {
+        let connection = Connection {
+            base_url: self.base_url.clone(),
+            api_key_env: self.api_key_env.clone(),
+            api_key_file: self.api_key_file.clone(),
+        };
+        if provider != openai::PROVIDER_NAME {
+            let set = [
+                ("base_url", connection.base_url.is_some()),
+                ("api_key_env", connection.api_key_env.is_some()),
+                ("api_key_file", connection.api_key_file.is_some()),
+            ];
+            if let Some((key, _)) = set.iter().find(|(_, on)| *on) {
+                return Err((
+                    format!("{field}.{key}"),
+                    format!(
+                        "only the `{}` provider reads {key}; remove it (this profile uses \
+                         `{provider}`)",
+                        openai::PROVIDER_NAME
+                    ),
+                ));
+            }
+            return Ok(connection);
+        }
+        if connection.api_key_env.is_some() && connection.api_key_file.is_some() {
+            return Err((
+                format!("{field}.api_key_file"),
+                "give the key in a variable (api_key_env) or a file (api_key_file), not both"
+                    .into(),
+            ));
+        }
+        if let Some(var) = &connection.api_key_env
+            && (var.trim().is_empty() || var.contains('=') || var.chars().any(char::is_whitespace))
+        {
+            return Err((
+                format!("{field}.api_key_env"),
+                "name the environment variable that holds the key, e.g. OPENAI_API_KEY (the \
+                 name, never the key itself)"
+                    .into(),
+            ));
+        }
+        if let Some(url) = &connection.base_url
+            && !(url.starts_with("http://") || url.starts_with("https://"))
+        {
+            return Err((
+                format!("{field}.base_url"),
+                format!(
+                    "{url:?} is not an http:// or https:// URL; give the API base with its \
+                     version path, e.g. http://localhost:11434/v1"
+                ),
+            ));
+        }
+        Ok(connection)
+    }
+}
+
+/// Sets the model of every `openai` profile to `model` (the `CONVENE_MODEL` override),
+/// in the profile and in its registered form.
+pub fn override_model(profiles: &mut [Profile], model: &str) {
+    let model = model.trim();
+    if model.is_empty() {
+        return;
+    }
+    for p in profiles
+        .iter_mut()
+        .filter(|p| p.profile.provider == openai::PROVIDER_NAME)
+    {
+        model.clone_into(&mut p.profile.model);
+        model.clone_into(&mut p.wire.model);
     }
 }
 
@@ -372,8 +470,9 @@ impl ProviderRegistry {
     }
 
     /// The providers built into the worker: [`crate::playbook`], playing the profile's
-    /// `playbook` section.
-    pub fn builtin() -> Self {
+    /// `playbook` section, and [`crate::openai`], an OpenAI-compatible server, whose
+    /// HTTP client uses `client`.
+    pub fn builtin(client: &ClientSettings) -> Self {
         let mut registry = Self::empty();
         registry.register(
             playbook::PROVIDER_NAME,
@@ -383,6 +482,14 @@ impl ProviderRegistry {
                         .to_owned()
                 })?;
                 PlaybookProvider::new(&profile.profile.id, &profile.profile.default_tools, spec)
+                    .map(|p| Arc::new(p) as Arc<dyn ModelProvider>)
+            }),
+        );
+        let client = client.clone();
+        registry.register(
+            openai::PROVIDER_NAME,
+            Arc::new(move |profile: &Profile| {
+                OpenAiProvider::new(&profile.connection, &client)
                     .map(|p| Arc::new(p) as Arc<dyn ModelProvider>)
             }),
         );
@@ -486,6 +593,71 @@ profiles:
         }
     }
 
+    const MODEL: &str = r#"
+profiles:
+  - id: logs-investigator
+    version: "1"
+    provider: openai
+    model: llama3.1:8b
+    base_url: http://localhost:11434/v1
+    api_key_env: MY_MODEL_KEY
+    default_tools: [search_logs@1]
+    capabilities:
+      - { action: "logs:read", resource: "service/*" }
+    evidence_prefixes: ["logs://"]
+"#;
+
+    #[test]
+    fn openai_profiles_name_their_server_and_where_the_key_is() {
+        let mut profiles = parse(MODEL, "p.yaml").unwrap();
+        let p = &profiles[0];
+        assert_eq!(
+            p.connection.base_url.as_deref(),
+            Some("http://localhost:11434/v1")
+        );
+        assert_eq!(p.connection.api_key_env.as_deref(), Some("MY_MODEL_KEY"));
+        assert_eq!(p.connection.key_source(), "the variable MY_MODEL_KEY");
+        // CONVENE_MODEL's override reaches the profile and its registered form.
+        override_model(&mut profiles, "qwen2.5:7b");
+        assert_eq!(profiles[0].profile.model, "qwen2.5:7b");
+        assert_eq!(profiles[0].wire.model, "qwen2.5:7b");
+
+        assert_eq!(
+            invalid_field(&MODEL.replace("    model: llama3.1:8b\n", "")),
+            "profiles[0].model"
+        );
+        assert_eq!(
+            invalid_field(&MODEL.replace("http://localhost:11434/v1", "localhost:11434")),
+            "profiles[0].base_url"
+        );
+        assert_eq!(
+            invalid_field(&MODEL.replace("MY_MODEL_KEY", "sk-abc def")),
+            "profiles[0].api_key_env"
+        );
+        assert_eq!(
+            invalid_field(&MODEL.replace(
+                "api_key_env: MY_MODEL_KEY",
+                "api_key_env: K\n    api_key_file: /run/key"
+            )),
+            "profiles[0].api_key_file"
+        );
+        // Connection settings on a playbook profile are refused by name.
+        assert_eq!(
+            invalid_field(&MINIMAL.replace(
+                "    version: \"1\"\n",
+                "    version: \"1\"\n    base_url: http://x/v1\n"
+            )),
+            "profiles[0].base_url"
+        );
+        // A key written into the profile is an unknown field, not a setting.
+        let err = parse(
+            &MODEL.replace("api_key_env: MY_MODEL_KEY", "api_key: sk-1"),
+            "p",
+        )
+        .unwrap_err();
+        assert!(matches!(err, Error::Parse { .. }), "{err}");
+    }
+
     #[test]
     fn minimal_profile_gets_defaults() {
         let profiles = parse(MINIMAL, "p.yaml").unwrap();
@@ -564,6 +736,20 @@ profiles:
     }
 
     #[test]
+    fn the_mcp_example_keeps_every_payment_incident_profile() {
+        let path = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../../examples/mcp/profiles.yaml");
+        let mcp = load(&path).unwrap();
+        let base = example().unwrap();
+        assert_eq!(&mcp[..base.len()], &base[..], "the copies drifted apart");
+        let added: Vec<&str> = mcp[base.len()..]
+            .iter()
+            .map(|p| p.profile.id.as_str())
+            .collect();
+        assert_eq!(added, ["runbook-reader", "runbook-reader-model"]);
+    }
+
+    #[test]
     fn example_profiles_agree_with_the_example_policy() {
         let profiles = example().expect("the embedded example profiles are valid");
         let policy_path = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -575,9 +761,22 @@ profiles:
             [
                 "logs-investigator",
                 "metrics-investigator",
-                "change-auditor"
+                "change-auditor",
+                "logs-investigator-model",
+                "metrics-investigator-model",
+                "change-auditor-model"
             ]
         );
+        // Each model-driven twin holds what its playbook specialist holds.
+        for p in profiles.iter().filter(|p| p.profile.provider == "openai") {
+            let twin = profiles
+                .iter()
+                .find(|t| format!("{}-model", t.profile.id) == p.profile.id)
+                .unwrap();
+            assert_eq!(p.profile.default_tools, twin.profile.default_tools);
+            assert_eq!(p.profile.capabilities, twin.profile.capabilities);
+            assert!(!p.profile.model.is_empty());
+        }
         for p in &profiles {
             let entry = &policy.profiles[&p.profile.id];
             assert_eq!(p.profile.default_tools, entry.tools, "{}", p.profile.id);

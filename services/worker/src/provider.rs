@@ -4,8 +4,9 @@
 //!
 //! The agent loop only ever sees [`ModelProvider`]: it sends the conversation so far and
 //! the tools it may call ([`ModelRequest`]), and gets back one assistant message that
-//! either asks for tool calls ([`FinishReason::ToolCalls`]) or carries the final report
-//! as JSON ([`FinishReason::Stop`], see [`crate::report::FinalReport`]).
+//! asks for tool calls ([`FinishReason::ToolCalls`]) — the last one being
+//! `submit_report` with the final report (see [`crate::report::FinalReport`]) — or
+//! answers in text, which the loop answers with a reminder to call `submit_report`.
 //!
 //! This module depends on no other part of the worker: providers are built for a
 //! profile by the registry where profiles are resolved
@@ -38,7 +39,9 @@ pub struct ToolCall {
     pub id: String,
     /// Tool name, `name@version`.
     pub name: String,
-    /// Arguments, a JSON object matching the tool's parameter schema.
+    /// Arguments, a JSON object matching the tool's parameter schema. A model's
+    /// arguments that are not valid JSON arrive as the string it wrote, which the loop
+    /// answers with a correction.
     pub arguments: Value,
 }
 
@@ -140,6 +143,17 @@ pub enum FinishReason {
     Length,
 }
 
+impl FinishReason {
+    /// The name the chat-completions API uses (`tool_calls`, `stop`, `length`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::ToolCalls => "tool_calls",
+            Self::Stop => "stop",
+            Self::Length => "length",
+        }
+    }
+}
+
 /// Tokens a completion consumed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct TokenUsage {
@@ -159,6 +173,9 @@ impl TokenUsage {
 /// A completion.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ModelResponse {
+    /// The model that answered, as the server names it (empty when it does not say).
+    #[serde(default)]
+    pub model: String,
     /// The assistant's message.
     pub message: Message,
     /// Why it stopped.
@@ -177,6 +194,8 @@ pub struct ProviderError {
     pub message: String,
     /// Whether the same request may succeed later (rate limits, outages).
     pub retryable: bool,
+    /// How long the server asked to wait before the next try (`Retry-After`).
+    pub retry_after: Option<std::time::Duration>,
 }
 
 impl ProviderError {
@@ -186,6 +205,7 @@ impl ProviderError {
             provider: provider.to_owned(),
             message: message.into(),
             retryable: true,
+            retry_after: None,
         }
     }
 
@@ -195,6 +215,7 @@ impl ProviderError {
             provider: provider.to_owned(),
             message: message.into(),
             retryable: false,
+            retry_after: None,
         }
     }
 }
@@ -202,8 +223,14 @@ impl ProviderError {
 /// A model: turns a conversation into the next assistant message.
 #[async_trait::async_trait]
 pub trait ModelProvider: Send + Sync + fmt::Debug {
-    /// The provider's name, as profiles write it (`playbook`).
+    /// The provider's name, as profiles write it (`playbook`, `openai`).
     fn name(&self) -> &str;
+
+    /// Whether each turn's request and response is stored as `model_turn` evidence
+    /// (true for real models; a deterministic script has nothing to audit).
+    fn records_turns(&self) -> bool {
+        true
+    }
 
     /// Answers the conversation with one assistant message.
     async fn complete(&self, request: &ModelRequest) -> Result<ModelResponse, ProviderError>;

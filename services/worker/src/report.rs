@@ -1,30 +1,35 @@
 //! The structured messages a model exchanges with the agent loop: the outcome of a tool
-//! call (the content of a tool message) and the final report (the content of the last
-//! assistant message); and the [`v1::TaskResult`] the loop hands in, built from how the
-//! task ended and what it did.
+//! call (the content of a tool message) and the final report (the arguments of the
+//! [`SUBMIT_REPORT`] tool call that ends a task); and the [`v1::TaskResult`] the loop
+//! hands in, built from how the task ended and what it did.
 //!
-//! Both messages are JSON, so the deterministic playbook and a hosted model speak the
-//! same protocol. Citations in a report name *tool calls* (`evidence_from: [<call id>]`);
-//! the result maps them to the evidence ids recorded for those calls, so a model can
-//! never cite evidence that was not gathered in this task.
+//! Both are JSON, so the deterministic playbook and a hosted model speak the same
+//! protocol, and the report's JSON schema is generated from [`FinalReport`], the type
+//! that reads it. A report's claims cite evidence ids that this task's tool calls
+//! returned (a call id also stands for its evidence); [`check_citations`] refuses a
+//! report citing anything else, so a model can never cite evidence that was not
+//! gathered in this task.
 //!
 //! The result: the claims and proposed actions of the report (if the loop got one),
-//! every evidence record gathered, the usage, and the status with its error
-//! ([`status_and_error`]): a report with claims is COMPLETED (PARTIAL with missing
-//! evidence), every call denied is BLOCKED, the deadline is TIMED_OUT, and anything
-//! else is FAILED with a code saying why (retryable when retrying may cure it).
+//! every evidence record gathered, the usage (tokens and their cost), and the status
+//! with its error ([`status_and_error`]): a report with claims is COMPLETED (PARTIAL
+//! with missing evidence or when the model says so), every call denied is BLOCKED, the
+//! deadline is TIMED_OUT, a spent budget is PARTIAL with the report's claims or else
+//! FAILED (error code `BUDGET_EXHAUSTED`), and anything else is FAILED with a code
+//! saying why (retryable when retrying may cure it).
 
 use std::collections::HashMap;
 use std::time::Instant;
 
 use convene_core::permissions::RiskLevel;
 use convene_proto::v1;
+use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use tonic::Code;
 
 use crate::faults::{Faults, Injected};
-use crate::provider::ProviderError;
+use crate::provider::{ProviderError, ToolSpec};
 
 /// What a tool call came to, as the model reads it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -82,15 +87,37 @@ impl ToolOutcome {
     }
 }
 
-/// The model's final answer.
-#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+/// The name of the tool a model ends its task with; its arguments are the
+/// [`FinalReport`]. It is never authorized or recorded: the loop checks the report and
+/// either ends the task with it or tells the model what to fix.
+pub const SUBMIT_REPORT: &str = "submit_report";
+
+/// How the model judges its own work.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum ReportStatus {
+    /// The task is done: the claims answer it.
+    #[default]
+    Completed,
+    /// Some of it is done: the claims stand, and `missing_evidence` names the rest.
+    Partial,
+    /// It could not be done; `summary` says why.
+    Failed,
+}
+
+/// The model's final report: the arguments of [`SUBMIT_REPORT`].
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
 pub struct FinalReport {
-    /// Short summary.
+    /// How the task went (default `completed`).
+    #[serde(default)]
+    pub status: ReportStatus,
+    /// A short summary of what was found.
     pub summary: String,
-    /// Checkable claims.
+    /// Checkable claims, each citing evidence recorded in this task.
     #[serde(default)]
     pub claims: Vec<ReportClaim>,
-    /// Recommended actions (never performed by the worker).
+    /// Actions recommended to people (never performed by the worker).
     #[serde(default)]
     pub proposed_actions: Vec<ReportAction>,
     /// Evidence that could not be gathered, named.
@@ -102,27 +129,30 @@ pub struct FinalReport {
 }
 
 /// One claim of a report.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
 pub struct ReportClaim {
-    /// Id unique within the report; the loop numbers claims that have none.
+    /// Id unique within the report; claims without one are numbered.
     #[serde(default)]
     pub claim_id: String,
     /// The key conflicts are found on, e.g. `primary_cause`.
     pub topic: String,
-    /// Normalized value on the topic.
+    /// Normalized value on the topic, e.g. `db_pool_exhaustion`.
     pub value: String,
     /// Human-readable statement.
     pub statement: String,
-    /// Tool call ids (or evidence ids) the claim rests on.
-    #[serde(default)]
-    pub evidence_from: Vec<String>,
+    /// The evidence ids the claim rests on, as tool calls returned them in
+    /// `evidence_id` (a tool call's id also stands for the evidence it recorded).
+    #[serde(default, alias = "evidence_from")]
+    pub evidence_refs: Vec<String>,
     /// Confidence in `[0, 1]`.
     #[serde(default = "default_confidence")]
     pub confidence: f64,
 }
 
 /// One proposed action of a report.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
 pub struct ReportAction {
     /// Action name from the catalog, e.g. `rule:rollback`.
     pub action: String,
@@ -134,9 +164,9 @@ pub struct ReportAction {
     /// Why.
     #[serde(default)]
     pub rationale: String,
-    /// Tool call ids (or evidence ids) that support it.
-    #[serde(default)]
-    pub evidence_from: Vec<String>,
+    /// The evidence ids that support it.
+    #[serde(default, alias = "evidence_from")]
+    pub evidence_refs: Vec<String>,
 }
 
 fn default_confidence() -> f64 {
@@ -144,26 +174,127 @@ fn default_confidence() -> f64 {
 }
 
 impl FinalReport {
-    /// Reads a final report from an assistant message, tolerating a Markdown code fence
-    /// around the JSON, which chat models often add.
+    /// Reads a report from the arguments of a [`SUBMIT_REPORT`] call.
     ///
     /// # Errors
     ///
-    /// The content is not a final report; the message says what is wrong.
-    pub fn parse(content: &str) -> Result<Self, String> {
-        let trimmed = content.trim();
-        let body = trimmed
-            .strip_prefix("```json")
-            .or_else(|| trimmed.strip_prefix("```"))
-            .and_then(|rest| rest.strip_suffix("```"))
-            .unwrap_or(trimmed);
-        serde_json::from_str(body.trim()).map_err(|e| {
+    /// The arguments are not a report; the message says what is wrong, for the model.
+    pub fn from_arguments(arguments: &Value) -> Result<Self, String> {
+        if let Value::String(raw) = arguments {
+            return Err(format!(
+                "the arguments of {SUBMIT_REPORT} are not a JSON object ({}); call it again \
+                 with a JSON object matching its schema",
+                clip(raw)
+            ));
+        }
+        Self::deserialize(arguments).map_err(|e| {
             format!(
-                "the answer is not a final report ({e}); answer with one JSON object with \
-                 summary, claims, proposed_actions, missing_evidence and recommended_next"
+                "the report does not match the {SUBMIT_REPORT} schema ({e}); call \
+                 {SUBMIT_REPORT} again with status, summary, claims (topic, value, statement, \
+                 evidence_refs, confidence), proposed_actions and missing_evidence"
             )
         })
     }
+
+    /// The [`SUBMIT_REPORT`] tool as models are shown it; its schema is generated from
+    /// [`FinalReport`], the type that reads its arguments.
+    pub fn tool_spec() -> ToolSpec {
+        let schema = schemars::generate::SchemaSettings::openapi3()
+            .with(|s| s.inline_subschemas = true)
+            .into_generator()
+            .into_root_schema_for::<Self>();
+        let mut parameters = schema.to_value();
+        if let Value::Object(map) = &mut parameters {
+            for meta in ["$schema", "title", "description", "$defs", "definitions"] {
+                map.remove(meta);
+            }
+        }
+        ToolSpec {
+            name: SUBMIT_REPORT.to_owned(),
+            description: "End the task by handing in the final report. Every claim must cite \
+                          evidence_refs: evidence ids that tool calls of this task returned. \
+                          Propose actions; never perform them."
+                .to_owned(),
+            parameters,
+        }
+    }
+}
+
+fn clip(text: &str) -> String {
+    let text = text.trim();
+    match text.char_indices().nth(200) {
+        Some((at, _)) => format!("{}…", &text[..at]),
+        None => text.to_owned(),
+    }
+}
+
+/// Checks that every evidence id `report` cites was recorded by this task's tool calls
+/// (or names one of its successful calls).
+///
+/// # Errors
+///
+/// The message for the model: which ids are unknown, and which may be cited.
+pub(crate) fn check_citations(report: &FinalReport, progress: &Progress) -> Result<(), String> {
+    let mut known: Vec<&str> = Vec::new();
+    for c in &progress.calls {
+        if let CallState::Succeeded(e) = &c.state {
+            known.push(e.evidence_id.as_str());
+            known.push(c.call_id.as_str());
+        }
+    }
+    let cited = report.claims.iter().flat_map(|c| &c.evidence_refs).chain(
+        report
+            .proposed_actions
+            .iter()
+            .flat_map(|a| &a.evidence_refs),
+    );
+    let mut unknown: Vec<&str> = Vec::new();
+    for id in cited {
+        if !known.contains(&id.as_str()) && !unknown.contains(&id.as_str()) {
+            unknown.push(id);
+        }
+    }
+    let uncited: Vec<&str> = report
+        .claims
+        .iter()
+        .filter(|c| c.evidence_refs.is_empty())
+        .map(|c| c.topic.as_str())
+        .collect();
+    if unknown.is_empty() && uncited.is_empty() {
+        return Ok(());
+    }
+    let recorded: Vec<&str> = progress
+        .calls
+        .iter()
+        .filter_map(|c| match &c.state {
+            CallState::Succeeded(e) => Some(e.evidence_id.as_str()),
+            _ => None,
+        })
+        .collect();
+    let recorded = if recorded.is_empty() {
+        "none yet: call a tool first".to_owned()
+    } else {
+        recorded.join(", ")
+    };
+    let mut problems = Vec::new();
+    if !unknown.is_empty() {
+        problems.push(format!(
+            "evidence {} was not recorded in this task",
+            unknown.join(", ")
+        ));
+    }
+    if !uncited.is_empty() {
+        problems.push(format!(
+            "the claims on {} cite no evidence",
+            uncited.join(", ")
+        ));
+    }
+    Err(format!(
+        "report not accepted: {}. Cite only evidence ids your tool calls returned \
+         (recorded: {recorded}), drop claims you cannot support, and call {SUBMIT_REPORT} \
+         again.",
+        problems.join("; ")
+    ))
 }
 
 // ---------------------------------------------------------------------------------------
@@ -193,6 +324,7 @@ pub(crate) struct Progress {
     pub(crate) iterations: u32,
     pub(crate) tool_calls: u32,
     pub(crate) tokens: u64,
+    pub(crate) cost: f64,
     pub(crate) calls: Vec<CallRecord>,
 }
 
@@ -239,7 +371,12 @@ impl Infra {
 pub(crate) enum LoopEnd {
     Report(FinalReport),
     IterationLimit,
-    TokenBudget(u64),
+    /// The task's token or cost budget is spent; the report, when the last turn handed
+    /// in one that checks out.
+    Budget {
+        report: Option<FinalReport>,
+        detail: String,
+    },
     Provider(ProviderError),
     Infra(Infra),
     /// The `fail_attempts_after_tools` fault, after the first round of tool calls.
@@ -379,7 +516,14 @@ pub(crate) fn task_result(
         profile_version: by.profile_version.to_owned(),
         ..v1::TaskResult::default()
     };
-    if let Ending::Loop(LoopEnd::Report(report)) = &ending {
+    if let Ending::Loop(
+        LoopEnd::Report(report)
+        | LoopEnd::Budget {
+            report: Some(report),
+            ..
+        },
+    ) = &ending
+    {
         add_report(&mut result, report, &gathered);
     }
     let (status, error) = status_and_error(&ending, &result, &gathered, by.max_iterations, attempt);
@@ -414,7 +558,7 @@ pub(crate) fn task_result(
         iterations: progress.iterations,
         tool_calls: progress.tool_calls,
         tokens: progress.tokens,
-        cost: 0.0,
+        cost: progress.cost,
         duration_ms: u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX),
     });
     by.faults.tamper(&mut result);
@@ -422,8 +566,8 @@ pub(crate) fn task_result(
 }
 
 /// Puts the model's final report into the result: claims and proposed actions citing
-/// the evidence recorded, summary, next step, and the evidence that is missing (what
-/// the report names, and every call that did not succeed).
+/// the evidence recorded, summary, next step, and the evidence the report names as
+/// missing.
 fn add_report(result: &mut v1::TaskResult, report: &FinalReport, gathered: &Gathered<'_>) {
     result.claims = report
         .claims
@@ -438,7 +582,7 @@ fn add_report(result: &mut v1::TaskResult, report: &FinalReport, gathered: &Gath
             topic: c.topic.clone(),
             value: c.value.clone(),
             statement: c.statement.clone(),
-            evidence_refs: gathered.cite(&c.evidence_from),
+            evidence_refs: gathered.cite(&c.evidence_refs),
             confidence: c.confidence.clamp(0.0, 1.0),
         })
         .collect();
@@ -452,12 +596,15 @@ fn add_report(result: &mut v1::TaskResult, report: &FinalReport, gathered: &Gath
                 .map_or(v1::RiskLevel::Unspecified, RiskLevel::to_proto)
                 as i32,
             rationale: p.rationale.clone(),
-            evidence_refs: gathered.cite(&p.evidence_from),
+            evidence_refs: gathered.cite(&p.evidence_refs),
         })
         .collect();
     result.summary = report.summary.clone();
     result.recommended_next = report.recommended_next.clone();
-    for m in report.missing_evidence.iter().chain(&gathered.not_gathered) {
+    // The report names what is missing: a call that failed may have been corrected
+    // and made again (a model's malformed arguments), so failed calls are not missing
+    // evidence by themselves.
+    for m in &report.missing_evidence {
         if !result.missing_evidence.contains(m) {
             result.missing_evidence.push(m.clone());
         }
@@ -475,8 +622,17 @@ fn status_and_error(
 ) -> (v1::TaskStatus, Option<v1::ErrorInfo>) {
     let done = &gathered.summary;
     match ending {
-        Ending::Loop(LoopEnd::Report(_)) => {
-            if gathered.all_denied {
+        Ending::Loop(LoopEnd::Report(report)) => {
+            if report.status == ReportStatus::Failed {
+                (
+                    v1::TaskStatus::Failed,
+                    Some(error(
+                        "reported_failure",
+                        false,
+                        format!("the agent reports failure: {} ({done})", report.summary),
+                    )),
+                )
+            } else if gathered.all_denied {
                 (v1::TaskStatus::Blocked, Some(blocked(&gathered.denials)))
             } else if result.claims.is_empty() {
                 (
@@ -490,7 +646,8 @@ fn status_and_error(
                         ),
                     )),
                 )
-            } else if result.missing_evidence.is_empty() {
+            } else if result.missing_evidence.is_empty() && report.status == ReportStatus::Completed
+            {
                 (v1::TaskStatus::Completed, None)
             } else {
                 (v1::TaskStatus::Partial, None)
@@ -510,12 +667,16 @@ fn status_and_error(
                 ),
             )),
         ),
-        Ending::Loop(LoopEnd::TokenBudget(limit)) => (
-            v1::TaskStatus::Failed,
+        Ending::Loop(LoopEnd::Budget { detail, .. }) => (
+            if result.claims.is_empty() {
+                v1::TaskStatus::Failed
+            } else {
+                v1::TaskStatus::Partial
+            },
             Some(error(
-                "token_budget",
+                BUDGET_EXHAUSTED,
                 false,
-                format!("the model used more than the {limit} tokens the task may spend ({done})"),
+                format!("{detail}; the task ended with the evidence it had ({done})"),
             )),
         ),
         Ending::Loop(LoopEnd::Provider(e)) => (
@@ -554,6 +715,9 @@ fn status_and_error(
         }
     }
 }
+
+/// The error code of a task whose token or cost budget ran out.
+pub const BUDGET_EXHAUSTED: &str = "BUDGET_EXHAUSTED";
 
 fn error(code: &str, retryable: bool, message: String) -> v1::ErrorInfo {
     v1::ErrorInfo {
@@ -598,15 +762,58 @@ mod tests {
     }
 
     #[test]
-    fn reports_parse_with_or_without_a_code_fence() {
-        let json = r#"{"summary":"s","claims":[{"topic":"t","value":"v","statement":"x"}]}"#;
-        let plain = FinalReport::parse(json).unwrap();
-        assert_eq!(plain.claims[0].confidence, 0.5);
-        assert!(plain.claims[0].evidence_from.is_empty());
-        let fenced = FinalReport::parse(&format!("```json\n{json}\n```")).unwrap();
-        assert_eq!(fenced, plain);
-        let err = FinalReport::parse("I think it was the database").unwrap_err();
-        assert!(err.contains("JSON object"), "{err}");
+    fn reports_are_read_from_submit_report_arguments() {
+        let args = serde_json::json!({"summary": "s", "claims": [
+            {"topic": "t", "value": "v", "statement": "x"}]});
+        let report = FinalReport::from_arguments(&args).unwrap();
+        assert_eq!(report.claims[0].confidence, 0.5);
+        assert_eq!(report.status, ReportStatus::Completed);
+        assert!(report.claims[0].evidence_refs.is_empty());
+        let err = FinalReport::from_arguments(&Value::String("{oops".into())).unwrap_err();
+        assert!(err.contains("not a JSON object"), "{err}");
+        let err = FinalReport::from_arguments(&serde_json::json!({"claims": []})).unwrap_err();
+        assert!(err.contains("summary"), "{err}");
+        // The schema the model sees comes from the same type.
+        let spec = FinalReport::tool_spec();
+        assert_eq!(spec.name, SUBMIT_REPORT);
+        let props = &spec.parameters["properties"];
+        for key in ["status", "summary", "claims", "missing_evidence"] {
+            assert!(
+                props.get(key).is_some(),
+                "{key} missing from {}",
+                spec.parameters
+            );
+        }
+        assert_eq!(spec.parameters["required"], serde_json::json!(["summary"]));
+        let claim = &props["claims"]["items"];
+        assert!(claim["properties"]["evidence_refs"].is_object(), "{claim}");
+    }
+
+    #[test]
+    fn citations_must_name_evidence_recorded_in_the_task() {
+        let progress = Progress {
+            calls: vec![succeeded("errors")],
+            ..Progress::default()
+        };
+        let cite = |refs: &[&str]| FinalReport {
+            summary: "s".into(),
+            claims: vec![ReportClaim {
+                claim_id: String::new(),
+                topic: "cause".into(),
+                value: "v".into(),
+                statement: "x".into(),
+                evidence_refs: refs.iter().map(|r| (*r).to_owned()).collect(),
+                confidence: 0.9,
+            }],
+            ..FinalReport::default()
+        };
+        check_citations(&cite(&["logs://api/run/del-1/errors"]), &progress).unwrap();
+        check_citations(&cite(&["errors"]), &progress).unwrap();
+        let err = check_citations(&cite(&["logs://made/up"]), &progress).unwrap_err();
+        assert!(err.contains("logs://made/up"), "{err}");
+        assert!(err.contains("logs://api/run/del-1/errors"), "{err}");
+        let err = check_citations(&cite(&[]), &progress).unwrap_err();
+        assert!(err.contains("cause"), "{err}");
     }
 
     #[test]
@@ -665,7 +872,7 @@ mod tests {
                 topic: "t".into(),
                 value: "v".into(),
                 statement: "x".into(),
-                evidence_from: vec!["errors".into()],
+                evidence_refs: vec!["errors".into()],
                 confidence: 1.5,
             }],
             proposed_actions: [
@@ -679,7 +886,7 @@ mod tests {
                 parameters,
                 risk_level: "R3".into(),
                 rationale: String::new(),
-                evidence_from: vec!["errors".into()],
+                evidence_refs: vec!["errors".into()],
             })
             .collect(),
             ..FinalReport::default()

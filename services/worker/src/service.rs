@@ -67,7 +67,9 @@ pub enum SetupError {
     /// A profile lists a tool the worker does not implement.
     #[error(
         "profile {profile} lists tool {tool}, which this worker does not implement (it has: \
-         {known}); remove it from the profile's default_tools"
+         {known}); remove it from the profile's default_tools (an MCP tool, \
+         mcp:<server>/<tool>@<version>, is there only when the worker's mcp configuration \
+         names its server and the policy file's tool catalog declares it)"
     )]
     UnknownTool {
         /// The profile.
@@ -179,6 +181,8 @@ pub struct WorkerOptions {
     /// standalone binary sets it; a worker hosted with other services abandons the
     /// task instead.
     pub exit_process_on_fault: bool,
+    /// Retries, prices and span content of model calls.
+    pub models: Arc<crate::models::ModelSettings>,
 }
 
 impl WorkerService {
@@ -241,6 +245,7 @@ impl WorkerService {
                     evidence: evidence.clone(),
                     supervisor: None,
                     exit_process: options.exit_process_on_fault,
+                    models: options.models.clone(),
                 },
             );
         }

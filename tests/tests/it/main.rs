@@ -7,6 +7,7 @@ mod harness;
 
 mod durable;
 mod failover;
+mod model;
 mod nested;
 mod runs;
 mod trace;

@@ -62,6 +62,7 @@ fn nested_policy() -> String {
     file.tools.push(ToolEntry {
         name: "delegate@1".to_owned(),
         action: "delegation:create".to_owned(),
+        resource: None,
         risk: "R0".to_owned(),
         description: "Hand parts of a task to specialist workers through the supervisor."
             .to_owned(),

@@ -239,7 +239,7 @@ fn check_incident(trace: &Trace, run: &v1::Run) {
         let models = trace.caused_by(exec, "model.call");
         assert!(!models.is_empty(), "{name}: no model.call");
         for m in &models {
-            assert_eq!(m.attr("gen_ai.system"), Some("playbook"));
+            assert_eq!(m.attr("gen_ai.provider.name"), Some("playbook"));
             assert_eq!(m.attr("gen_ai.operation.name"), Some("chat"));
             assert!(
                 m.attr("gen_ai.request.model")

@@ -243,6 +243,41 @@ fn a_delegation_never_gets_more_than_remains() {
 }
 
 #[test]
+fn a_dispatched_task_gets_the_smaller_of_its_budget_and_what_the_run_has_left() {
+    let mut l = limits();
+    l.max_tokens = Some(1000);
+    let mut ledger = BudgetLedger::new(&l);
+    ledger.charge(&usage(0, 600, 0.0)).unwrap();
+    let asked = v1::Budget {
+        max_tool_calls: 5,
+        max_tokens: 800,
+        max_cost: 0.0,
+    };
+    // 400 tokens are left of the run's 1000: the task's 800 shrink to them; its tool
+    // calls stay its own, and an unlimited cost stays unlimited (0 on the wire).
+    assert_eq!(
+        ledger.dispatch_budget(Some(&asked)),
+        Some(v1::Budget {
+            max_tool_calls: 5,
+            max_tokens: 400,
+            max_cost: 0.0,
+        })
+    );
+    let small = v1::Budget {
+        max_tokens: 100,
+        ..v1::Budget::default()
+    };
+    assert_eq!(ledger.dispatch_budget(Some(&small)), Some(small));
+    // A task without a budget gets what the run has left.
+    assert_eq!(
+        ledger.dispatch_budget(None).map(|b| b.max_tokens),
+        Some(400)
+    );
+    // With no limit anywhere, nothing is set.
+    assert_eq!(BudgetLedger::new(&limits()).dispatch_budget(None), None);
+}
+
+#[test]
 fn rounds_stop_at_max_rounds() {
     let mut l = limits();
     l.max_rounds = 2;

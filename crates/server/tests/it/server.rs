@@ -118,6 +118,13 @@ impl Policy for SlowPolicy {
     ) -> Result<Response<GetSigningKeysResponse>, Status> {
         Err(Status::unimplemented("not part of this test"))
     }
+
+    async fn list_tools(
+        &self,
+        _: Request<convene_proto::v1::ListToolsRequest>,
+    ) -> Result<Response<convene_proto::v1::ListToolsResponse>, Status> {
+        Err(Status::unimplemented("not part of this test"))
+    }
 }
 
 /// Starts a server with one `SlowPolicy` under `settings`.

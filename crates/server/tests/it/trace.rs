@@ -54,6 +54,13 @@ impl Policy for EchoPolicy {
     ) -> Result<Response<GetSigningKeysResponse>, Status> {
         Ok(Response::new(GetSigningKeysResponse::default()))
     }
+
+    async fn list_tools(
+        &self,
+        _: Request<convene_proto::v1::ListToolsRequest>,
+    ) -> Result<Response<convene_proto::v1::ListToolsResponse>, Status> {
+        Err(Status::unimplemented("not part of this test"))
+    }
 }
 
 const CALLER_TRACE: &str = "0af7651916cd43dd8448eb211c80319c";

@@ -46,7 +46,9 @@ impl RunActor {
             slot.workers.clone()
         };
         let token = slot.token.clone();
-        let task = self.run.delegations[index].task.clone().unwrap_or_default();
+        let mut task = self.run.delegations[index].task.clone().unwrap_or_default();
+        // No more than the run has left: usage reported so far counts against it.
+        task.budget = self.ledger.dispatch_budget(task.budget.as_ref());
         let cancel = self.cancel.child_token();
         let abandon = self.abandon.clone();
         let tx = self.tx.clone();

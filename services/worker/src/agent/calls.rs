@@ -20,7 +20,7 @@ use crate::report::{CallRecord, CallState, Infra, Progress, ToolOutcome};
 use crate::tools::{PreparedCall, ToolEnv, ToolError, canonical_json, split_kind};
 
 /// Why a tool call did not succeed.
-enum CallError {
+pub(super) enum CallError {
     Denied(String),
     Failed(String),
     Infra(Infra),
@@ -137,10 +137,26 @@ impl Agent {
             CallError::Failed(format!(
                 "unknown tool {}; the tools are: {}",
                 call.name,
-                ctx.callable.iter().cloned().collect::<Vec<_>>().join(", ")
+                describe(&ctx.callable)
             ))
         })?;
-        if !ctx.callable.contains(&call.name) {
+        if !call.arguments.is_object() {
+            let written = match &call.arguments {
+                Value::String(raw) => raw.clone(),
+                other => other.to_string(),
+            };
+            return Err(CallError::Failed(format!(
+                "the arguments of {} are not a JSON object ({}); call it again with a JSON \
+                 object matching its schema",
+                call.name,
+                written.chars().take(200).collect::<String>()
+            )));
+        }
+        let granted = ctx.callable.contains(&call.name);
+        // A tool the token does not name goes to the policy service all the same, which
+        // denies it and logs the decision; one the token names but the profile or the
+        // task does not is refused here.
+        if !granted && ctx.token_tools.contains(&call.name) {
             let span = tracing::Span::current();
             span.record("convene.authz.decision", "deny");
             span.record("convene.authz.reason", "TOOL_NOT_GRANTED_TO_TASK");
@@ -194,6 +210,15 @@ impl Agent {
                 decision.detail
             )));
         }
+        if !granted {
+            // The policy service allowed what the task may not call: refuse all the same.
+            tracing::Span::current().record("convene.authz.decision", "deny");
+            return Err(CallError::Denied(format!(
+                "tool {} is not granted to this task (callable: {})",
+                call.name,
+                describe(&ctx.callable)
+            )));
+        }
 
         let env = ToolEnv {
             data_dir: self.tools.data_dir(),
@@ -240,7 +265,7 @@ impl Agent {
 
     /// Stores the output and its evidence in one call; reuses an identical record a
     /// previous execution stored.
-    async fn store(
+    pub(super) async fn store(
         &self,
         ctx: &TaskContext<'_>,
         record: v1::Evidence,
@@ -341,7 +366,8 @@ fn call_error(e: ToolError) -> CallError {
         ToolError::InvalidArguments { .. }
         | ToolError::MissingData { .. }
         | ToolError::BadData { .. }
-        | ToolError::Refused { .. } => CallError::Failed(e.to_string()),
+        | ToolError::Refused { .. }
+        | ToolError::Failed { .. } => CallError::Failed(e.to_string()),
     }
 }
 

@@ -7,7 +7,8 @@
 //! 1. with no tool results in the conversation, it asks for every step's tool call at
 //!    once (parallel tool calls in one assistant message), each call's id being the
 //!    step's id;
-//! 2. once the results are in, it answers with the final report as JSON: a rule fires
+//! 2. once the results are in, it hands in the final report by calling `submit_report`
+//!    (call id `report`): a rule fires
 //!    when its step succeeded and its condition holds on the step's output, and its
 //!    templates are filled from that output. Steps whose call was denied or failed are
 //!    listed as missing evidence and their rules stay silent.
@@ -64,11 +65,13 @@ use crate::provider::{
     FinishReason, Message, ModelProvider, ModelRequest, ModelResponse, ProviderError, Role,
     TokenUsage, ToolCall,
 };
-use crate::report::{FinalReport, ReportAction, ReportClaim, ToolOutcome};
+use crate::report::{FinalReport, ReportAction, ReportClaim, SUBMIT_REPORT, ToolOutcome};
 use crate::tools::EVIDENCE_KIND_ARG;
 
 /// The provider's name, as profiles write it.
 pub const PROVIDER_NAME: &str = "playbook";
+/// The id of the `submit_report` call that hands in the playbook's report.
+pub const REPORT_CALL_ID: &str = "report";
 
 /// The `playbook` provider for one profile.
 #[derive(Debug, Clone)]
@@ -99,7 +102,7 @@ impl PlaybookProvider {
     }
 
     /// The first turn: every step's tool call.
-    fn tool_calls(&self) -> Vec<ToolCall> {
+    pub fn tool_calls(&self) -> Vec<ToolCall> {
         self.playbook
             .steps
             .iter()
@@ -172,6 +175,7 @@ impl PlaybookProvider {
             .map(|s| s.id.clone())
             .collect();
         FinalReport {
+            status: crate::report::ReportStatus::Completed,
             summary: summary(&self.playbook.summary, &claims, &missing_evidence),
             claims,
             proposed_actions,
@@ -209,7 +213,7 @@ fn render_claim(
         topic: render(&c.topic)?,
         value: render(&c.value)?,
         statement: render(&c.statement)?,
-        evidence_from: cited,
+        evidence_refs: cited,
         confidence: c.confidence,
     })
 }
@@ -225,7 +229,7 @@ fn render_action(
         parameters: render_value(&a.parameters, output)?,
         risk_level: a.risk_level.clone(),
         rationale: render(&a.rationale)?,
-        evidence_from: cited,
+        evidence_refs: cited,
     })
 }
 
@@ -262,13 +266,18 @@ impl ModelProvider for PlaybookProvider {
         PROVIDER_NAME
     }
 
+    fn records_turns(&self) -> bool {
+        // The turns follow from the profile, which is versioned: nothing to audit.
+        false
+    }
+
     async fn complete(&self, request: &ModelRequest) -> Result<ModelResponse, ProviderError> {
-        let asked = request
-            .messages
-            .iter()
-            .any(|m| m.role == Role::Assistant && !m.tool_calls.is_empty());
+        let asked = request.messages.iter().any(|m| {
+            m.role == Role::Assistant && m.tool_calls.iter().any(|c| c.name != SUBMIT_REPORT)
+        });
         if !asked {
             return Ok(ModelResponse {
+                model: String::new(),
                 message: Message::tool_calls(self.tool_calls()),
                 finish: FinishReason::ToolCalls,
                 usage: TokenUsage::default(),
@@ -283,12 +292,17 @@ impl ModelProvider for PlaybookProvider {
             outcomes.insert(id.clone(), outcome);
         }
         let report = self.report(&outcomes);
-        let content = serde_json::to_string(&report).map_err(|e| {
+        let arguments = serde_json::to_value(&report).map_err(|e| {
             ProviderError::permanent(PROVIDER_NAME, format!("cannot write the report: {e}"))
         })?;
         Ok(ModelResponse {
-            message: Message::assistant(content),
-            finish: FinishReason::Stop,
+            model: String::new(),
+            message: Message::tool_calls(vec![ToolCall {
+                id: REPORT_CALL_ID.to_owned(),
+                name: SUBMIT_REPORT.to_owned(),
+                arguments,
+            }]),
+            finish: FinishReason::ToolCalls,
             usage: TokenUsage::default(),
         })
     }
@@ -377,8 +391,15 @@ mod tests {
                 .push(Message::tool_result(&call.id, outcome.to_content()));
         }
         let second = provider.complete(&request).await.unwrap();
-        assert_eq!(second.finish, FinishReason::Stop);
-        (calls, FinalReport::parse(&second.message.content).unwrap())
+        assert_eq!(second.finish, FinishReason::ToolCalls);
+        let [submit] = second.message.tool_calls.as_slice() else {
+            panic!("one submit_report call expected: {:?}", second.message)
+        };
+        assert_eq!(submit.name, SUBMIT_REPORT);
+        (
+            calls,
+            FinalReport::from_arguments(&submit.arguments).unwrap(),
+        )
     }
 
     fn claim<'a>(report: &'a FinalReport, topic: &str) -> &'a ReportClaim {
@@ -412,7 +433,7 @@ mod tests {
             "{}",
             impact.statement
         );
-        assert_eq!(impact.evidence_from, ["confirm_outcomes"]);
+        assert_eq!(impact.evidence_refs, ["confirm_outcomes"]);
         let cause = claim(&report, "primary_cause");
         assert_eq!(cause.value, "connection_pool_exhaustion");
         assert!(
@@ -425,7 +446,7 @@ mod tests {
             "{}",
             cause.statement
         );
-        assert_eq!(cause.evidence_from, ["pool_exhaustion", "confirm_outcomes"]);
+        assert_eq!(cause.evidence_refs, ["pool_exhaustion", "confirm_outcomes"]);
     }
 
     #[tokio::test]
@@ -448,7 +469,7 @@ mod tests {
             "{}",
             cause.statement
         );
-        assert_eq!(cause.evidence_from, ["rule_changes"]);
+        assert_eq!(cause.evidence_refs, ["rule_changes"]);
         let hit = claim(&report, "risk.rule_hit_rate");
         assert!(hit.value.ends_with("at 02:02"), "{}", hit.value);
         let [action] = report.proposed_actions.as_slice() else {
@@ -460,7 +481,7 @@ mod tests {
             json!({"rule_id": "RC-4711", "to_version": "2026.7.1"})
         );
         assert_eq!(action.risk_level, "R3");
-        assert_eq!(action.evidence_from, ["rule_changes", "rule_hit_rate"]);
+        assert_eq!(action.evidence_refs, ["rule_changes", "rule_hit_rate"]);
     }
 
     #[tokio::test]
@@ -475,7 +496,7 @@ mod tests {
         );
         // The cause still fires, citing only the evidence that exists.
         assert_eq!(
-            claim(&report, "primary_cause").evidence_from,
+            claim(&report, "primary_cause").evidence_refs,
             ["pool_exhaustion"]
         );
         assert!(

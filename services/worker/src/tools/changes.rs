@@ -44,7 +44,7 @@ struct ChangeLog {
 
 #[async_trait::async_trait]
 impl Tool for ListChanges {
-    fn name(&self) -> &'static str {
+    fn name(&self) -> &str {
         NAME
     }
 
@@ -77,14 +77,14 @@ impl Tool for ListChanges {
         let max_rows = a.max_rows.unwrap_or(DEFAULT_MAX_ROWS);
         if max_rows == 0 {
             return Err(ToolError::InvalidArguments {
-                tool: NAME,
+                tool: NAME.into(),
                 detail: "max_rows must be at least 1".into(),
             });
         }
         a.max_rows = Some(max_rows);
         Ok(PreparedCall {
-            tool: NAME,
-            action: "changes:read",
+            tool: NAME.to_owned(),
+            action: "changes:read".to_owned(),
             resource: "change/log".to_owned(),
             window,
             max_rows,

@@ -54,7 +54,7 @@ struct Args {
 
 #[async_trait::async_trait]
 impl Tool for Delegate {
-    fn name(&self) -> &'static str {
+    fn name(&self) -> &str {
         NAME
     }
 
@@ -126,7 +126,10 @@ impl Tool for Delegate {
 
     fn prepare(&self, args: &Value, scope: &TimeWindow) -> Result<PreparedCall, ToolError> {
         let a: Args = parse_args(NAME, args)?;
-        let invalid = |detail: String| ToolError::InvalidArguments { tool: NAME, detail };
+        let invalid = |detail: String| ToolError::InvalidArguments {
+            tool: NAME.into(),
+            detail,
+        };
         if a.delegations.is_empty() {
             return Err(invalid(
                 "delegations must list at least one child task".to_owned(),
@@ -158,8 +161,8 @@ impl Tool for Delegate {
             );
         }
         Ok(PreparedCall {
-            tool: NAME,
-            action: ACTION,
+            tool: NAME.to_owned(),
+            action: ACTION.to_owned(),
             resource: RESOURCE.to_owned(),
             window: *scope,
             max_rows: normalized.len() as u64,
@@ -174,7 +177,7 @@ impl Tool for Delegate {
     async fn run(&self, call: &PreparedCall, env: &ToolEnv<'_>) -> Result<ToolOutput, ToolError> {
         let Some(supervisor) = env.supervisor else {
             return Err(ToolError::Unavailable {
-                tool: NAME,
+                tool: NAME.into(),
                 service: SERVICE,
                 detail: "this worker was started without a supervisor to delegate through; \
                          give it one (supervisor_endpoint, or WorkerService::with_supervisor)"
@@ -187,7 +190,10 @@ impl Tool for Delegate {
             .iter()
             .map(planned)
             .collect::<Result<Vec<_>, _>>()
-            .map_err(|detail| ToolError::InvalidArguments { tool: NAME, detail })?;
+            .map_err(|detail| ToolError::InvalidArguments {
+                tool: NAME.into(),
+                detail,
+            })?;
         let asked = delegations.len();
         let response = supervisor
             .delegate(auth::request(
@@ -199,7 +205,7 @@ impl Tool for Delegate {
             .into_inner();
         if response.outcomes.len() != asked {
             return Err(ToolError::Refused {
-                tool: NAME,
+                tool: NAME.into(),
                 service: SERVICE,
                 code: code_name(Code::Internal).to_owned(),
                 detail: format!(
@@ -242,18 +248,18 @@ fn refusal(status: &tonic::Status) -> ToolError {
     let detail = status.message().to_owned();
     match status.code() {
         Code::Unavailable => ToolError::Unavailable {
-            tool: NAME,
+            tool: NAME.into(),
             service: SERVICE,
             detail: format!("{code}: {detail}"),
         },
         Code::PermissionDenied | Code::Unauthenticated => ToolError::Denied {
-            tool: NAME,
+            tool: NAME.into(),
             service: SERVICE,
             code,
             detail,
         },
         _ => ToolError::Refused {
-            tool: NAME,
+            tool: NAME.into(),
             service: SERVICE,
             code,
             detail,

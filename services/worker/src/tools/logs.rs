@@ -53,7 +53,7 @@ struct Args {
 
 #[async_trait::async_trait]
 impl Tool for SearchLogs {
-    fn name(&self) -> &'static str {
+    fn name(&self) -> &str {
         NAME
     }
 
@@ -95,7 +95,7 @@ impl Tool for SearchLogs {
             *value =
                 Value::String(
                     match_text(value).ok_or_else(|| ToolError::InvalidArguments {
-                        tool: NAME,
+                        tool: NAME.into(),
                         detail: format!("match.{field} must be a string, number or boolean"),
                     })?,
                 );
@@ -103,7 +103,7 @@ impl Tool for SearchLogs {
         let sample = a.sample.unwrap_or(DEFAULT_SAMPLES);
         if sample > MAX_SAMPLES {
             return Err(ToolError::InvalidArguments {
-                tool: NAME,
+                tool: NAME.into(),
                 detail: format!("sample {sample} exceeds {MAX_SAMPLES}; ask for fewer rows"),
             });
         }
@@ -111,14 +111,14 @@ impl Tool for SearchLogs {
         let max_rows = a.max_rows.unwrap_or(DEFAULT_MAX_ROWS);
         if max_rows == 0 {
             return Err(ToolError::InvalidArguments {
-                tool: NAME,
+                tool: NAME.into(),
                 detail: "max_rows must be at least 1".into(),
             });
         }
         a.max_rows = Some(max_rows);
         Ok(PreparedCall {
-            tool: NAME,
-            action: "logs:read",
+            tool: NAME.to_owned(),
+            action: "logs:read".to_owned(),
             resource: format!("service/{}", a.service),
             window,
             max_rows,

@@ -57,7 +57,7 @@ struct Point {
 
 #[async_trait::async_trait]
 impl Tool for QueryMetrics {
-    fn name(&self) -> &'static str {
+    fn name(&self) -> &str {
         NAME
     }
 
@@ -91,14 +91,14 @@ impl Tool for QueryMetrics {
         let max_rows = a.max_rows.unwrap_or(DEFAULT_MAX_ROWS);
         if max_rows == 0 {
             return Err(ToolError::InvalidArguments {
-                tool: NAME,
+                tool: NAME.into(),
                 detail: "max_rows must be at least 1".into(),
             });
         }
         a.max_rows = Some(max_rows);
         Ok(PreparedCall {
-            tool: NAME,
-            action: "metrics:read",
+            tool: NAME.to_owned(),
+            action: "metrics:read".to_owned(),
             resource: format!("metric/{}", a.metric),
             window,
             max_rows,

@@ -1,5 +1,6 @@
-//! The worker's tools: read-only queries over a data directory, and `delegate@1`, which
-//! asks the supervisor for child delegations.
+//! The worker's tools: read-only queries over a data directory, `delegate@1`, which
+//! asks the supervisor for child delegations, and the tools of MCP servers the worker
+//! mounts from its configuration ([`mcp`]), only those the tool catalog declares.
 //!
 //! A call goes through two stages. [`Tool::prepare`] checks and normalizes the
 //! arguments and says what the call touches (action, resource, time window, row limit)
@@ -11,7 +12,8 @@
 //! Outputs are deterministic: the same arguments over the same files give the same
 //! bytes (sorted keys, no wall-clock time), so a re-executed delegation stores the same
 //! artifact and its evidence keeps its hash. `delegate@1`'s output is the children's
-//! outcomes, which are as deterministic as the children themselves.
+//! outcomes, which are as deterministic as the children themselves; an MCP tool's is its
+//! server's answer, as deterministic as the server.
 //!
 //! Every tool's model-facing schema also offers [`EVIDENCE_KIND_ARG`], which names the
 //! kind of evidence a call records; the loop takes it off before the tool sees the
@@ -26,8 +28,10 @@ mod changes;
 mod delegate;
 mod kind;
 mod logs;
+pub mod mcp;
 mod metrics;
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -58,7 +62,7 @@ pub enum ToolError {
     #[error("invalid arguments for {tool}: {detail}")]
     InvalidArguments {
         /// The tool.
-        tool: &'static str,
+        tool: Cow<'static, str>,
         /// What is wrong.
         detail: String,
     },
@@ -83,7 +87,7 @@ pub enum ToolError {
     #[error("{tool} was refused by the {service} ({code}): {detail}")]
     Refused {
         /// The tool.
-        tool: &'static str,
+        tool: Cow<'static, str>,
         /// The service that refused.
         service: &'static str,
         /// The gRPC status code, e.g. `FAILED_PRECONDITION`.
@@ -96,7 +100,7 @@ pub enum ToolError {
     #[error("{tool} was denied by the {service} ({code}): {detail}")]
     Denied {
         /// The tool.
-        tool: &'static str,
+        tool: Cow<'static, str>,
         /// The service that denied.
         service: &'static str,
         /// The gRPC status code, e.g. `PERMISSION_DENIED`.
@@ -109,7 +113,7 @@ pub enum ToolError {
     #[error("{tool} could not reach the {service}: {detail}")]
     Unavailable {
         /// The tool.
-        tool: &'static str,
+        tool: Cow<'static, str>,
         /// The service.
         service: &'static str,
         /// What went wrong.
@@ -119,8 +123,19 @@ pub enum ToolError {
     #[error("tool {tool} crashed: {detail}")]
     Crashed {
         /// The tool.
-        tool: &'static str,
+        tool: Cow<'static, str>,
         /// The panic, as the runtime reported it.
+        detail: String,
+    },
+    /// The server that serves the tool (an MCP server) could not run the call: it could
+    /// not be started or reached, exited or stopped answering during the call, or
+    /// answered with an error. A failure of that call alone, which the model reads; the
+    /// task goes on.
+    #[error("{tool} failed: {detail}")]
+    Failed {
+        /// The tool.
+        tool: Cow<'static, str>,
+        /// What happened, naming the server, and what happens next.
         detail: String,
     },
 }
@@ -129,9 +144,9 @@ pub enum ToolError {
 #[derive(Debug, Clone, PartialEq)]
 pub struct PreparedCall {
     /// Tool, `name@version`.
-    pub tool: &'static str,
+    pub tool: String,
     /// Action the call performs, e.g. `logs:read`.
-    pub action: &'static str,
+    pub action: String,
     /// Resource it reads, e.g. `service/payment-api`.
     pub resource: String,
     /// Time window it reads.
@@ -231,7 +246,7 @@ impl ToolEnv<'_> {
             .await
             .unwrap_or_else(|e| {
                 Err(ToolError::Crashed {
-                    tool,
+                    tool: tool.into(),
                     detail: e.to_string(),
                 })
             })
@@ -242,7 +257,7 @@ impl ToolEnv<'_> {
 #[async_trait::async_trait]
 pub trait Tool: Send + Sync + std::fmt::Debug {
     /// `name@version`.
-    fn name(&self) -> &'static str;
+    fn name(&self) -> &str;
 
     /// What the model is told about the tool.
     fn spec(&self) -> ToolSpec;
@@ -264,12 +279,15 @@ pub trait Tool: Send + Sync + std::fmt::Debug {
     async fn run(&self, call: &PreparedCall, env: &ToolEnv<'_>) -> Result<ToolOutput, ToolError>;
 }
 
-/// The tools a worker has, over one data directory.
+/// The tools a worker has: the built-in ones over one data directory, and the MCP tools
+/// it mounted ([`with_mcp`](Self::with_mcp)).
 #[derive(Debug, Clone)]
 pub struct ToolRegistry {
-    tools: BTreeMap<&'static str, Arc<dyn Tool>>,
-    /// Each tool's spec as models see it, built once.
-    specs: BTreeMap<&'static str, Arc<ToolSpec>>,
+    tools: BTreeMap<String, Arc<dyn Tool>>,
+    /// Each built-in tool's spec as models see it, built once.
+    specs: BTreeMap<String, Arc<ToolSpec>>,
+    /// The mounted MCP tools, whose specs follow their servers' listings.
+    mcp: BTreeMap<String, Arc<mcp::McpTool>>,
     data_dir: PathBuf,
 }
 
@@ -287,17 +305,38 @@ impl ToolRegistry {
         Self {
             specs: tools
                 .iter()
-                .map(|t| (t.name(), Arc::new(with_kind_arg(t.spec()))))
+                .map(|t| (t.name().to_owned(), Arc::new(with_kind_arg(t.spec()))))
                 .collect(),
-            tools: tools.into_iter().map(|t| (t.name(), t)).collect(),
+            tools: tools
+                .into_iter()
+                .map(|t| (t.name().to_owned(), t))
+                .collect(),
+            mcp: BTreeMap::new(),
             data_dir: data_dir.into(),
         }
     }
 
+    /// The same tools and the MCP tools `mcp` mounted: the tools the catalog declares
+    /// for its servers, by their catalog names (`mcp:<server>/<tool>@<version>`).
+    #[must_use]
+    pub fn with_mcp(mut self, mcp: &mcp::McpTools) -> Self {
+        for tool in mcp.tools() {
+            let name = tool.name().to_owned();
+            self.tools
+                .insert(name.clone(), Arc::clone(tool) as Arc<dyn Tool>);
+            self.mcp.insert(name, Arc::clone(tool));
+        }
+        self
+    }
+
     /// The spec of the tool called `name` as models are shown it: the tool's own, with
-    /// the [`EVIDENCE_KIND_ARG`] argument added.
+    /// the [`EVIDENCE_KIND_ARG`] argument added. `None` for an unknown tool, and for an
+    /// MCP tool its server does not list (or has not listed yet): such a tool is not
+    /// offered.
     pub fn model_spec(&self, name: &str) -> Option<&Arc<ToolSpec>> {
-        self.specs.get(name)
+        self.specs
+            .get(name)
+            .or_else(|| self.mcp.get(name).and_then(|t| t.model_spec()))
     }
 
     /// The tool called `name` (`name@version`).
@@ -306,8 +345,8 @@ impl ToolRegistry {
     }
 
     /// The names of every tool, sorted.
-    pub fn names(&self) -> Vec<&'static str> {
-        self.tools.keys().copied().collect()
+    pub fn names(&self) -> Vec<&str> {
+        self.tools.keys().map(String::as_str).collect()
     }
 
     /// The directory the tools read.
@@ -383,7 +422,7 @@ pub(crate) fn resolve_window(
         s.as_deref()
             .map(|s| {
                 parse_time(s).map_err(|e| ToolError::InvalidArguments {
-                    tool,
+                    tool: tool.into(),
                     detail: format!("time_range.{which} {s:?} is not an RFC 3339 time ({e})"),
                 })
             })
@@ -396,7 +435,7 @@ pub(crate) fn resolve_window(
     };
     if window.is_empty() {
         return Err(ToolError::InvalidArguments {
-            tool,
+            tool: tool.into(),
             detail: "time_range.start must lie before time_range.end".into(),
         });
     }
@@ -439,7 +478,7 @@ pub(crate) fn file_name_arg(
         Ok(value.to_owned())
     } else {
         Err(ToolError::InvalidArguments {
-            tool,
+            tool: tool.into(),
             detail: format!(
                 "{arg} {value:?} must be 1-200 letters, digits, `.`, `_` or `-`, not \
                  starting with `.`"
@@ -459,7 +498,7 @@ pub(crate) fn parse_args<T: serde::de::DeserializeOwned>(
         args.clone()
     };
     serde_json::from_value(args).map_err(|e| ToolError::InvalidArguments {
-        tool,
+        tool: tool.into(),
         detail: e.to_string(),
     })
 }
@@ -588,8 +627,8 @@ mod tests {
     #[test]
     fn fingerprints_ignore_key_order() {
         let call = |args: Value| PreparedCall {
-            tool: "t@1",
-            action: "a:read",
+            tool: "t@1".into(),
+            action: "a:read".into(),
             resource: "r".into(),
             window: TimeWindow::unbounded(),
             max_rows: 1,

@@ -228,10 +228,18 @@ async fn a_tool_missing_from_the_token_is_a_structured_failure() {
         result.proposed_actions[0].evidence_refs,
         [format!("changes://log/{RUN_ID}/del-changes-2/rule_changes")]
     );
+    // The call of the tool the token lacks was judged by the policy service, so the
+    // denial is in its decision log.
     let decisions = mesh.decisions_for("del-changes-2");
+    let denied: Vec<_> = decisions.iter().filter(|d| !d.allowed).collect();
+    assert_eq!(denied.len(), 1, "{decisions:#?}");
+    assert_eq!(denied[0].tool, "query_metrics@1");
+    assert!(denied[0].reason.contains("TOOL_NOT_GRANTED"), "{denied:#?}");
     assert!(
-        decisions.iter().all(|d| d.tool == "list_changes@1"),
-        "the refused tool never reaches the policy service: {decisions:#?}"
+        decisions
+            .iter()
+            .filter(|d| d.allowed)
+            .all(|d| d.tool == "list_changes@1")
     );
     assert_eq!(
         result.usage.as_ref().unwrap().tool_calls,
@@ -523,9 +531,10 @@ async fn an_unreachable_evidence_store_fails_the_task_as_retryable() {
             worker_id: "worker-test-2".into(),
             capacity: 2,
             exit_process_on_fault: false,
+            models: Default::default(),
         },
         profiles::example().unwrap(),
-        &convene_worker::profiles::ProviderRegistry::builtin(),
+        &convene_worker::profiles::ProviderRegistry::builtin(&Default::default()),
         convene_worker::tools::ToolRegistry::builtin(crate::support::example_data()),
         mesh.policy_handle(),
         std::sync::Arc::new(

@@ -1,7 +1,11 @@
 //! The worker's integration tests, one binary, over a real policy service and evidence
-//! store: Execute, registration with a registry, and the binary black-box.
+//! store: Execute, registration with a registry, the binary black-box, and MCP tools
+//! against a real MCP server.
 
 mod binary;
 mod execute;
+mod mcp;
+mod model;
+mod model_server;
 mod registration;
 mod support;

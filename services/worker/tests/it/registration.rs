@@ -147,8 +147,11 @@ async fn worker_registers_heartbeats_re_registers_and_deregisters() {
             ids,
             [
                 "change-auditor",
+                "change-auditor-model",
                 "logs-investigator",
-                "metrics-investigator"
+                "logs-investigator-model",
+                "metrics-investigator",
+                "metrics-investigator-model"
             ]
         );
         let logs = r

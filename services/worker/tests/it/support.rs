@@ -18,6 +18,7 @@ use convene_policy::decision_log::{AuthorizeRecord, LogEntry, MemoryDecisionLog}
 use convene_proto::v1::{self, worker_client::WorkerClient};
 use convene_server::test_util::{TestServer, endpoint};
 use convene_server::{GrpcServer, ServerSettings};
+use convene_worker::models::ModelSettings;
 use convene_worker::profiles::{self, Profile, ProviderRegistry};
 use convene_worker::tools::ToolRegistry;
 use convene_worker::{WorkerOptions, WorkerService};
@@ -183,14 +184,26 @@ impl Mesh {
 
     /// A worker over this mesh serving `profiles`, on its own loopback server.
     pub async fn worker(&self, profiles: Vec<Profile>, capacity: u32) -> TestWorker {
+        self.worker_with_models(profiles, capacity, ModelSettings::default())
+            .await
+    }
+
+    /// [`Self::worker`] with model settings (retries, prices, span content).
+    pub async fn worker_with_models(
+        &self,
+        profiles: Vec<Profile>,
+        capacity: u32,
+        models: ModelSettings,
+    ) -> TestWorker {
         let service = WorkerService::new(
             WorkerOptions {
                 worker_id: "worker-test-1".into(),
                 capacity,
                 exit_process_on_fault: false,
+                models: Arc::new(models.clone()),
             },
             profiles,
-            &ProviderRegistry::builtin(),
+            &ProviderRegistry::builtin(&models.client()),
             ToolRegistry::builtin(example_data()),
             self.policy_handle(),
             self.evidence_handle(),
@@ -269,10 +282,11 @@ fn time(s: &str) -> prost_types::Timestamp {
     to_timestamp(humantime::parse_rfc3339(s).unwrap())
 }
 
-/// The example run's delegation for `profile`, with a deadline `timeout` from now.
+/// The example run's delegation for `profile` (a `-model` twin gets its playbook
+/// twin's task), with a deadline `timeout` from now.
 pub fn task(delegation_id: &str, profile: &str, timeout: Duration) -> v1::DelegationTask {
     let (goal, resources, required, tools, prefixes): (&str, &[&str], Vec<_>, &[&str], &[&str]) =
-        match profile {
+        match profile.trim_end_matches("-model") {
             "logs-investigator" => (
                 "Identify the main error patterns in payment logs and when they first occurred.",
                 &["service/payment-api", "service/risk-gateway"],
