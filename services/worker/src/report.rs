@@ -199,16 +199,7 @@ impl FinalReport {
     /// The [`SUBMIT_REPORT`] tool as models are shown it; its schema is generated from
     /// [`FinalReport`], the type that reads its arguments.
     pub fn tool_spec() -> ToolSpec {
-        let schema = schemars::generate::SchemaSettings::openapi3()
-            .with(|s| s.inline_subschemas = true)
-            .into_generator()
-            .into_root_schema_for::<Self>();
-        let mut parameters = schema.to_value();
-        if let Value::Object(map) = &mut parameters {
-            for meta in ["$schema", "title", "description", "$defs", "definitions"] {
-                map.remove(meta);
-            }
-        }
+        let parameters = crate::tools::schema_of::<Self>();
         ToolSpec {
             name: SUBMIT_REPORT.to_owned(),
             description: "End the task by handing in the final report. Every claim must cite \

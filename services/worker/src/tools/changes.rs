@@ -4,12 +4,14 @@ use std::path::Path;
 use std::time::SystemTime;
 
 use convene_core::permissions::TimeWindow;
+use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value, json};
 
 use super::{
+    schema_of,
     PreparedCall, TimeRangeArg, Tool, ToolEnv, ToolError, ToolOutput, format_time, in_window,
-    max_rows_schema, parse_args, parse_time, read_data, resolve_window, time_range_schema, to_args,
+    parse_args, parse_time, read_data, resolve_window, to_args,
 };
 use crate::provider::ToolSpec;
 
@@ -22,18 +24,22 @@ const DEFAULT_MAX_ROWS: u64 = 1_000;
 #[derive(Debug, Clone, Copy, Default)]
 pub struct ListChanges;
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
+/// The arguments of `list_changes@1`; their schema is what models are shown.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 struct Args {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     time_range: Option<TimeRangeArg>,
-    /// Only changes of this kind (`deployment`, `config`, `risk_rule`, ...).
+    /// Only changes of this kind, e.g. risk_rule, deployment, config.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     kind: Option<String>,
     /// Only changes to this service.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     service: Option<String>,
+    /// Changes read at most (default 1,000); a read cut short is recorded as degraded
+    /// evidence.
     #[serde(default)]
+    #[schemars(range(min = 1))]
     max_rows: Option<u64>,
 }
 
@@ -57,16 +63,7 @@ impl Tool for ListChanges {
                           owner; rule changes also name the rule, its versions and how to \
                           roll it back."
                 .to_owned(),
-            parameters: json!({
-                "type": "object",
-                "properties": {
-                    "time_range": time_range_schema(),
-                    "kind": { "type": "string", "description": "Only this kind, e.g. risk_rule, deployment, config." },
-                    "service": { "type": "string", "description": "Only changes to this service." },
-                    "max_rows": max_rows_schema(DEFAULT_MAX_ROWS)
-                },
-                "additionalProperties": false
-            }),
+            parameters: schema_of::<Args>(),
         }
     }
 

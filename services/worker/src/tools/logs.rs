@@ -6,13 +6,15 @@ use std::path::Path;
 use std::time::SystemTime;
 
 use convene_core::permissions::TimeWindow;
+use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value, json};
 
 use super::{
+    schema_of,
     PreparedCall, TimeRangeArg, Tool, ToolEnv, ToolError, ToolOutput, file_name_arg, format_time,
-    in_window, max_rows_schema, number, parse_args, parse_time, read_data, resolve_window, round,
-    time_range_schema, to_args,
+    in_window, number, parse_args, parse_time, read_data, resolve_window, round,
+    to_args,
 };
 use crate::provider::ToolSpec;
 
@@ -31,24 +33,44 @@ const MISSING_GROUP: &str = "(missing)";
 #[derive(Debug, Clone, Copy, Default)]
 pub struct SearchLogs;
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
+/// The arguments of `search_logs@1`; their schema is what models are shown.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 struct Args {
+    /// Service whose log to search, e.g. payment-api.
     service: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     time_range: Option<TimeRangeArg>,
-    /// Field equalities every matching row satisfies, values compared as text.
+    /// Field equalities every matching row satisfies (values compared as text), e.g.
+    /// {"error": "POOL_EXHAUSTED"}.
     #[serde(default, rename = "match", skip_serializing_if = "BTreeMap::is_empty")]
+    #[schemars(with = "BTreeMap<String, MatchValue>")]
     matches: BTreeMap<String, Value>,
-    /// Substring of the row's `msg`.
+    /// Substring the row's msg must contain.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     text: Option<String>,
+    /// Field to count matches by, e.g. outcome.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     group_by: Option<String>,
+    /// Sample rows to return (default 3).
     #[serde(default)]
+    #[schemars(range(max = MAX_SAMPLES))]
     sample: Option<u32>,
+    /// Rows read at most (default 10,000); a read cut short is recorded as degraded
+    /// evidence.
     #[serde(default)]
+    #[schemars(range(min = 1))]
     max_rows: Option<u64>,
+}
+
+/// A value a `match` field is compared with (as text).
+#[derive(JsonSchema)]
+#[serde(untagged)]
+#[allow(dead_code)]
+enum MatchValue {
+    Text(String),
+    Number(f64),
+    Flag(bool),
 }
 
 #[async_trait::async_trait]
@@ -65,24 +87,7 @@ impl Tool for SearchLogs {
                           the number of rows scanned and matched, the first and last match, \
                           counts by level and by the `group_by` field, and a few sample rows."
                 .to_owned(),
-            parameters: json!({
-                "type": "object",
-                "required": ["service"],
-                "properties": {
-                    "service": { "type": "string", "description": "Service whose log to search, e.g. payment-api." },
-                    "time_range": time_range_schema(),
-                    "match": {
-                        "type": "object",
-                        "description": "Field equalities, e.g. {\"error\": \"POOL_EXHAUSTED\"}.",
-                        "additionalProperties": { "type": ["string", "number", "boolean"] }
-                    },
-                    "text": { "type": "string", "description": "Substring the row's msg must contain." },
-                    "group_by": { "type": "string", "description": "Field to count matches by, e.g. outcome." },
-                    "sample": { "type": "integer", "minimum": 0, "maximum": MAX_SAMPLES, "description": "Sample rows to return (default 3)." },
-                    "max_rows": max_rows_schema(DEFAULT_MAX_ROWS)
-                },
-                "additionalProperties": false
-            }),
+            parameters: schema_of::<Args>(),
         }
     }
 

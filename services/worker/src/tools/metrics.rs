@@ -5,13 +5,15 @@ use std::path::Path;
 use std::time::SystemTime;
 
 use convene_core::permissions::TimeWindow;
+use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
 use super::{
+    schema_of,
     PreparedCall, TimeRangeArg, Tool, ToolEnv, ToolError, ToolOutput, file_name_arg, format_time,
-    in_window, max_rows_schema, number, parse_args, parse_time, read_data, resolve_window, round,
-    time_range_schema, to_args,
+    in_window, number, parse_args, parse_time, read_data, resolve_window, round,
+    to_args,
 };
 use crate::provider::ToolSpec;
 
@@ -30,13 +32,18 @@ pub const CHANGE_PERSISTENCE: usize = 3;
 #[derive(Debug, Clone, Copy, Default)]
 pub struct QueryMetrics;
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
+/// The arguments of `query_metrics@1`; their schema is what models are shown.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 struct Args {
+    /// Metric name, e.g. payment.success_rate.
     metric: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     time_range: Option<TimeRangeArg>,
+    /// Points read at most (default 10,000); a read cut short is recorded as degraded
+    /// evidence.
     #[serde(default)]
+    #[schemars(range(min = 1))]
     max_rows: Option<u64>,
 }
 
@@ -70,16 +77,7 @@ impl Tool for QueryMetrics {
                  point from which {CHANGE_PERSISTENCE} consecutive points deviate more than \
                  5% from the baseline), the median after it, min, max and unit."
             ),
-            parameters: json!({
-                "type": "object",
-                "required": ["metric"],
-                "properties": {
-                    "metric": { "type": "string", "description": "Metric name, e.g. payment.success_rate." },
-                    "time_range": time_range_schema(),
-                    "max_rows": max_rows_schema(DEFAULT_MAX_ROWS)
-                },
-                "additionalProperties": false
-            }),
+            parameters: schema_of::<Args>(),
         }
     }
 

@@ -40,6 +40,7 @@ use std::time::SystemTime;
 use convene_core::permissions::TimeWindow;
 use convene_mesh::handles::SupervisorHandle;
 use convene_proto::v1;
+use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
@@ -399,16 +400,35 @@ pub fn canonical_json(value: &Value) -> String {
     String::from_utf8(out).unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned())
 }
 
-/// A time range argument: RFC 3339 bounds, either may be left out.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+/// Window to read, RFC 3339 UTC bounds [start, end); a bound left out is the task's.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct TimeRangeArg {
-    /// Inclusive start.
+    /// Inclusive start, RFC 3339.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(extend("format" = "date-time"))]
     pub start: Option<String>,
-    /// Exclusive end.
+    /// Exclusive end, RFC 3339.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(extend("format" = "date-time"))]
     pub end: Option<String>,
+}
+
+/// The JSON schema models are shown for arguments of type `T`, generated from the type
+/// that parses them (so the two cannot disagree): subschemas inlined, no `$schema` or
+/// `title`, `description`s from the doc comments.
+pub fn schema_of<T: JsonSchema>() -> Value {
+    let schema = schemars::generate::SchemaSettings::default()
+        .with(|s| s.inline_subschemas = true)
+        .into_generator()
+        .into_root_schema_for::<T>();
+    let mut value = schema.to_value();
+    if let Value::Object(map) = &mut value {
+        for meta in ["$schema", "title", "$defs"] {
+            map.remove(meta);
+        }
+    }
+    value
 }
 
 /// Resolves a call's window: the given bounds, or the task's where one is left out.
@@ -536,31 +556,54 @@ pub(crate) fn number(x: f64) -> Value {
     serde_json::Number::from_f64(x).map_or(Value::Null, Value::Number)
 }
 
-/// The JSON schema of a time range argument.
-pub(crate) fn time_range_schema() -> Value {
-    serde_json::json!({
-        "type": "object",
-        "description": "Window to read, RFC 3339 UTC bounds [start, end); defaults to the task's window.",
-        "properties": {
-            "start": { "type": "string", "format": "date-time" },
-            "end": { "type": "string", "format": "date-time" }
-        },
-        "additionalProperties": false
-    })
-}
-
-/// The JSON schema of the row limit argument.
-pub(crate) fn max_rows_schema(default: u64) -> Value {
-    serde_json::json!({
-        "type": "integer",
-        "minimum": 1,
-        "description": format!("Rows read at most (default {default}); a read cut short is recorded as degraded evidence."),
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn tool_schemas_come_from_the_types_that_parse_the_arguments() {
+        let tools = ToolRegistry::builtin(std::env::temp_dir());
+        let window = TimeWindow::default();
+        for (name, required, example) in [
+            (
+                "search_logs@1",
+                vec!["service"],
+                serde_json::json!({"service": "payment-api", "match": {"error": "X"}, "sample": 2}),
+            ),
+            (
+                "query_metrics@1",
+                vec!["metric"],
+                serde_json::json!({"metric": "payment.success_rate", "max_rows": 10}),
+            ),
+            ("list_changes@1", vec![], serde_json::json!({"kind": "risk_rule"})),
+        ] {
+            let tool = tools.get(name).unwrap();
+            let schema = tool.spec().parameters;
+            assert_eq!(schema["type"], "object", "{name}: {schema}");
+            assert_eq!(schema["additionalProperties"], false, "{name}: {schema}");
+            let listed: Vec<&str> = schema["required"]
+                .as_array()
+                .map(|r| r.iter().filter_map(Value::as_str).collect())
+                .unwrap_or_default();
+            assert_eq!(listed, required, "{name}");
+            let time_range = &schema["properties"]["time_range"];
+            assert!(time_range.to_string().contains("date-time"), "{time_range}");
+            // What the schema describes parses; a property it does not list is refused.
+            tool.prepare(&example, &window).unwrap();
+            let mut extra = example.clone();
+            extra["not_in_the_schema"] = serde_json::json!(1);
+            assert!(schema["properties"].get("not_in_the_schema").is_none());
+            assert!(tool.prepare(&extra, &window).is_err(), "{name}");
+        }
+        let logs = tools.get("search_logs@1").unwrap().spec().parameters;
+        assert_eq!(logs["properties"]["sample"]["maximum"], 5, "{logs}");
+        assert!(
+            logs["properties"]["service"]["description"]
+                .as_str()
+                .unwrap()
+                .contains("payment-api")
+        );
+    }
 
     #[test]
     fn canonical_json_sorts_keys_at_every_level() {
