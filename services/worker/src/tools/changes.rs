@@ -9,9 +9,8 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value, json};
 
 use super::{
-    schema_of,
     PreparedCall, TimeRangeArg, Tool, ToolEnv, ToolError, ToolOutput, format_time, in_window,
-    parse_args, parse_time, read_data, resolve_window, to_args,
+    parse_args, parse_time, read_data, resolve_window, schema_of, to_args,
 };
 use crate::provider::ToolSpec;
 

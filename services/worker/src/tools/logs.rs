@@ -11,9 +11,8 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value, json};
 
 use super::{
-    schema_of,
     PreparedCall, TimeRangeArg, Tool, ToolEnv, ToolError, ToolOutput, file_name_arg, format_time,
-    in_window, number, parse_args, parse_time, read_data, resolve_window, round,
+    in_window, number, parse_args, parse_time, read_data, resolve_window, round, schema_of,
     to_args,
 };
 use crate::provider::ToolSpec;

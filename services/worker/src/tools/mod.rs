@@ -575,7 +575,11 @@ mod tests {
                 vec!["metric"],
                 serde_json::json!({"metric": "payment.success_rate", "max_rows": 10}),
             ),
-            ("list_changes@1", vec![], serde_json::json!({"kind": "risk_rule"})),
+            (
+                "list_changes@1",
+                vec![],
+                serde_json::json!({"kind": "risk_rule"}),
+            ),
         ] {
             let tool = tools.get(name).unwrap();
             let schema = tool.spec().parameters;
