@@ -13,15 +13,11 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
 use convene_core::time::to_timestamp;
-use convene_evidence_store::EvidenceStoreService;
 use convene_mesh::auth;
 use convene_mesh::handles::{EvidenceHandle, GrpcEvidenceStore, GrpcPolicy, PolicyHandle};
-use convene_mesh::policy_file::{PolicySource, dev_credential};
-use convene_policy::PolicyService;
-use convene_policy::decision_log::{AuthorizeRecord, LogEntry, MemoryDecisionLog};
+use convene_policy::decision_log::{AuthorizeRecord, LogEntry};
 use convene_proto::v1;
-use convene_server::test_util::{TestServer, endpoint};
-use convene_server::{GrpcServer, ServerSettings};
+use convene_server::test_util::endpoint;
 use convene_store::test_util::Service;
 use convene_worker::models::ModelSettings;
 use convene_worker::profiles::{self, ProviderRegistry};
@@ -37,7 +33,7 @@ use serde_json::{Value, json};
 use tempfile::TempDir;
 use tokio::io::AsyncBufReadExt as _;
 
-use crate::support::{TestWorker, example_data, scope};
+use crate::support::{Mesh, TestWorker, example_data, scope};
 
 /// The variable naming the Python that runs the example server.
 const PYTHON_ENV: &str = "CONVENE_TEST_PYTHON";
@@ -360,49 +356,18 @@ fn playbook_profile() -> String {
 
 /// The policy service (over the example MCP policy) and the evidence store.
 struct McpMesh {
-    dir: TempDir,
-    decisions: Arc<MemoryDecisionLog>,
-    supervisor: String,
-    _policy_server: TestServer,
-    _evidence_server: TestServer,
+    mesh: Mesh,
     policy_endpoint: String,
     evidence_endpoint: String,
 }
 
 impl McpMesh {
     async fn start() -> Self {
-        let dir = tempfile::tempdir().unwrap();
-        let credentials = dir.path().join("credentials");
-        let source = PolicySource::new(
-            Some(repo().join("examples/mcp/policy.yaml")),
-            Some(credentials.clone()),
-        );
-        let (policy, _) = source.load().expect("the example MCP policy loads");
-        let config = convene_policy::Config::in_dir(dir.path());
-        let ring = convene_tokens::KeyRing::open(config.keys_dir()).unwrap();
-        let decisions = Arc::new(MemoryDecisionLog::new());
-        let policy_service = PolicyService::builder(policy, ring)
-            .decision_log(decisions.clone())
-            .build();
-        let policy_server =
-            TestServer::start(policy_service.add_to(GrpcServer::new(ServerSettings::default())))
-                .await;
-        let store = EvidenceStoreService::open(
-            &convene_evidence_store::Config::in_dir(dir.path()),
-            Arc::new(policy_service),
-        )
-        .unwrap();
-        let evidence_server =
-            TestServer::start(store.add_to(GrpcServer::new(ServerSettings::default()))).await;
-        let supervisor = dev_credential(&credentials, "supervisor").unwrap();
+        let mesh = Mesh::start_with_policy(Some(repo().join("examples/mcp/policy.yaml"))).await;
         Self {
-            policy_endpoint: endpoint(policy_server.addr),
-            evidence_endpoint: endpoint(evidence_server.addr),
-            dir,
-            decisions,
-            supervisor,
-            _policy_server: policy_server,
-            _evidence_server: evidence_server,
+            policy_endpoint: endpoint(mesh.policy_server.addr),
+            evidence_endpoint: endpoint(mesh.evidence_server.addr),
+            mesh,
         }
     }
 
@@ -418,7 +383,7 @@ impl McpMesh {
     /// policy service with the worker-pool credential of the data directory.
     async fn mount(&self, servers: Vec<McpServerConfig>) -> (ToolRegistry, McpTools) {
         let config = Config {
-            data_dir: self.dir.path().to_owned(),
+            data_dir: self.mesh.dir.path().to_owned(),
             tools_data_dir: example_data(),
             mcp: McpConfig { servers },
             ..Config::default()
@@ -483,7 +448,7 @@ impl McpMesh {
         };
         let issued = self
             .policy()
-            .issue_task_token(auth::request(request, &self.supervisor))
+            .issue_task_token(auth::request(request, &self.mesh.supervisor))
             .await
             .expect("the supervisor may issue task tokens")
             .into_inner()
@@ -494,7 +459,8 @@ impl McpMesh {
     }
 
     fn decisions_for(&self, delegation_id: &str) -> Vec<AuthorizeRecord> {
-        self.decisions
+        self.mesh
+            .decisions
             .entries()
             .into_iter()
             .filter_map(|e| match e {

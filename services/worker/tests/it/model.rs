@@ -101,6 +101,15 @@ fn the_task(id: &str) -> v1::DelegationTask {
     task(id, PROFILE, Duration::from_secs(30))
 }
 
+/// `task` with a budget of `tokens` model tokens.
+fn with_tokens(mut task: v1::DelegationTask, tokens: u64) -> v1::DelegationTask {
+    task.budget = Some(v1::Budget {
+        max_tokens: tokens,
+        ..v1::Budget::default()
+    });
+    task
+}
+
 /// The search that finds the pool exhaustion, as the model writes it.
 fn pool_search() -> String {
     json!({"service": "payment-api", "match": {"error": "POOL_EXHAUSTED"},
@@ -580,12 +589,9 @@ async fn a_spent_token_budget_ends_the_loop_with_the_usage() {
         }),
     ]);
     let rig = rig(model, |_| {}).await;
-    let mut task = the_task("del-model-budget");
-    task.budget = Some(v1::Budget {
-        max_tokens: 1000,
-        ..v1::Budget::default()
-    });
-    let (result, _) = rig.run(&task).await;
+    let (result, _) = rig
+        .run(&with_tokens(the_task("del-model-budget"), 1000))
+        .await;
     assert_eq!(status(&result), v1::TaskStatus::Failed, "{result:#?}");
     let error = result.error.as_ref().unwrap();
     assert_eq!(error.code, "BUDGET_EXHAUSTED");
@@ -611,12 +617,9 @@ async fn a_report_handed_in_as_the_budget_runs_out_makes_the_task_partial() {
         }),
     ]);
     let rig = rig(model, |_| {}).await;
-    let mut task = the_task("del-model-partial");
-    task.budget = Some(v1::Budget {
-        max_tokens: 1000,
-        ..v1::Budget::default()
-    });
-    let (result, _) = rig.run(&task).await;
+    let (result, _) = rig
+        .run(&with_tokens(the_task("del-model-partial"), 1000))
+        .await;
     assert_eq!(status(&result), v1::TaskStatus::Partial, "{result:#?}");
     assert_eq!(result.error.as_ref().unwrap().code, "BUDGET_EXHAUSTED");
     assert_eq!(result.claims.len(), 1);

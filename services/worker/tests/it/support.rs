@@ -83,9 +83,22 @@ pub struct Mesh {
 impl Mesh {
     /// Starts both services with the example policy in a fresh directory.
     pub async fn start() -> Self {
+        Self::start_with_policy(None).await
+    }
+
+    /// Starts both services with the policy file `policy` (None: the example's) in a
+    /// fresh directory.
+    pub async fn start_with_policy(policy: Option<PathBuf>) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let policy_config = convene_policy::Config::in_dir(dir.path());
-        let (policy, _) = policy_config.policy_source().load().unwrap();
+        let source = match policy {
+            Some(file) => convene_mesh::policy_file::PolicySource::new(
+                Some(file),
+                Some(dir.path().join("credentials")),
+            ),
+            None => policy_config.policy_source(),
+        };
+        let (policy, _) = source.load().unwrap();
         let ring = convene_tokens::KeyRing::open(policy_config.keys_dir()).unwrap();
         let decisions = Arc::new(MemoryDecisionLog::new());
         let policy_service = PolicyService::builder(policy, ring)
