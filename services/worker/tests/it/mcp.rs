@@ -15,7 +15,7 @@ use std::time::{Duration, Instant, SystemTime};
 use convene_core::time::to_timestamp;
 use convene_mesh::auth;
 use convene_mesh::handles::{EvidenceHandle, GrpcEvidenceStore, GrpcPolicy, PolicyHandle};
-use convene_policy::decision_log::{AuthorizeRecord, LogEntry};
+use convene_policy::decision_log::AuthorizeRecord;
 use convene_proto::v1;
 use convene_server::test_util::endpoint;
 use convene_store::test_util::Service;
@@ -459,15 +459,7 @@ impl McpMesh {
     }
 
     fn decisions_for(&self, delegation_id: &str) -> Vec<AuthorizeRecord> {
-        self.mesh
-            .decisions
-            .entries()
-            .into_iter()
-            .filter_map(|e| match e {
-                LogEntry::Authorize(a) if a.delegation_id == delegation_id => Some(a),
-                _ => None,
-            })
-            .collect()
+        self.mesh.decisions_for(delegation_id)
     }
 }
 
