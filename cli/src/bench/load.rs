@@ -251,20 +251,22 @@ async fn open_loop(
     most as u64
 }
 
-/// Offers runs as `load` says for `seconds`, results dropped: a warm-up.
+/// Offers runs as `load` says for `seconds`, results dropped: a warm-up, whose status
+/// line says `label`.
 pub async fn warm_up(
     driver: &Driver,
     spec: &v1::RunSpec,
     expected: v1::RunState,
     load: Load,
     seconds: f64,
+    label: &str,
 ) -> anyhow::Result<()> {
     if seconds <= 0.0 {
         return Ok(());
     }
     let tally = Tally::new(expected)?;
     let line = progress::Progress::start(
-        "warming up",
+        label,
         progress::Goal::Seconds(seconds),
         tally.counts.clone(),
     );
@@ -291,7 +293,23 @@ pub async fn measure(
 ) -> anyhow::Result<Report> {
     let load = Load::of(args);
     load.check()?;
-    warm_up(driver, spec, expected, load, args.warmup).await?;
+    warm_up(driver, spec, expected, load, args.warmup, "warming up").await?;
+    measured_phase(driver, spec, expected, args, mesh, "measuring").await
+}
+
+/// The measured phase alone (no warm-up), its status line saying `label`: runs of
+/// `spec` offered as `args` asks, every run it started waited for, and the CPU time of
+/// `mesh`'s processes read right before the first run and right after the last.
+pub(super) async fn measured_phase(
+    driver: &Driver,
+    spec: &v1::RunSpec,
+    expected: v1::RunState,
+    args: &BenchArgs,
+    mesh: &Measured,
+    label: &str,
+) -> anyhow::Result<Report> {
+    let load = Load::of(args);
+    load.check()?;
     let tally = Tally::new(expected)?;
     let cpu_before = cpu_by_process(&mesh.processes);
     let client_before = mesh.client.map(cpu_seconds);
@@ -303,7 +321,7 @@ pub async fn measure(
             progress::Goal::Seconds(args.duration),
         ),
     };
-    let line = progress::Progress::start("measuring", goal, tally.counts.clone());
+    let line = progress::Progress::start(label, goal, tally.counts.clone());
     let max_in_flight = drive(driver, &Arc::new(spec.clone()), load, stop, &tally).await;
     let elapsed = begin.elapsed().as_secs_f64();
     line.finish();
@@ -350,6 +368,7 @@ pub async fn measure(
         client_cpu_s_per_run: client_before
             .zip(client_after)
             .map(|(before, after)| per_run(after - before)),
+        model: None,
     })
 }
 

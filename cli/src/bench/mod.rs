@@ -21,9 +21,14 @@
 //!   output is still hashed, stored as an artifact with its evidence record and cited
 //!   by one claim, then the join. Everything a real run persists is persisted.
 //! - `payment-incident`: the example run over the example data.
+//! - `model`: the payment incident with model-driven specialists (`run-model.yaml`)
+//!   against a scripted OpenAI-compatible server in this process that answers at once;
+//!   measured beside the playbook incident (`run.yaml`) in the same mesh, it reports
+//!   the agent runtime's own CPU per model turn ([`model`]).
 
 mod load;
 mod mesh;
+mod model;
 mod proc_stats;
 pub mod procs;
 pub mod progress;
@@ -39,6 +44,7 @@ use crate::client;
 pub use load::{Driver, Load, measure, warm_up};
 pub use mesh::{Measured, MeshMode, Proc, Started};
 use mesh::{MeshPlan, start_mesh};
+pub use model::{GOAL_CPU_MS_PER_TURN, ModelReport};
 use proc_stats::{cpu_by_process, peak_rss_by_process};
 pub use proc_stats::{cpu_seconds, peak_rss, rss};
 pub use report::{Latency, Outcome, Report, summary};
@@ -79,7 +85,8 @@ pub struct BenchArgs {
     #[arg(long, value_name = "SECONDS", default_value_t = 2.0)]
     pub warmup: f64,
     /// Drive an already running mesh at this endpoint instead of starting one (the
-    /// credential comes from the data directory or --credential).
+    /// credential comes from the data directory or --credential). Not with --workload
+    /// model, whose workers must be pointed at the bench's scripted model server.
     #[arg(long, value_name = "URL")]
     pub endpoint: Option<String>,
     /// Bearer credential for --endpoint.
@@ -100,7 +107,9 @@ pub struct BenchArgs {
     pub database_url: Option<String>,
     /// Start every service and worker as its own process (`convene serve <service>` on
     /// loopback ports) instead of all in this process; CPU and peak RSS are reported
-    /// per process.
+    /// per process. With --workload model the scripted model server stays in the
+    /// bench's process (the workers reach it through their profiles file), whose CPU
+    /// counts in the model figures.
     #[arg(long, conflicts_with = "endpoint")]
     pub processes: bool,
     /// Scale run: start N runs at once whose workers hold every delegation until all
@@ -178,7 +187,26 @@ pub async fn run(args: &BenchArgs, data_dir: Option<&Path>) -> anyhow::Result<Ou
     if let Some(n) = args.scale {
         return scale::run(args, n, &dir).await;
     }
-    let prepared = prepare(args.workload, &dir.join("bench"), &args.example)?;
+    anyhow::ensure!(
+        !(args.workload == Workload::Model && args.endpoint.is_some()),
+        "--workload model cannot drive a mesh at --endpoint: its workers must be pointed at \
+         the bench's scripted model server, which only a mesh the bench starts is; leave \
+         out --endpoint (the bench starts a mesh, or one process per service with \
+         --processes)"
+    );
+    // The model workload's scripted server, which its profiles are pointed at.
+    let server = match args.workload {
+        Workload::Model => {
+            Some(model::ModelServer::start(&workload::example_profiles(&args.example)?).await?)
+        }
+        Workload::Noop | Workload::PaymentIncident => None,
+    };
+    let prepared = prepare(
+        args.workload,
+        &dir.join("bench"),
+        &args.example,
+        server.as_ref().map(model::ModelServer::base_url),
+    )?;
     if let Some(endpoint) = &args.endpoint {
         let c =
             client::Client::resolve(endpoint.clone(), None, &dir, None, args.credential.clone())?;
@@ -208,10 +236,18 @@ pub async fn run(args: &BenchArgs, data_dir: Option<&Path>) -> anyhow::Result<Ou
         started = start_mesh(args, &plan) => started?,
         signal = &mut signal => anyhow::bail!("interrupted by {signal} while starting the mesh"),
     };
+    let measuring = async {
+        match &server {
+            Some(server) => model::measure(&driver, &prepared, args, &measured, server).await,
+            None => measure(&driver, &prepared.spec, prepared.expected, args, &measured).await,
+        }
+    };
     let outcome = tokio::select! {
-        report = measure(&driver, &prepared.spec, prepared.expected, args, &measured) => report,
+        report = measuring => report,
         signal = &mut signal => Err(anyhow::anyhow!("interrupted by {signal}")),
     };
     started.stop().await;
+    // The workers are gone: the scripted model server can stop (when dropped).
+    drop(server);
     outcome.map(Outcome::Load)
 }

@@ -1,5 +1,6 @@
 //! Readings from `/proc` of the mesh's processes: CPU time, peak and current resident
-//! memory.
+//! memory; and the CPU time of one thread of the bench's own process (the `model`
+//! workload's scripted server).
 
 use std::collections::BTreeMap;
 
@@ -7,7 +8,19 @@ use super::Proc;
 
 /// CPU seconds (user + system) of a process, from `/proc/<pid>/stat`.
 pub fn cpu_seconds(pid: u32) -> f64 {
-    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+    stat_cpu_seconds(&format!("/proc/{pid}/stat"))
+}
+
+/// CPU seconds (user + system) of one thread of this process, by its thread id
+/// (`gettid`), from `/proc/self/task/<tid>/stat`.
+pub fn thread_cpu_seconds(tid: i32) -> f64 {
+    stat_cpu_seconds(&format!("/proc/self/task/{tid}/stat"))
+}
+
+/// utime + stime of a `stat` file of `/proc` (a process's or a thread's), in seconds; 0
+/// when it cannot be read.
+fn stat_cpu_seconds(path: &str) -> f64 {
+    let Ok(stat) = std::fs::read_to_string(path) else {
         return 0.0;
     };
     // Fields after the parenthesised command name; utime and stime are the 12th and 13th.

@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 
 use serde::Serialize;
 
+use super::model::ModelReport;
 use super::{MeshMode, Workload, scale};
 
 /// The result of a benchmark.
@@ -44,6 +45,11 @@ pub struct Report {
     /// mesh (with --processes; in one process it is part of `cpu_s_per_run`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub client_cpu_s_per_run: Option<f64>,
+    /// The `model` workload: its baseline phase, the scripted server, and the agent
+    /// runtime's own CPU per model turn (the report's other figures are its model
+    /// phase's).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub model: Option<ModelReport>,
 }
 
 /// Latency percentiles in microseconds.
@@ -69,10 +75,11 @@ pub enum Outcome {
 }
 
 impl Outcome {
-    /// Runs that failed or ended otherwise than the workload expects.
+    /// Runs that failed or ended otherwise than the workload expects (in every phase
+    /// measured).
     pub fn errors(&self) -> u64 {
         match self {
-            Outcome::Load(r) => r.errors,
+            Outcome::Load(r) => r.errors + r.model.as_ref().map_or(0, |m| m.baseline_errors),
             Outcome::Scale(r) => r.errors,
         }
     }
@@ -148,7 +155,36 @@ pub fn summary(r: &Report) -> String {
             client * 1000.0
         ));
     }
+    if let Some(m) = &r.model {
+        text.push('\n');
+        text.push_str(&model_summary(m));
+    }
     text
+}
+
+/// The `model` workload's lines: turns per run and the runtime's CPU per turn against
+/// the goal, then the figures it comes from.
+fn model_summary(m: &ModelReport) -> String {
+    let turns = if (m.turns_per_run - m.turns_per_run.round()).abs() < 1e-9 {
+        format!("{:.0}", m.turns_per_run)
+    } else {
+        format!("{:.2}", m.turns_per_run)
+    };
+    let per_turn = m.runtime_cpu_ms_per_turn.map_or_else(
+        || "no model turn measured".to_owned(),
+        |ms| format!("runtime CPU {ms:.3} ms per turn"),
+    );
+    format!(
+        "model turns: {turns} per run; {per_turn} (goal ≤ {} ms)\n  \
+         CPU per run: baseline (playbook specialists) {:.3} ms at {:.0} runs/s ({} errors), \
+         model {:.3} ms, of which the scripted server {:.3} ms",
+        m.goal_cpu_ms_per_turn,
+        m.baseline_cpu_ms_per_run,
+        m.baseline_runs_per_s,
+        m.baseline_errors,
+        m.model_cpu_ms_per_run,
+        m.server_cpu_ms_per_run,
+    )
 }
 
 #[cfg(test)]
@@ -178,6 +214,7 @@ mod tests {
             cpu_s_per_run_by_process: BTreeMap::new(),
             rss_by_process: BTreeMap::new(),
             client_cpu_s_per_run: None,
+            model: None,
         };
         let closed = summary(&report(None, None));
         assert!(
@@ -194,6 +231,45 @@ mod tests {
         assert!(
             capped.contains("64 at once (reached: runs started late, their wait counted)"),
             "{capped}"
+        );
+        assert!(!closed.contains("model turns"), "{closed}");
+    }
+
+    #[test]
+    fn the_model_workload_reports_the_runtime_cpu_per_turn_against_the_goal() {
+        let mut m = ModelReport {
+            turns_per_run: 6.0,
+            baseline_runs: 900,
+            baseline_errors: 0,
+            baseline_runs_per_s: 90.0,
+            baseline_cpu_ms_per_run: 4.0,
+            model_cpu_ms_per_run: 7.0,
+            server_cpu_ms_per_run: 0.528,
+            runtime_cpu_ms_per_turn: Some(0.412),
+            goal_cpu_ms_per_turn: 1.0,
+        };
+        let text = model_summary(&m);
+        assert!(
+            text.starts_with("model turns: 6 per run; runtime CPU 0.412 ms per turn (goal ≤ 1 ms)"),
+            "{text}"
+        );
+        assert!(
+            text.contains("baseline (playbook specialists) 4.000 ms at 90 runs/s (0 errors)"),
+            "{text}"
+        );
+        assert!(
+            text.contains("model 7.000 ms, of which the scripted server 0.528 ms"),
+            "{text}"
+        );
+        m.turns_per_run = 5.5;
+        let text = model_summary(&m);
+        assert!(text.starts_with("model turns: 5.50 per run;"), "{text}");
+        m.turns_per_run = 0.0;
+        m.runtime_cpu_ms_per_turn = None;
+        let text = model_summary(&m);
+        assert!(
+            text.starts_with("model turns: 0 per run; no model turn measured"),
+            "{text}"
         );
     }
 }

@@ -92,7 +92,7 @@ struct Hold {
 /// Writes the noop workload plus the `hold` profile into `dir`; returns it, the hold
 /// run's spec and the hold files.
 fn prepare_hold(dir: &Path, example: &Path) -> anyhow::Result<(Prepared, v1::RunSpec, Hold)> {
-    let prepared = prepare(Workload::Noop, dir, example)?;
+    let prepared = prepare(Workload::Noop, dir, example, None)?;
     let hold_dir = dir.join("hold");
     std::fs::create_dir_all(&hold_dir)?;
     let hold = Hold {
@@ -296,7 +296,15 @@ async fn measure(
         concurrency: args.concurrency,
         rate: None,
     };
-    warm_up(driver, &prepared.spec, prepared.expected, warm, args.warmup).await?;
+    warm_up(
+        driver,
+        &prepared.spec,
+        prepared.expected,
+        warm,
+        args.warmup,
+        "warming up",
+    )
+    .await?;
     let completions = follow_completions(driver).await?;
     let rss_before = rss(supervisor.pid);
     let cpu_before = cpu_by_process(&measured.processes);

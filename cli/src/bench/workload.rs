@@ -1,5 +1,10 @@
 //! The workloads: what each run does, and the files and spec a workload's runs start
 //! from, built from the payment-incident example.
+//!
+//! The `model` workload points the example's `openai` profiles at the bench's scripted
+//! model server (`base_url`), and keeps two specs: `run-model.yaml`, whose specialists
+//! are those model-driven profiles, and `run.yaml`, the same incident with the playbook
+//! specialists, which its baseline phase runs.
 
 use std::path::{Path, PathBuf};
 
@@ -18,6 +23,10 @@ pub enum Workload {
     Noop,
     /// The payment-incident example over its dataset.
     PaymentIncident,
+    /// The payment incident with model-driven specialists, against a scripted
+    /// OpenAI-compatible server in this process with zero latency; reports the agent
+    /// runtime's own CPU per model turn (goal: at most 1 ms).
+    Model,
 }
 
 /// Files a workload needs: policy, profiles, tool data, and the spec.
@@ -30,6 +39,9 @@ pub struct Prepared {
     pub data: PathBuf,
     /// The spec each run submits (without an idempotency key).
     pub spec: v1::RunSpec,
+    /// The `model` workload's baseline: the same incident with the playbook
+    /// specialists (`run.yaml`, without an idempotency key); None for the others.
+    pub baseline: Option<v1::RunSpec>,
     /// The outcome every run must reach to count.
     pub expected: v1::RunState,
 }
@@ -85,9 +97,13 @@ join: { strategy: JOIN_STRATEGY_ALL, minimum: { count: 3 } }
 limits: { timeout: 60s }
 "#;
 
-/// Writes what `workload` needs into `dir`, from the payment-incident example in
-/// `example`.
-pub fn prepare(workload: Workload, dir: &Path, example: &Path) -> anyhow::Result<Prepared> {
+/// The variable the `model` workload's profiles take their API key from
+/// (`api_key_env`): one nobody sets, so the scripted server is never sent a real key.
+pub(super) const MODEL_KEY_ENV: &str = "BENCH_SCRIPTED_MODEL_API_KEY";
+
+/// The payment-incident example at `example`, as an absolute path, or an error saying
+/// how to point the bench at it.
+fn example_dir(example: &Path) -> anyhow::Result<PathBuf> {
     let example = std::path::absolute(example)
         .with_context(|| format!("cannot resolve {}", example.display()))?;
     anyhow::ensure!(
@@ -98,18 +114,84 @@ pub fn prepare(workload: Workload, dir: &Path, example: &Path) -> anyhow::Result
          examples/payment-incident>",
         example.display()
     );
+    Ok(example)
+}
+
+fn read(path: &Path) -> anyhow::Result<String> {
+    std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))
+}
+
+/// The profiles of the payment-incident example in `example`, parsed and validated as a
+/// worker would: what the `model` workload's scripted server plays.
+pub(super) fn example_profiles(
+    example: &Path,
+) -> anyhow::Result<Vec<convene_worker::profiles::Profile>> {
+    let path = example_dir(example)?.join("profiles.yaml");
+    Ok(convene_worker::profiles::load(&path)?)
+}
+
+/// `profiles` (a profiles file's YAML) with every `openai` profile pointed at
+/// `base_url`, its key read from [`MODEL_KEY_ENV`].
+fn point_at(profiles: &str, base_url: &str) -> anyhow::Result<String> {
+    use serde_yaml::Value;
+    let mut file: Value =
+        serde_yaml::from_str(profiles).context("the example's profiles.yaml is not YAML")?;
+    let list = file
+        .get_mut("profiles")
+        .and_then(Value::as_sequence_mut)
+        .context("the example's profiles.yaml has no `profiles:` list")?;
+    let mut pointed = 0;
+    for profile in list.iter_mut().filter_map(Value::as_mapping_mut) {
+        if profile.get("provider").and_then(Value::as_str) != Some("openai") {
+            continue;
+        }
+        profile.insert("base_url".into(), base_url.into());
+        profile.remove("api_key_file");
+        profile.insert("api_key_env".into(), MODEL_KEY_ENV.into());
+        pointed += 1;
+    }
+    anyhow::ensure!(
+        pointed > 0,
+        "the example's profiles.yaml has no profile with `provider: openai`, which the \
+         model workload's run-model.yaml needs: use the convene repository's \
+         examples/payment-incident"
+    );
+    Ok(serde_yaml::to_string(&file)?)
+}
+
+/// Writes what `workload` needs into `dir`, from the payment-incident example in
+/// `example`. The `model` workload's `openai` profiles are pointed at `model_base_url`
+/// (the bench's scripted model server), which it needs.
+pub fn prepare(
+    workload: Workload,
+    dir: &Path,
+    example: &Path,
+    model_base_url: Option<&str>,
+) -> anyhow::Result<Prepared> {
+    let example = example_dir(example)?;
     std::fs::create_dir_all(dir)?;
-    let read = |p: &Path| {
-        std::fs::read_to_string(p).with_context(|| format!("cannot read {}", p.display()))
-    };
     let mut policy = read(&example.join("policy.yaml"))?;
     let mut profiles = read(&example.join("profiles.yaml"))?;
+    let mut baseline = None;
     let (data, spec_text, expected) = match workload {
         Workload::PaymentIncident => (
             example.join("data"),
             read(&example.join("run.yaml"))?,
             v1::RunState::WaitingApproval,
         ),
+        Workload::Model => {
+            let base_url = model_base_url
+                .context("the model workload needs its scripted model server's base URL")?;
+            profiles = point_at(&profiles, base_url)?;
+            let mut spec = spec::parse(&read(&example.join("run.yaml"))?, Path::new("run.yaml"))?;
+            spec.idempotency_key.clear();
+            baseline = Some(spec);
+            (
+                example.join("data"),
+                read(&example.join("run-model.yaml"))?,
+                v1::RunState::WaitingApproval,
+            )
+        }
         Workload::Noop => {
             let data = dir.join("noop-data");
             std::fs::create_dir_all(data.join("changes"))?;
@@ -130,6 +212,69 @@ pub fn prepare(workload: Workload, dir: &Path, example: &Path) -> anyhow::Result
         profiles: profiles_path,
         data,
         spec,
+        baseline,
         expected,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn example() -> PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/payment-incident")
+    }
+
+    #[test]
+    fn the_model_workload_points_the_openai_profiles_at_the_scripted_server() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let url = "http://127.0.0.1:4321/v1";
+        let prepared =
+            prepare(Workload::Model, dir.path(), &example(), Some(url)).expect("prepared");
+        let profiles = convene_worker::profiles::load(&prepared.profiles).expect("valid");
+        let (model, playbook): (Vec<_>, Vec<_>) = profiles
+            .iter()
+            .partition(|p| p.profile.provider == convene_worker::openai::PROVIDER_NAME);
+        assert_eq!(model.len(), 3);
+        for p in &model {
+            assert_eq!(
+                p.connection.base_url.as_deref(),
+                Some(url),
+                "{}",
+                p.profile.id
+            );
+            assert_eq!(p.connection.api_key_env.as_deref(), Some(MODEL_KEY_ENV));
+        }
+        assert!(playbook.iter().all(|p| p.connection.base_url.is_none()));
+        // The model phase runs the model-driven specialists, the baseline the playbook
+        // ones; neither spec is deduplicated by an idempotency key.
+        let baseline = prepared.baseline.expect("a baseline spec");
+        let ids = |spec: &v1::RunSpec| -> Vec<String> {
+            spec.delegations
+                .iter()
+                .map(|d| d.profile_id.clone())
+                .collect()
+        };
+        assert!(ids(&prepared.spec).iter().all(|id| id.ends_with("-model")));
+        assert!(ids(&baseline).iter().all(|id| !id.ends_with("-model")));
+        assert_eq!(ids(&prepared.spec).len(), ids(&baseline).len());
+        assert!(prepared.spec.idempotency_key.is_empty());
+        assert!(baseline.idempotency_key.is_empty());
+        assert_eq!(prepared.expected, v1::RunState::WaitingApproval);
+
+        let err = prepare(Workload::Model, dir.path(), &example(), None)
+            .err()
+            .expect("no server, no model workload")
+            .to_string();
+        assert!(err.contains("scripted model server"), "{err}");
+    }
+
+    #[test]
+    fn the_other_workloads_have_no_baseline() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        for workload in [Workload::Noop, Workload::PaymentIncident] {
+            let prepared = prepare(workload, dir.path(), &example(), None).expect("prepared");
+            assert!(prepared.baseline.is_none(), "{workload:?}");
+        }
+    }
 }

@@ -1,5 +1,6 @@
 //! `convene bench`, black-box: the closed loop in one process and as processes, the
-//! scale run, and that no mesh process outlives the bench, even an interrupted one.
+//! model workload, the scale run, and that no mesh process outlives the bench, even an
+//! interrupted one.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
@@ -212,6 +213,70 @@ fn the_open_loop_offers_runs_at_the_rate_and_counts_latency_from_when_each_fell_
     #[allow(clippy::cast_precision_loss)] // microseconds of a short phase
     let max_us = u64_of(&report["latency_us"], "max") as f64;
     assert!(max_us >= phase_us - 29_000.0 - 5_000.0, "{report}");
+}
+
+/// The model workload's section of a report: six model turns per run (two for each
+/// specialist), and finite CPU figures. Its value against the goal is a benchmark's
+/// business, not a test's.
+fn check_model_section(report: &Value, runs: u64) {
+    assert_eq!(report["workload"], "model", "{report}");
+    assert_eq!(u64_of(report, "runs"), runs, "{report}");
+    assert_eq!(u64_of(report, "errors"), 0, "{report}");
+    let model = &report["model"];
+    assert!(
+        (f64_of(model, "turns_per_run") - 6.0).abs() < 1e-9,
+        "{report}"
+    );
+    assert_eq!(u64_of(model, "baseline_runs"), runs, "{report}");
+    assert_eq!(u64_of(model, "baseline_errors"), 0, "{report}");
+    for key in ["baseline_cpu_ms_per_run", "model_cpu_ms_per_run"] {
+        let ms = f64_of(model, key);
+        assert!(ms.is_finite() && ms > 0.0, "{key}: {report}");
+    }
+    // /proc counts CPU time in ticks of 10 ms, which a few runs' worth of the scripted
+    // server's answers may not fill.
+    let server = f64_of(model, "server_cpu_ms_per_run");
+    assert!(server.is_finite() && server >= 0.0, "{report}");
+    assert!(
+        f64_of(model, "runtime_cpu_ms_per_turn").is_finite(),
+        "{report}"
+    );
+    assert!(
+        (f64_of(model, "goal_cpu_ms_per_turn") - 1.0).abs() < f64::EPSILON,
+        "{report}"
+    );
+}
+
+/// `--workload model`: the payment incident with model-driven specialists against the
+/// bench's scripted model server reaches the playbook outcome (WAITING_APPROVAL, no
+/// errors) in both phases, in one process and as processes, and reports the turns and
+/// CPU figures; `--endpoint` is refused, saying why.
+#[test]
+fn the_model_workload_reports_the_runtime_cpu_per_model_turn() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let args = ["--workload", "model", "--runs", "6", "--concurrency", "2"];
+    let report = bench(&dir.path().join("one"), &args);
+    check_model_section(&report, 6);
+    assert_eq!(report["mode"], "one-process", "{report}");
+
+    let many = dir.path().join("many");
+    let report = bench(&many, &[&args[..], &["--processes"]].concat());
+    check_model_section(&report, 6);
+    assert_eq!(report["mode"], "processes", "{report}");
+    assert_eq!(processes_of(&many), Vec::<u32>::new());
+
+    let out = convene()
+        .args(["bench", "--workload", "model", "--runs", "1"])
+        .args(["--endpoint", "http://127.0.0.1:9", "--data-dir"])
+        .arg(dir.path().join("endpoint"))
+        .output()
+        .expect("convene runs");
+    assert!(!out.status.success(), "drove an endpoint");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--workload model cannot drive a mesh at --endpoint"),
+        "{err}"
+    );
 }
 
 /// Rows of `table` in the SQLite file `<dir>/<file>`.
