@@ -59,6 +59,18 @@ pub enum LimitError {
         /// The run's `max_rounds`.
         max: u32,
     },
+    /// A delegation would return to a profile already on its path with the same goal
+    /// (A → B → A): a loop, whatever the depth.
+    #[error(
+        "delegating to {profile} with this goal would loop: {path} already holds {profile} \
+         with the same goal; handle this task yourself or give the child a different goal"
+    )]
+    Loop {
+        /// The profile the child would run.
+        profile: String,
+        /// The chain of profiles from the top-level delegation to the caller, `A → B`.
+        path: String,
+    },
     /// A limit that must be positive is zero (validated limits never are).
     #[error("{which} must be at least 1, got 0")]
     Zero {
@@ -73,6 +85,40 @@ pub fn check_depth(depth: u32, max_depth: u32) -> Result<(), LimitError> {
         return Err(LimitError::DepthExceeded {
             depth,
             max: max_depth,
+        });
+    }
+    Ok(())
+}
+
+/// The hash a goal is compared by in [`check_loop`]: SHA-256 of its words, lowercased
+/// and joined by single spaces, so layout and case do not hide a repeated goal.
+pub fn goal_hash(goal: &str) -> [u8; 32] {
+    let normalized = goal
+        .split_whitespace()
+        .map(str::to_lowercase)
+        .collect::<Vec<_>>()
+        .join(" ");
+    Sha256::digest(normalized.as_bytes()).into()
+}
+
+/// Refuses a child running `profile` with `goal` when a delegation on its `path` (the
+/// chain of `(profile, goal)` from the top-level delegation to the caller, in order)
+/// already runs that profile with the same goal: A → B → A loops, whatever the depth.
+pub fn check_loop<'a>(
+    path: &[(&'a str, &'a str)],
+    profile: &str,
+    goal: &str,
+) -> Result<(), LimitError> {
+    let hash = goal_hash(goal);
+    if path
+        .iter()
+        .any(|(p, g)| *p == profile && goal_hash(g) == hash)
+    {
+        let mut chain: Vec<&str> = path.iter().map(|(p, _)| *p).collect();
+        chain.dedup();
+        return Err(LimitError::Loop {
+            profile: profile.to_owned(),
+            path: chain.join(" → "),
         });
     }
     Ok(())

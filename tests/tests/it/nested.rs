@@ -436,6 +436,40 @@ async fn delegating_past_max_depth_tells_the_coordinator_to_handle_it_itself() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn delegating_back_to_a_profile_with_the_same_goal_is_refused_as_a_loop() {
+    // The coordinator asks for another coordinator with its own goal (written
+    // differently): A → A, which would repeat forever whatever max_depth allows.
+    let looping = format!(
+        r#"
+              - name: again
+                profile_id: {COORDINATOR}
+                goal: "have the LOGS and metrics specialists investigate,   and report their findings."
+                scope: {{ resources: ["service/payment-api"] }}
+                required_scopes: [{{ action: "logs:read", resource: "service/*" }}]
+"#
+    );
+    let limits = Limits {
+        max_depth: 3,
+        ..Limits::default()
+    };
+    let (mesh, run) = run_coordinator(
+        Mode::InProcess,
+        profiles(&looping, &[]),
+        "nested-loop",
+        &limits,
+    )
+    .await;
+    assert_eq!(run.delegations.len(), 1, "no child was created: {run:#?}");
+    let r = result(coordinator(&run));
+    assert_eq!(r.status, v1::TaskStatus::Failed as i32, "{r:#?}");
+    let text = failure_text(r);
+    assert!(text.contains("FAILED_PRECONDITION"), "{text}");
+    assert!(text.contains("would loop"), "{text}");
+    assert!(text.contains("handle this task yourself"), "{text}");
+    owner_ends(&mesh).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_task_without_may_redelegate_cannot_delegate() {
     let limits = Limits {
         may_redelegate: false,

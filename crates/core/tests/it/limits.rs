@@ -400,3 +400,22 @@ fn the_detector_follows_the_run_limits() {
     assert_eq!(detector.observe(h), Progress::NoProgress);
     assert_eq!(ProgressDetector::new(0).threshold(), 1);
 }
+
+#[test]
+fn a_chain_that_returns_to_a_profile_with_the_same_goal_is_a_loop() {
+    use convene_core::limits::check_loop;
+    let path = [
+        ("coordinator", "Assess the incident"),
+        ("logs-investigator", "Read the logs"),
+    ];
+    // A → B → A with the same goal, however it is written.
+    let err = check_loop(&path, "coordinator", "  assess THE   incident ").unwrap_err();
+    assert!(matches!(err, LimitError::Loop { .. }), "{err:?}");
+    let text = err.to_string();
+    assert!(text.contains("coordinator → logs-investigator"), "{text}");
+    assert!(text.contains("handle this task yourself"), "{text}");
+    // The same profile with another goal, or another profile with the same goal, is not.
+    check_loop(&path, "coordinator", "Summarize the logs").unwrap();
+    check_loop(&path, "metrics-investigator", "Read the logs").unwrap();
+    check_loop(&[], "coordinator", "Assess the incident").unwrap();
+}

@@ -63,6 +63,27 @@ impl RunActor {
         }
     }
 
+    /// The tasks from the top-level delegation down to the one at ledger index `index`,
+    /// in that order.
+    fn path_to(&self, index: usize) -> Vec<&v1::DelegationTask> {
+        let mut path = Vec::new();
+        let mut next = self.run.delegations[index].task.as_ref();
+        while let Some(task) = next {
+            path.push(task);
+            if task.parent_delegation_id.is_empty() || path.len() > 64 {
+                break;
+            }
+            next = self
+                .run
+                .delegations
+                .iter()
+                .filter_map(|d| d.task.as_ref())
+                .find(|t| t.delegation_id == task.parent_delegation_id);
+        }
+        path.reverse();
+        path
+    }
+
     /// Checks a nested Delegate call and adds its children to the ledger; returns the
     /// kept children's ledger indices, the names TRUNCATE dropped, and the batch.
     pub(super) async fn plan_children(
@@ -133,6 +154,13 @@ impl RunActor {
                     format!("name {} is used twice in this call", p.name),
                 ));
             }
+            let path = self.path_to(parent);
+            let path: Vec<(&str, &str)> = path
+                .iter()
+                .map(|t| (t.profile_id.as_str(), t.goal.as_str()))
+                .collect();
+            limits::check_loop(&path, &p.profile_id, &p.goal)
+                .map_err(|e| Error::FailedPrecondition(format!("{field}: {e}")))?;
             planned.push(p);
         }
         let plan = limits::plan_batch(
