@@ -256,12 +256,12 @@ impl Agent {
         let system = format!("{}\n\n{REPORT_INSTRUCTIONS}", profile.instructions.trim());
         let mut messages = vec![Message::user(task_prompt(ctx))];
         for iteration in 1..=profile.max_iterations {
-            let used = {
+            let (used, cost) = {
                 let mut p = lock(progress);
                 p.iterations = iteration;
-                p.tokens
+                (p.tokens, p.cost)
             };
-            if let Some(spent) = budget.spent(used, lock(progress).cost) {
+            if let Some(spent) = budget.spent(used, cost) {
                 return LoopEnd::Budget {
                     report: None,
                     detail: spent,

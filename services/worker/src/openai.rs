@@ -340,12 +340,9 @@ fn parse_arguments(text: &str) -> Value {
     serde_json::from_str(text).unwrap_or_else(|_| Value::String(text.to_owned()))
 }
 
+/// A server's or a model's text, cut for an error message.
 fn clip(text: &str) -> String {
-    let text = text.trim();
-    match text.char_indices().nth(MAX_ERROR_CHARS) {
-        Some((at, _)) => format!("{}…", &text[..at]),
-        None => text.to_owned(),
-    }
+    crate::provider::clip(text, MAX_ERROR_CHARS)
 }
 
 // ---------------------------------------------------------------------------------------

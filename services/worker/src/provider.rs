@@ -220,6 +220,16 @@ impl ProviderError {
     }
 }
 
+/// `text` trimmed and cut to at most `max` characters (an ellipsis marks a cut), for
+/// what a model or a server wrote that goes into a message.
+pub fn clip(text: &str, max: usize) -> String {
+    let text = text.trim();
+    match text.char_indices().nth(max) {
+        Some((at, _)) => format!("{}…", &text[..at]),
+        None => text.to_owned(),
+    }
+}
+
 /// A model: turns a conversation into the next assistant message.
 #[async_trait::async_trait]
 pub trait ModelProvider: Send + Sync + fmt::Debug {

@@ -184,7 +184,7 @@ impl FinalReport {
             return Err(format!(
                 "the arguments of {SUBMIT_REPORT} are not a JSON object ({}); call it again \
                  with a JSON object matching its schema",
-                clip(raw)
+                crate::provider::clip(raw, 200)
             ));
         }
         Self::deserialize(arguments).map_err(|e| {
@@ -208,14 +208,6 @@ impl FinalReport {
                 .to_owned(),
             parameters,
         }
-    }
-}
-
-fn clip(text: &str) -> String {
-    let text = text.trim();
-    match text.char_indices().nth(200) {
-        Some((at, _)) => format!("{}…", &text[..at]),
-        None => text.to_owned(),
     }
 }
 

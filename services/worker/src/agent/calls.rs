@@ -149,7 +149,7 @@ impl Agent {
                 "the arguments of {} are not a JSON object ({}); call it again with a JSON \
                  object matching its schema",
                 call.name,
-                written.chars().take(200).collect::<String>()
+                crate::provider::clip(&written, 200)
             )));
         }
         let granted = ctx.callable.contains(&call.name);

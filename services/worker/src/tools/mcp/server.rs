@@ -628,10 +628,7 @@ fn text_of(content: &Value) -> String {
 
 /// `text` cut to [`MAX_ERROR_TEXT`] characters.
 fn clip(text: &str) -> String {
-    match text.char_indices().nth(MAX_ERROR_TEXT) {
-        Some((i, _)) => format!("{}…", &text[..i]),
-        None => text.to_owned(),
-    }
+    crate::provider::clip(text, MAX_ERROR_TEXT)
 }
 
 fn describe(names: &[String]) -> String {
