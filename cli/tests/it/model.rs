@@ -7,7 +7,6 @@ use std::process::Output;
 
 use std::path::PathBuf;
 
-use convene_store::test_util::Service;
 use convene_worker::model_server::{PlaybookResponder, Recorded, Reply, ScriptedModel};
 
 use crate::support::{convene, repo_root};
@@ -108,30 +107,8 @@ async fn a_model_that_never_calls_a_tool_still_ends_the_run() {
 }
 
 /// A Python that imports `mcp`, for the example MCP server.
-const PYTHON: Service = Service {
-    name: "a Python with the mcp package",
-    variable: "CONVENE_TEST_PYTHON",
-};
-
 fn python() -> Option<PathBuf> {
-    let imports_mcp = |python: &PathBuf| {
-        std::process::Command::new(python)
-            .args(["-c", "import mcp.server.mcpserver"])
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .status()
-            .is_ok_and(|s| s.success())
-    };
-    let found = std::env::var_os(PYTHON.variable)
-        .map(PathBuf::from)
-        .into_iter()
-        .chain([repo_root().join(".venv/bin/python")])
-        .find(imports_mcp);
-    if found.is_none() {
-        PYTHON
-            .missing("is not found (neither CONVENE_TEST_PYTHON nor .venv/bin/python imports mcp)");
-    }
-    found
+    convene_store::test_util::python_with_mcp(&[repo_root().join(".venv/bin/python")])
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

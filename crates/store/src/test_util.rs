@@ -185,6 +185,50 @@ pub fn postgres_server() -> Option<String> {
         .filter(|v| !v.trim().is_empty())
 }
 
+/// The variable naming the Python the MCP tests run the example server with.
+pub const PYTHON_ENV: &str = "CONVENE_TEST_PYTHON";
+
+/// A Python with the `mcp` package (the official MCP SDK), named by [`PYTHON_ENV`].
+pub const PYTHON_MCP: Service = Service {
+    name: "a Python with the mcp package",
+    variable: PYTHON_ENV,
+};
+
+/// The Python that runs the example MCP server: [`PYTHON_ENV`] if set (it must import
+/// `mcp`), else the first of `candidates` that does (e.g. the repository's
+/// `.venv/bin/python`); `None` after reporting the skip.
+///
+/// # Panics
+///
+/// When [`PYTHON_ENV`] names a Python that cannot import `mcp`, or none is found and
+/// [`REQUIRE_SERVICES_ENV`] is set.
+pub fn python_with_mcp(candidates: &[std::path::PathBuf]) -> Option<std::path::PathBuf> {
+    let imports_mcp = |python: &std::path::Path| {
+        std::process::Command::new(python)
+            .args(["-c", "import mcp.server.mcpserver"])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    };
+    if let Some(given) = std::env::var_os(PYTHON_ENV) {
+        let given = std::path::PathBuf::from(given);
+        assert!(
+            imports_mcp(&given),
+            "{PYTHON_ENV}={} cannot import the mcp package; install it with `{} -m pip \
+             install mcp==2.3.0`",
+            given.display(),
+            given.display()
+        );
+        return Some(given);
+    }
+    let found = candidates.iter().find(|p| imports_mcp(p)).cloned();
+    if found.is_none() {
+        PYTHON_MCP.missing("is not found (no candidate imports mcp)");
+    }
+    found
+}
+
 /// A database created for a test on a PostgreSQL server, dropped (with its
 /// connections) when this value is dropped.
 pub struct TestPostgres {

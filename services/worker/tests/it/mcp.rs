@@ -8,7 +8,7 @@
 //! under `CONVENE_TEST_REQUIRE_SERVICES=1`), but for the one whose server cannot start
 //! on purpose.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
@@ -18,7 +18,6 @@ use convene_mesh::handles::{EvidenceHandle, GrpcEvidenceStore, GrpcPolicy, Polic
 use convene_policy::decision_log::AuthorizeRecord;
 use convene_proto::v1;
 use convene_server::test_util::endpoint;
-use convene_store::test_util::Service;
 use convene_worker::models::ModelSettings;
 use convene_worker::profiles::{self, ProviderRegistry};
 use convene_worker::provider::{
@@ -34,14 +33,6 @@ use tempfile::TempDir;
 use tokio::io::AsyncBufReadExt as _;
 
 use crate::support::{Mesh, TestWorker, example_data, scope};
-
-/// The variable naming the Python that runs the example server.
-const PYTHON_ENV: &str = "CONVENE_TEST_PYTHON";
-/// A Python with the `mcp` package, for the example server.
-const PYTHON: Service = Service {
-    name: "a Python with the mcp package",
-    variable: PYTHON_ENV,
-};
 
 const RUN_ID: &str = "run-mcp-20260723";
 const PROFILE: &str = "runbook-reader";
@@ -68,32 +59,10 @@ fn server_script() -> PathBuf {
 
 /// The Python that runs the example server, or `None` after reporting the skip.
 fn python() -> Option<PathBuf> {
-    let imports_mcp = |python: &Path| {
-        std::process::Command::new(python)
-            .args(["-c", "import mcp.server.mcpserver"])
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .status()
-            .is_ok_and(|s| s.success())
-    };
-    if let Some(given) = std::env::var_os(PYTHON_ENV) {
-        let given = PathBuf::from(given);
-        assert!(
-            imports_mcp(&given),
-            "{PYTHON_ENV}={} cannot import the mcp package; install it with `{} -m pip \
-             install mcp==2.3.0`",
-            given.display(),
-            given.display()
-        );
-        return Some(given);
-    }
-    let found = [repo().join(".venv/bin/python"), PathBuf::from("python3")]
-        .into_iter()
-        .find(|p| imports_mcp(p));
-    if found.is_none() {
-        PYTHON.missing("is not found (neither .venv/bin/python nor python3 imports mcp)");
-    }
-    found
+    convene_store::test_util::python_with_mcp(&[
+        repo().join(".venv/bin/python"),
+        PathBuf::from("python3"),
+    ])
 }
 
 /// Waits until `done()` holds, checking every 20 ms; fails the test after [`PATIENCE`].
