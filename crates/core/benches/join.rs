@@ -34,6 +34,7 @@ fn fixture(
         on_conflict: OnConflict::PreserveAndEscalate,
         late_result: LateResultPolicy::Discard,
         weights: BTreeMap::new(),
+        required_profiles: Vec::new(),
     };
     let mut delegations = Vec::with_capacity(n);
     let mut results = Vec::with_capacity(n);

@@ -21,7 +21,8 @@ pub enum Rule {
     Exclusive,
     /// A reference names something that does not exist (a delegation, a profile).
     UnknownReference,
-    /// A value lies outside what is allowed here (prefix, scope, tool).
+    /// A value lies outside what is allowed here (prefix, scope, tool), or a field is set
+    /// that this kind of message does not take (a planner's run's delegation references).
     NotAllowed,
     /// A list or string is longer than allowed.
     TooLong,

@@ -24,13 +24,27 @@
 //!    the stored hash (`EVIDENCE_UNKNOWN`, `ARTIFACT_MISSING`, `HASH_MISMATCH`).
 //!
 //! Over the accepted results it then finds the required delegations without an accepted
-//! result, the minimum (count, weight, evidence kinds) and the conflicts (one topic, two
-//! or more values: every claim on the topic is kept, with its evidence).
+//! result, the required profiles without an accepted delegation, the minimum (count,
+//! weight, evidence kinds) and the conflicts (one topic, two or more values: every claim
+//! on the topic is kept, with its evidence).
+//!
+//! # Required delegations and required profiles
+//!
+//! A reference in `required` (a plan name or a profile id) makes every delegation it
+//! names required: each of them needs an accepted result. A profile in
+//! `required_profiles` is met by *one* accepted delegation of that profile, whichever:
+//! a planner may delegate to a profile several times (a follow-up is a new delegation),
+//! so a rejected first attempt does not fail the join once a later delegation of the
+//! profile is accepted — the delegations of a required profile are not required one by
+//! one, and an unaccepted one is a gap like an optional delegation's. An unmet required
+//! profile is listed in `missing_required` by its id, after the required delegations and
+//! unmatched required references.
 //!
 //! # Outcome
 //!
-//! In this precedence: `INSUFFICIENT_EVIDENCE` (a required delegation without an accepted
-//! result, the minimum not met, or an `on_timeout = FAIL` deadline passed with a gap),
+//! In this precedence: `INSUFFICIENT_EVIDENCE` (a required delegation or a required
+//! profile without an accepted result, the minimum not met, or an `on_timeout = FAIL`
+//! deadline passed with a gap),
 //! `PARTIAL_EVIDENCE` (some expected delegation without an accepted result),
 //! `CONFLICT_REQUIRES_HUMAN`, `COMPLETE_WITH_REVIEW_REQUIRED` (an accepted result proposes
 //! an action above R1; an unset level counts as R3), `COMPLETE`.
@@ -54,8 +68,15 @@
 //! - **Weights** below zero (or not a number) count as zero, for the same reason: removing
 //!   an accepted delegation must never raise the accepted weight.
 //! - **Empty evidence prefixes** allow nothing; an empty prefix list allows nothing.
-//! - A required reference that names no delegation of the plan is listed, as written, in
-//!   `missing_required`: it can never be met.
+//! - A required reference that names no delegation of the plan, and a required profile
+//!   that no delegation has, is listed, as written, in `missing_required`: it can never be
+//!   met.
+//! - **Required profiles wait like required delegations.** While no delegation of a
+//!   required profile is accepted, QUORUM does not decide early, however many others are
+//!   accepted (ALL and TIMEOUT_PARTIAL wait for every expected delegation anyway, and
+//!   FIRST_VALID decides on the first accepted result, as it does with a required
+//!   delegation pending). Whether a profile is met depends only on the set of verdicts,
+//!   so arrival order does not matter here either.
 //! - A delegation id listed twice in the plan counts once (its first entry).
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -73,7 +94,8 @@ use crate::time::to_timestamp;
 pub struct ExpectedDelegation {
     /// The delegation's id; results name it.
     pub delegation_id: String,
-    /// Plan name; contracts reference delegations by name or by profile id.
+    /// Plan name (or the name a planner gave it); contracts reference delegations by name
+    /// or by profile id.
     pub name: String,
     /// Profile that handles it; results must come from this profile.
     pub profile_id: String,
@@ -169,8 +191,8 @@ impl RejectionCause {
 /// Decides the join if its strategy allows it now, or says what it waits for.
 ///
 /// The strategy decides *when*: ALL and TIMEOUT_PARTIAL once every expected delegation
-/// has a result; QUORUM also as soon as every required delegation is accepted and the
-/// minimum is met; FIRST_VALID also as soon as any result is accepted; every strategy
+/// has a result; QUORUM also as soon as every required delegation is accepted, every
+/// required profile has an accepted delegation and the minimum is met; FIRST_VALID also as soon as any result is accepted; every strategy
 /// once the deadline has passed. *What* is decided is [`assess`].
 pub fn decide(input: &JoinInput<'_>) -> JoinState {
     let evaluation = Evaluation::new(input);
@@ -457,7 +479,10 @@ enum Verdict<'r> {
 /// One expected delegation with what the contract and the results say about it.
 struct Judged<'a> {
     delegation: &'a ExpectedDelegation,
+    /// Named by a reference in `required`.
     required: bool,
+    /// Of a profile in `required_profiles` (and not required on its own).
+    of_required_profile: bool,
     weight: f64,
     verdict: Verdict<'a>,
 }
@@ -516,6 +541,7 @@ impl<'a> Evaluation<'a> {
             .map(|(&delegation, results)| Judged {
                 delegation,
                 required: contract.required.iter().any(|r| names(delegation, r)),
+                of_required_profile: contract.required_profiles.contains(&delegation.profile_id),
                 weight: weight_of(contract, delegation),
                 verdict: match judge(delegation, results, input.evidence) {
                     None => Verdict::Pending,
@@ -580,28 +606,19 @@ impl<'a> Evaluation<'a> {
         for j in &self.judged {
             match &j.verdict {
                 Verdict::Rejected(cause) => {
-                    reasons.push(format!(
-                        "{} `{}` rejected: {}",
-                        kind_of(j),
-                        j.delegation.label(),
-                        cause.detail
-                    ));
+                    reasons.push(format!("{} rejected: {}", describe(j), cause.detail));
                     rejected.push(v1::Rejection {
                         delegation_id: j.delegation.delegation_id.clone(),
                         reason: cause.reason.into(),
                         detail: cause.detail.clone(),
                     });
                 }
-                Verdict::Pending if deadline_passed => reasons.push(format!(
-                    "deadline passed with {} `{}` pending",
-                    kind_of(j),
-                    j.delegation.label()
-                )),
-                Verdict::Pending => reasons.push(format!(
-                    "{} `{}` has not reported yet",
-                    kind_of(j),
-                    j.delegation.label()
-                )),
+                Verdict::Pending if deadline_passed => {
+                    reasons.push(format!("deadline passed with {} pending", describe(j)));
+                }
+                Verdict::Pending => {
+                    reasons.push(format!("{} has not reported yet", describe(j)));
+                }
                 Verdict::Accepted(_) => {}
             }
         }
@@ -639,6 +656,31 @@ impl<'a> Evaluation<'a> {
                 "required reference `{reference}` names no delegation or profile of the plan"
             ));
             missing_required.push((*reference).to_owned());
+        }
+        // Check 8b: required profiles, met by any one accepted delegation of the profile.
+        for profile in &contract.required_profiles {
+            if missing_required.contains(profile) {
+                continue;
+            }
+            let of_profile: Vec<&Judged<'_>> = self
+                .judged
+                .iter()
+                .filter(|j| j.delegation.profile_id == *profile)
+                .collect();
+            if of_profile.iter().any(|j| j.accepted().is_some()) {
+                continue;
+            }
+            if of_profile.is_empty() {
+                reasons.push(format!(
+                    "required profile `{profile}` has no delegation in the run"
+                ));
+            } else {
+                reasons.push(format!(
+                    "required profile `{profile}` has no accepted delegation (of {})",
+                    quoted(of_profile.iter().map(|j| j.delegation.label()))
+                ));
+            }
+            missing_required.push(profile.clone());
         }
         let missing_optional: Vec<String> = self
             .judged
@@ -859,11 +901,19 @@ fn weight_of(contract: &JoinContract, delegation: &ExpectedDelegation) -> f64 {
         .max(0.0)
 }
 
-fn kind_of(j: &Judged<'_>) -> &'static str {
+/// How reasons name a delegation: `` required delegation `logs` ``, `` optional
+/// delegation `changes` `` or `` delegation `logs-2` of required profile `logs` ``.
+fn describe(j: &Judged<'_>) -> String {
+    let label = j.delegation.label();
     if j.required {
-        "required delegation"
+        format!("required delegation `{label}`")
+    } else if j.of_required_profile {
+        format!(
+            "delegation `{label}` of required profile `{}`",
+            j.delegation.profile_id
+        )
     } else {
-        "optional delegation"
+        format!("optional delegation `{label}`")
     }
 }
 

@@ -62,7 +62,9 @@ pub struct JoinMinimum {
 }
 
 /// A validated join contract. References in `required`/`optional`/`weights` name a
-/// delegation (by plan name) or a profile (by id).
+/// delegation (by plan name) or a profile (by id); `required_profiles` names profiles
+/// only. A planner's run names profiles only: its delegations are named by the planner,
+/// so `required`, `optional` and `weights` are empty there.
 #[derive(Debug, Clone, PartialEq)]
 pub struct JoinContract {
     /// Contract name.
@@ -85,6 +87,11 @@ pub struct JoinContract {
     pub late_result: LateResultPolicy,
     /// Weight per reference; default 1.
     pub weights: BTreeMap<String, f64>,
+    /// Profiles (by id) of which at least one delegation must be accepted. Unlike a
+    /// profile in `required`, which makes every delegation of it required, one accepted
+    /// delegation of the profile meets it (a follow-up may stand in for a rejected
+    /// first attempt).
+    pub required_profiles: Vec<String>,
 }
 
 /// What happens to delegations beyond the width limit.
@@ -110,7 +117,7 @@ pub struct Limits {
     pub overflow: Overflow,
     /// Agent-loop iterations per worker. Default 12.
     pub max_iterations: u32,
-    /// Planning rounds. Default 1.
+    /// Planning rounds. Default 1 for a static plan, 4 for a planner's run.
     pub max_rounds: u32,
     /// Re-dispatches of one delegation after transient failures. Default 2.
     pub max_redelegations: u32,
@@ -135,6 +142,9 @@ impl Limits {
     pub const DEFAULT_MAX_ITERATIONS: u32 = 12;
     /// Default rounds for a static plan.
     pub const DEFAULT_MAX_ROUNDS: u32 = 1;
+    /// Default rounds for a planner's run: enough for a first fan-out, follow-ups on what
+    /// it found, and a last check, without letting a planner loop unbounded.
+    pub const DEFAULT_PLANNER_MAX_ROUNDS: u32 = 4;
     /// Default re-dispatches per delegation.
     pub const DEFAULT_MAX_REDELEGATIONS: u32 = 2;
     /// Default run timeout.
@@ -168,7 +178,8 @@ impl Limits {
         }
     }
 
-    /// Defaults everywhere, with the deadline [`Self::DEFAULT_TIMEOUT`] after `run_start`.
+    /// Defaults everywhere (those of a static plan), with the deadline
+    /// [`Self::DEFAULT_TIMEOUT`] after `run_start`.
     pub fn defaults(run_start: SystemTime) -> Self {
         Self {
             max_depth: Self::DEFAULT_MAX_DEPTH,
@@ -233,15 +244,28 @@ pub struct PlannedTask {
     pub may_redelegate: bool,
 }
 
-/// A validated run spec.
+/// A model-driven plan: the planner profile's model proposes the run's delegations over
+/// rounds, instead of a static plan.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Planner {
+    /// Worker profile that plans (its model proposes the delegations).
+    pub profile_id: String,
+    /// Extra instructions for the planner, trimmed (empty: none).
+    pub instructions: String,
+}
+
+/// A validated run spec: either a static plan (`plan`, with `planner` None) or a
+/// planner (`planner`, with `plan` empty).
 #[derive(Debug, Clone, PartialEq)]
 pub struct RunSpec {
     /// What the run must establish.
     pub goal: String,
     /// Idempotency key (None: none).
     pub idempotency_key: Option<String>,
-    /// The static plan, in order.
+    /// The static plan, in order; empty for a planner's run.
     pub plan: Vec<PlannedTask>,
+    /// The model-driven plan (None: the run follows the static `plan`).
+    pub planner: Option<Planner>,
     /// The join contract, with its deadline resolved.
     pub join: JoinContract,
     /// Limits with defaults applied and the deadline resolved.

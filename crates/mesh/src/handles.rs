@@ -177,6 +177,7 @@ grpc_adapter!(
     GrpcWorker, WorkerClient, Worker {
         execute: WorkerExecuteRequest => WorkerExecuteResponse,
         cancel: WorkerCancelRequest => WorkerCancelResponse,
+        plan_turn: PlanTurnRequest => PlanTurnResponse,
     }
 );
 

@@ -1,5 +1,5 @@
 //! Join contracts: references, strategy, minimum, deadline, conflict and late-result
-//! policies, weights.
+//! policies, weights, required profiles.
 
 use std::collections::{BTreeMap, HashMap};
 use std::time::SystemTime;
@@ -8,15 +8,17 @@ use convene_proto::v1;
 
 use super::deadline::resolve_deadline;
 use super::enums::{enum_or_default, required_enum};
-use super::rules::{finite_number, no_duplicates, non_blank_list};
+use super::rules::{each, finite_number, no_duplicates, non_blank_list, profile_id};
 use super::{at, key, nth};
 use crate::model::{self, JoinMinimum};
 use crate::{FieldPath, Rule, ValidationError};
 
 /// Validates a join contract; `run_start` resolves `timeout` into the deadline.
 ///
-/// References are only checked for form here; whether they name something of the plan
-/// is checked by [`run_spec`](super::run_spec), which knows the plan.
+/// References are only checked for form here (`required_profiles` must be valid profile
+/// ids, without duplicates); whether they name something of the plan, and whether a
+/// planner's run may have them at all, is checked by [`run_spec`](super::run_spec),
+/// which knows the plan.
 pub fn join_contract(
     j: &v1::JoinContract,
     run_start: SystemTime,
@@ -62,6 +64,7 @@ pub(super) fn join_contract_at(
     let late_result =
         enum_or_default::<v1::LateResultPolicy>(j.late_result, &at(field, "late_result"))?;
     let weights = weights(&j.weights, &at(field, "weights"))?;
+    let required_profiles = profile_ids(&j.required_profiles, &at(field, "required_profiles"))?;
     Ok(model::JoinContract {
         join_id: j.join_id.trim().to_owned(),
         required,
@@ -73,6 +76,7 @@ pub(super) fn join_contract_at(
         on_conflict,
         late_result,
         weights,
+        required_profiles,
     })
 }
 
@@ -80,6 +84,12 @@ fn references(values: &[String], field: &FieldPath<'_>) -> Result<Vec<String>, V
     let refs = non_blank_list(values, field)?;
     no_duplicates(refs.iter().map(String::as_str), field, "")?;
     Ok(refs)
+}
+
+fn profile_ids(values: &[String], field: &FieldPath<'_>) -> Result<Vec<String>, ValidationError> {
+    let ids = each(values, field, |v, f| profile_id(v, f))?;
+    no_duplicates(ids.iter().map(String::as_str), field, "")?;
+    Ok(ids)
 }
 
 fn join_minimum(

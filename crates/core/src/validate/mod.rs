@@ -18,7 +18,8 @@
 //!   the run's start and is resolved into a deadline here, so the domain only knows
 //!   absolute deadlines.
 //!
-//! One file per contract area: `run` (run specs and limits), `join` (join contracts),
+//! One file per contract area: `run` (run specs with their static plan or planner, and
+//! limits), `join` (join contracts),
 //! `task` (planned and dispatched tasks, worker profiles), `result` (results, claims and
 //! evidence references); the rules they share are in `rules` (single fields), `deadline`
 //! (durations and deadlines) and `enums` (wire enums). This file keeps the field-path
@@ -41,6 +42,8 @@ pub use task::{delegation_task, planned_task, worker_profile};
 
 /// Longest accepted goal, in characters.
 pub const MAX_GOAL_CHARS: usize = 4096;
+/// Longest accepted planner instructions, in characters: as long as a goal.
+pub const MAX_PLANNER_INSTRUCTIONS_CHARS: usize = MAX_GOAL_CHARS;
 /// Longest accepted idempotency key, in characters.
 pub const MAX_IDEMPOTENCY_KEY_CHARS: usize = 256;
 /// Longest accepted delegation name, in characters.

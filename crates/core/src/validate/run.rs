@@ -1,5 +1,5 @@
-//! Run specs as a whole: the goal, idempotency key, static plan, labels and limits, and
-//! the checks that tie the join contract to the plan.
+//! Run specs as a whole: the goal, idempotency key, static plan or planner, labels and
+//! limits, and the checks that tie the join contract to the plan.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::SystemTime;
@@ -9,10 +9,13 @@ use convene_proto::v1;
 use super::deadline::{add_duration, resolve_deadline};
 use super::enums::{enum_or_default, expected};
 use super::join::join_contract_at;
-use super::rules::{capped, each, finite_number, max_chars, no_duplicates, non_zero, required_str};
+use super::rules::{
+    capped, each, finite_number, max_chars, no_duplicates, non_zero, profile_id, required_str,
+};
 use super::task::planned_task_at;
 use super::{
-    MAX_GOAL_CHARS, MAX_IDEMPOTENCY_KEY_CHARS, MAX_PLAN_DELEGATIONS, at, join_list, key, nth,
+    MAX_GOAL_CHARS, MAX_IDEMPOTENCY_KEY_CHARS, MAX_PLAN_DELEGATIONS,
+    MAX_PLANNER_INSTRUCTIONS_CHARS, at, join_list, key, nth,
 };
 use crate::model::{self, Limits};
 use crate::{FieldPath, Rule, ValidationError};
@@ -20,11 +23,25 @@ use crate::{FieldPath, Rule, ValidationError};
 /// Validates a submitted run spec (field root `spec`). `now` is the run's start: it
 /// resolves the join's and the limits' timeouts into deadlines and is the instant
 /// absolute deadlines must lie after.
+///
+/// A spec gives exactly one of a static plan (`delegations`) or a `planner`: both is
+/// [`Rule::Exclusive`], neither is [`Rule::Required`].
+///
+/// - **Static plan**: every join reference (`required`, `optional`, `weights`,
+///   `required_profiles`) must name a delegation or profile of the plan
+///   ([`Rule::UnknownReference`]), and `minimum.count` must be reachable by the plan;
+///   `limits.max_rounds` defaults to [`Limits::DEFAULT_MAX_ROUNDS`].
+/// - **Planner**: `planner.profile_id` must be a valid profile id and
+///   `planner.instructions` at most [`MAX_PLANNER_INSTRUCTIONS_CHARS`] characters. The
+///   planner names its delegations, so the contract names profiles only: `join.required`,
+///   `join.optional` and `join.weights` must be empty ([`Rule::NotAllowed`]; use
+///   `join.required_profiles`). `limits.max_rounds` defaults to
+///   [`Limits::DEFAULT_PLANNER_MAX_ROUNDS`]. The validated spec has an empty `plan`.
 pub fn run_spec(spec: &v1::RunSpec, now: SystemTime) -> Result<model::RunSpec, ValidationError> {
     const ROOT: &FieldPath<'static> = &FieldPath::new("spec");
     let goal = goal(&spec.goal, &at(ROOT, "goal"))?;
     let idempotency_key = idempotency_key(&spec.idempotency_key, &at(ROOT, "idempotency_key"))?;
-    let plan = static_plan(spec, ROOT)?;
+    let (plan, planner) = plan_or_planner(spec, ROOT)?;
 
     let join_field = at(ROOT, "join");
     let join = match &spec.join {
@@ -40,14 +57,26 @@ pub fn run_spec(spec: &v1::RunSpec, now: SystemTime) -> Result<model::RunSpec, V
             ));
         }
     };
-    join_fits_plan(&join, &plan, &join_field)?;
+    let default_rounds = if planner.is_some() {
+        join_fits_planner(&join, &join_field)?;
+        Limits::DEFAULT_PLANNER_MAX_ROUNDS
+    } else {
+        join_fits_plan(&join, &plan, &join_field)?;
+        Limits::DEFAULT_MAX_ROUNDS
+    };
 
-    let limits = limits_at(spec.limits.as_ref(), now, &at(ROOT, "limits"))?;
+    let limits = limits_at(
+        spec.limits.as_ref(),
+        now,
+        default_rounds,
+        &at(ROOT, "limits"),
+    )?;
     let labels = labels(&spec.labels, &at(ROOT, "labels"))?;
     Ok(model::RunSpec {
         goal,
         idempotency_key,
         plan,
+        planner,
         join,
         limits,
         labels,
@@ -56,6 +85,8 @@ pub fn run_spec(spec: &v1::RunSpec, now: SystemTime) -> Result<model::RunSpec, V
 
 /// Validates run limits, applying the [`Limits`] defaults to zero or unset values and
 /// resolving the deadline against `run_start` (default: [`Limits::DEFAULT_TIMEOUT`]).
+/// The defaults are those of a static plan (`max_rounds` [`Limits::DEFAULT_MAX_ROUNDS`]);
+/// [`run_spec`] applies a planner's run's own default rounds.
 ///
 /// Caps: `max_depth` ≤ [`Limits::MAX_DEPTH_CAP`], `max_parallel_workers` ≤
 /// [`Limits::MAX_PARALLEL_WORKERS_CAP`], `max_iterations` ≤
@@ -67,16 +98,26 @@ pub fn limits(
     run_start: SystemTime,
     field: &str,
 ) -> Result<Limits, ValidationError> {
-    limits_at(l, run_start, &FieldPath::new(field))
+    limits_at(
+        l,
+        run_start,
+        Limits::DEFAULT_MAX_ROUNDS,
+        &FieldPath::new(field),
+    )
 }
 
+/// [`limits`] with `default_rounds` for a zero or unset `max_rounds`.
 fn limits_at(
     l: Option<&v1::Limits>,
     run_start: SystemTime,
+    default_rounds: u32,
     field: &FieldPath<'_>,
 ) -> Result<Limits, ValidationError> {
     let Some(l) = l else {
-        return Ok(Limits::defaults(run_start));
+        return Ok(Limits {
+            max_rounds: default_rounds,
+            ..Limits::defaults(run_start)
+        });
     };
     let max_depth = capped(
         l.max_depth,
@@ -99,7 +140,7 @@ fn limits_at(
     )?;
     let max_rounds = capped(
         l.max_rounds,
-        Limits::DEFAULT_MAX_ROUNDS,
+        default_rounds,
         Limits::MAX_ROUNDS_CAP,
         &at(field, "max_rounds"),
     )?;
@@ -145,28 +186,26 @@ fn limits_at(
     })
 }
 
-fn static_plan(
+/// The static plan or the planner: exactly one of them.
+fn plan_or_planner(
     spec: &v1::RunSpec,
     root: &FieldPath<'_>,
-) -> Result<Vec<model::PlannedTask>, ValidationError> {
+) -> Result<(Vec<model::PlannedTask>, Option<model::Planner>), ValidationError> {
     let field = at(root, "delegations");
-    match (spec.delegations.is_empty(), spec.planner.is_some()) {
-        (false, true) => Err(ValidationError::new(
+    match (spec.delegations.is_empty(), &spec.planner) {
+        (false, Some(_)) => Err(ValidationError::new(
             at(root, "planner"),
             Rule::Exclusive,
             "set either delegations (a static plan) or planner, not both",
         )),
-        (true, true) => Err(ValidationError::new(
-            at(root, "planner"),
-            Rule::Unsupported,
-            "model-driven planning is not supported yet; give a static plan in delegations",
-        )),
-        (true, false) => Err(ValidationError::new(
+        (true, Some(p)) => Ok((Vec::new(), Some(planner(p, &at(root, "planner"))?))),
+        (true, None) => Err(ValidationError::new(
             field,
             Rule::Required,
-            "give a static plan: at least one delegation",
+            "give a static plan in delegations (at least one delegation), or a planner that \
+             proposes them",
         )),
-        (false, false) => {
+        (false, None) => {
             if spec.delegations.len() > MAX_PLAN_DELEGATIONS {
                 return Err(ValidationError::new(
                     field,
@@ -180,13 +219,60 @@ fn static_plan(
             }
             let plan = each(&spec.delegations, &field, planned_task_at)?;
             no_duplicates(plan.iter().map(|t| t.name.as_str()), &field, ".name")?;
-            Ok(plan)
+            Ok((plan, None))
         }
     }
 }
 
-/// Every join reference names a delegation or profile of the plan, and the minimum
-/// count can be reached by the plan at all.
+fn planner(p: &v1::PlannerSpec, field: &FieldPath<'_>) -> Result<model::Planner, ValidationError> {
+    let profile_id = profile_id(&p.profile_id, &at(field, "profile_id"))?;
+    let instructions = p.instructions.trim().to_owned();
+    max_chars(
+        &instructions,
+        MAX_PLANNER_INSTRUCTIONS_CHARS,
+        &at(field, "instructions"),
+    )?;
+    Ok(model::Planner {
+        profile_id,
+        instructions,
+    })
+}
+
+/// A planner names its delegations as it goes, so a planner's contract cannot name them
+/// in advance: it names the profiles it needs in `required_profiles`, and nothing in
+/// `required`, `optional` or `weights`.
+fn join_fits_planner(
+    join: &model::JoinContract,
+    field: &FieldPath<'_>,
+) -> Result<(), ValidationError> {
+    let refuse = |name: &str, fix: &str| {
+        Err(ValidationError::new(
+            at(field, name),
+            Rule::NotAllowed,
+            format!("a planner's run names profiles, not delegations: {fix}"),
+        ))
+    };
+    if !join.required.is_empty() {
+        return refuse("required", "use join.required_profiles");
+    }
+    if !join.optional.is_empty() {
+        return refuse(
+            "optional",
+            "leave join.optional empty and name what the run needs in join.required_profiles",
+        );
+    }
+    if !join.weights.is_empty() {
+        return refuse(
+            "weights",
+            "leave join.weights empty (every accepted result weighs 1) and name what the run \
+             needs in join.required_profiles",
+        );
+    }
+    Ok(())
+}
+
+/// Every join reference names a delegation or profile of the plan (a required profile
+/// names a profile of the plan), and the minimum count can be reached by the plan at all.
 fn join_fits_plan(
     join: &model::JoinContract,
     plan: &[model::PlannedTask],
@@ -216,6 +302,19 @@ fn join_fits_plan(
     }
     for k in join.weights.keys() {
         check(k, key(&at(field, "weights"), k))?;
+    }
+    for (i, p) in join.required_profiles.iter().enumerate() {
+        if !profiles.contains(p.as_str()) {
+            return Err(ValidationError::new(
+                nth(&at(field, "required_profiles"), i),
+                Rule::UnknownReference,
+                format!(
+                    "`{p}` is no profile of the plan, so it could never be met; use a profile \
+                     id of the plan ({})",
+                    join_list(profiles.iter()),
+                ),
+            ));
+        }
     }
     let count = join.minimum.count;
     if usize::try_from(count).unwrap_or(usize::MAX) > plan.len() {

@@ -68,6 +68,7 @@ fn contract(strategy: JoinStrategy) -> JoinContract {
         on_conflict: OnConflict::PreserveAndEscalate,
         late_result: LateResultPolicy::Discard,
         weights: BTreeMap::new(),
+        required_profiles: Vec::new(),
     }
 }
 
@@ -665,6 +666,250 @@ fn fail_on_timeout_also_fails_when_the_gap_is_a_rejected_result() {
         case.at(BEFORE_DEADLINE).decided().outcome(),
         Outcome::PartialEvidence
     );
+}
+
+// ---------------------------------------------------------------------------------------
+// Required profiles
+// ---------------------------------------------------------------------------------------
+
+const LOGS_FOLLOW_UP: &str = "del-logs-2";
+
+/// `logs-2`: the follow-up a planner sends to the `logs` profile after its first attempt.
+fn logs_follow_up() -> ExpectedDelegation {
+    delegation(LOGS_FOLLOW_UP, "logs-2", "logs-investigator", "logs://")
+}
+
+fn follow_up_result() -> v1::TaskResult {
+    result_for(
+        &logs_follow_up(),
+        vec![claim(
+            "claim-log-2",
+            "primary_cause",
+            "connection_pool_exhaustion",
+            &["logs://payment-api/q-timeouts"],
+        )],
+    )
+}
+
+/// The first `logs` attempt, reported as FAILED.
+fn failed_logs() -> v1::TaskResult {
+    let mut logs = logs_result();
+    logs.status = v1::TaskStatus::Failed.into();
+    logs
+}
+
+/// A planner's run: the incident's delegations plus the follow-up `logs-2`; the contract
+/// names no delegation and requires the `logs-investigator` profile.
+fn planner_case(strategy: JoinStrategy, results: Vec<v1::TaskResult>) -> Case {
+    let mut case = Case::new(strategy, results);
+    case.plan.push(logs_follow_up());
+    case.contract.required.clear();
+    case.contract.optional.clear();
+    case.contract.required_profiles = ids(&["logs-investigator"]);
+    case
+}
+
+#[test]
+fn a_required_profile_is_met_by_a_follow_up_after_a_rejected_first_result() {
+    let case = planner_case(
+        JoinStrategy::All,
+        vec![
+            failed_logs(),
+            metrics_result(),
+            changes_result(),
+            follow_up_result(),
+        ],
+    );
+    let d = case.decided();
+    assert!(d.missing_required.is_empty(), "{:?}", d.missing_required);
+    assert_eq!(d.accepted, ids(&[METRICS, CHANGES, LOGS_FOLLOW_UP]));
+    assert_eq!(rejection(&d, LOGS).reason(), Reason::NotSuccessful);
+    assert_eq!(
+        d.outcome(),
+        Outcome::PartialEvidence,
+        "the rejected first attempt is a named gap, not a failed join"
+    );
+    assert_eq!(d.missing_optional, ids(&[LOGS]));
+    assert!(
+        d.reasons.iter().any(|r| r.starts_with(
+            "delegation `logs` of required profile `logs-investigator` rejected: status is"
+        )),
+        "{:?}",
+        d.reasons
+    );
+
+    // Named in `required` instead, the profile makes each of its delegations required.
+    let mut every = case;
+    every.contract.required_profiles.clear();
+    every.contract.required = ids(&["logs-investigator"]);
+    let d = every.decided();
+    assert_eq!(d.outcome(), Outcome::InsufficientEvidence);
+    assert_eq!(d.missing_required, ids(&[LOGS]));
+
+    // Both attempts rejected: the profile is unmet, and named by its id.
+    let mut failed_follow_up = follow_up_result();
+    failed_follow_up.claims.clear();
+    let d = planner_case(
+        JoinStrategy::All,
+        vec![
+            failed_logs(),
+            metrics_result(),
+            changes_result(),
+            failed_follow_up,
+        ],
+    )
+    .decided();
+    assert_eq!(d.outcome(), Outcome::InsufficientEvidence);
+    assert_eq!(d.missing_required, ids(&["logs-investigator"]));
+    assert_eq!(d.missing_optional, ids(&[LOGS, LOGS_FOLLOW_UP]));
+    assert!(
+        d.quorum_met,
+        "the minimum is met; the profile alone fails it"
+    );
+    assert!(
+        d.reasons.iter().any(|r| r
+            == "required profile `logs-investigator` has no accepted delegation (of `logs`, `logs-2`)"),
+        "{:?}",
+        d.reasons
+    );
+}
+
+#[test]
+fn a_required_profile_without_a_delegation_can_never_be_met() {
+    let mut case = Case::new(
+        JoinStrategy::All,
+        vec![logs_result(), metrics_result(), changes_result()],
+    );
+    case.contract.required_profiles = ids(&["trace-analyst"]);
+    let d = case.decided();
+    assert_eq!(d.outcome(), Outcome::InsufficientEvidence);
+    assert_eq!(d.missing_required, ids(&["trace-analyst"]));
+    assert_eq!(d.accepted, ids(&[LOGS, METRICS, CHANGES]));
+    assert!(d.quorum_met && d.missing_optional.is_empty());
+    assert!(
+        d.reasons
+            .iter()
+            .any(|r| r == "required profile `trace-analyst` has no delegation in the run"),
+        "{:?}",
+        d.reasons
+    );
+
+    // Listed after the required delegations and the unmatched references, in contract
+    // order; a met profile is not listed.
+    case.results[0] = failed_logs();
+    case.contract.required.push("impact_assessment".to_owned());
+    case.contract.required_profiles = ids(&["trace-analyst", "change-auditor", "db-analyst"]);
+    let d = case.decided();
+    assert_eq!(
+        d.missing_required,
+        ids(&[LOGS, "impact_assessment", "trace-analyst", "db-analyst"])
+    );
+
+    // QUORUM never decides early on it: only the deadline or a full set decides.
+    let mut case = Case::new(JoinStrategy::Quorum, vec![logs_result(), metrics_result()]);
+    case.contract.required_profiles = ids(&["trace-analyst"]);
+    assert_eq!(case.waiting_for(), ids(&[CHANGES]));
+    let d = case.at(AFTER_DEADLINE).decided();
+    assert_eq!(d.outcome(), Outcome::InsufficientEvidence);
+    assert_eq!(d.missing_required, ids(&["trace-analyst"]));
+}
+
+#[test]
+fn quorum_waits_for_an_outstanding_delegation_of_a_required_profile() {
+    let mut case = planner_case(
+        JoinStrategy::Quorum,
+        vec![metrics_result(), changes_result(), failed_logs()],
+    );
+    case.contract.minimum.count = 2;
+    let provisional = assess(&case.input());
+    assert!(provisional.quorum_met);
+    assert_eq!(provisional.missing_required, ids(&["logs-investigator"]));
+    assert_eq!(
+        case.waiting_for(),
+        ids(&[LOGS_FOLLOW_UP]),
+        "the minimum is met, but the profile's follow-up is outstanding"
+    );
+
+    case.results.push(follow_up_result());
+    let d = case.decided();
+    assert!(d.missing_required.is_empty());
+    assert_eq!(d.outcome(), Outcome::PartialEvidence);
+
+    // One accepted delegation of the profile is enough: the other is not waited for.
+    case.results = vec![follow_up_result(), metrics_result()];
+    let d = case.decided();
+    assert_eq!(d.accepted, ids(&[METRICS, LOGS_FOLLOW_UP]));
+    assert!(d.missing_required.is_empty() && d.quorum_met);
+    assert_eq!(d.outcome(), Outcome::PartialEvidence);
+    assert_eq!(d.missing_optional, ids(&[LOGS, CHANGES]));
+
+    // Without one, no quorum of other results decides early.
+    case.results = vec![metrics_result(), changes_result()];
+    assert_eq!(case.waiting_for(), ids(&[LOGS, LOGS_FOLLOW_UP]));
+    let d = case.at(AFTER_DEADLINE).decided();
+    assert_eq!(d.outcome(), Outcome::InsufficientEvidence);
+    assert_eq!(d.missing_required, ids(&["logs-investigator"]));
+}
+
+/// Every ordering of `items`.
+fn permutations<T: Clone>(items: &[T]) -> Vec<Vec<T>> {
+    if items.len() <= 1 {
+        return vec![items.to_vec()];
+    }
+    let mut all = Vec::new();
+    for i in 0..items.len() {
+        let mut rest = items.to_vec();
+        let first = rest.remove(i);
+        for mut tail in permutations(&rest) {
+            tail.insert(0, first.clone());
+            all.push(tail);
+        }
+    }
+    all
+}
+
+#[test]
+fn a_required_profile_is_judged_the_same_whatever_the_arrival_order() {
+    let mut failed_follow_up = follow_up_result();
+    failed_follow_up.status = v1::TaskStatus::Blocked.into();
+    let result_sets = [
+        // A rejected first attempt and an accepted follow-up, delivered twice.
+        vec![
+            failed_logs(),
+            follow_up_result(),
+            metrics_result(),
+            changes_result(),
+            follow_up_result(),
+        ],
+        // An accepted first attempt and a rejected follow-up.
+        vec![
+            logs_result(),
+            failed_follow_up.clone(),
+            metrics_result(),
+            changes_result(),
+        ],
+        // Both rejected, one delegation outstanding.
+        vec![failed_logs(), failed_follow_up, metrics_result()],
+    ];
+    for strategy in [
+        JoinStrategy::All,
+        JoinStrategy::Quorum,
+        JoinStrategy::TimeoutPartial,
+        JoinStrategy::FirstValid,
+    ] {
+        for results in &result_sets {
+            for secs in [BEFORE_DEADLINE, AFTER_DEADLINE] {
+                let expected = planner_case(strategy, results.clone()).at(secs).state();
+                for order in permutations(results) {
+                    assert_eq!(
+                        planner_case(strategy, order).at(secs).state(),
+                        expected,
+                        "{strategy:?} at {secs} s"
+                    );
+                }
+            }
+        }
+    }
 }
 
 // ---------------------------------------------------------------------------------------

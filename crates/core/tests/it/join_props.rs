@@ -242,6 +242,26 @@ fn contract() -> impl Strategy<Value = JoinContract> {
             planned.push(unplanned);
             planned
         });
+    // Required profiles, the same way: a profile no delegation has is drawn rarely.
+    let profiles = [
+        "logs-investigator",
+        "metrics-investigator",
+        "change-auditor",
+        "unplanned",
+    ];
+    let required_profiles = (
+        prop::collection::vec(prop::bool::weighted(0.2), 3),
+        prop::bool::weighted(0.03),
+    )
+        .prop_map(move |(mut planned, unplanned)| {
+            planned.push(unplanned);
+            profiles
+                .iter()
+                .zip(&planned)
+                .filter(|&(_, &on)| on)
+                .map(|(p, _)| (*p).to_owned())
+                .collect::<Vec<String>>()
+        });
     (
         required,
         strategy(),
@@ -258,6 +278,7 @@ fn contract() -> impl Strategy<Value = JoinContract> {
         ),
         select(&[OnConflict::PreserveAndEscalate, OnConflict::FollowUp][..]),
         prop::option::of(select(&[0.0, 0.5, 2.0][..])),
+        required_profiles,
     )
         .prop_map(
             move |(
@@ -270,6 +291,7 @@ fn contract() -> impl Strategy<Value = JoinContract> {
                 on_timeout,
                 on_conflict,
                 logs_weight,
+                required_profiles,
             )| {
                 let required = references
                     .iter()
@@ -299,6 +321,7 @@ fn contract() -> impl Strategy<Value = JoinContract> {
                     weights: logs_weight
                         .map(|w| BTreeMap::from([("logs".to_owned(), w)]))
                         .unwrap_or_default(),
+                    required_profiles,
                 }
             },
         )
@@ -646,4 +669,81 @@ proptest! {
             );
         }
     }
+
+    /// (f) A required profile is met exactly when one of its delegations is accepted,
+    /// whichever one and whatever the arrival order; QUORUM does not decide early while
+    /// it is unmet. Here the planner followed `logs` up with a second delegation to the
+    /// same profile, whose result may be missing, valid or spoiled.
+    #[test]
+    fn a_required_profile_is_met_by_any_accepted_delegation_of_it(
+        (world, shuffled) in follow_up_world().prop_flat_map(|w| {
+            let results = w.results.clone();
+            (Just(w), Just(results).prop_shuffle())
+        })
+    ) {
+        let plan = follow_up_plan();
+        let d = assess(&world.input(&plan));
+        let met = d.accepted.iter().any(|id| id == "del-logs" || id == FOLLOW_UP);
+        prop_assert_eq!(
+            d.missing_required.contains(&"logs-investigator".to_owned()),
+            !met,
+            "{:?}", d
+        );
+        let deadline_passed = world.contract.deadline.is_some_and(|t| world.now >= t);
+        let pending = plan
+            .iter()
+            .any(|p| world.results.iter().all(|r| r.delegation_id != p.delegation_id));
+        if world.contract.strategy == JoinStrategy::Quorum && !met && pending && !deadline_passed {
+            prop_assert!(
+                matches!(decide(&world.input(&plan)), JoinState::Pending { .. }),
+                "QUORUM decided early without an accepted delegation of the required profile"
+            );
+        }
+
+        let mut other = world.clone();
+        other.results = shuffled;
+        prop_assert_eq!(decide(&world.input(&plan)), decide(&other.input(&plan)));
+        prop_assert_eq!(d, assess(&other.input(&plan)));
+    }
+}
+
+/// Id of the follow-up delegation to the `logs` profile in [`follow_up_plan`].
+const FOLLOW_UP: &str = "del-logs-2";
+
+/// The incident's plan with a follow-up delegation to the `logs` profile, as a planner
+/// makes one after a first attempt.
+fn follow_up_plan() -> Vec<ExpectedDelegation> {
+    let mut plan = plan();
+    plan.push(ExpectedDelegation {
+        delegation_id: FOLLOW_UP.to_owned(),
+        name: "logs-2".to_owned(),
+        ..plan[0].clone()
+    });
+    plan
+}
+
+/// A [`world`] for [`follow_up_plan`] that requires the `logs` profile, with a result
+/// for the follow-up now and then (valid, or with a defect).
+fn follow_up_world() -> impl Strategy<Value = World> {
+    (
+        world(),
+        prop::option::weighted(0.8, result_body()),
+        prop::option::weighted(0.3, defect()),
+    )
+        .prop_map(|(mut world, follow_up, defect)| {
+            world.contract.required_profiles = vec!["logs-investigator".to_owned()];
+            if let Some(body) = follow_up {
+                // Built (and spoiled) as a `logs` result, then moved to the follow-up,
+                // unless the defect already moved it elsewhere.
+                let mut result = build(&body);
+                if let Some(defect) = defect {
+                    result = spoil(result, defect, &plan());
+                }
+                if result.delegation_id == "del-logs" {
+                    result.delegation_id = FOLLOW_UP.to_owned();
+                }
+                world.results.push(result);
+            }
+            world
+        })
 }

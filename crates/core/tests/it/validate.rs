@@ -87,6 +87,7 @@ fn incident_spec() -> v1::RunSpec {
             on_conflict: v1::OnConflict::PreserveAndEscalate as i32,
             late_result: v1::LateResultPolicy::AppendRevision as i32,
             weights: HashMap::from([("logs".into(), 1.0), ("change-auditor".into(), 2.0)]),
+            required_profiles: Vec::new(),
         }),
         limits: Some(v1::Limits {
             max_parallel_workers: 3,
@@ -282,10 +283,6 @@ fn every_invalid_run_spec_names_its_field_and_rule() {
         ("long goal", |s| s.goal = "x".repeat(4097), "spec.goal", Rule::TooLong),
         ("control char in key", |s| s.idempotency_key = "a\u{7}b".into(), "spec.idempotency_key", Rule::Format),
         ("long key", |s| s.idempotency_key = "k".repeat(257), "spec.idempotency_key", Rule::TooLong),
-        ("planner only", |s| {
-            s.delegations.clear();
-            s.planner = Some(v1::PlannerSpec::default());
-        }, "spec.planner", Rule::Unsupported),
         ("planner and delegations", |s| s.planner = Some(v1::PlannerSpec::default()), "spec.planner", Rule::Exclusive),
         ("no plan", |s| s.delegations.clear(), "spec.delegations", Rule::Required),
         ("duplicate names", |s| s.delegations[2].name = "logs".into(), "spec.delegations[2].name", Rule::Duplicate),
@@ -348,6 +345,11 @@ fn every_invalid_run_spec_names_its_field_and_rule() {
             join(s).weights.insert("nope".into(), 1.0);
         }, "spec.join.weights[\"nope\"]", Rule::UnknownReference),
         ("unreachable minimum", |s| join(s).minimum.as_mut().unwrap().count = 4, "spec.join.minimum.count", Rule::Range),
+        ("blank required profile", |s| join(s).required_profiles = strings(&[""]), "spec.join.required_profiles[0]", Rule::Required),
+        ("bad required profile", |s| join(s).required_profiles = strings(&["logs investigator"]), "spec.join.required_profiles[0]", Rule::Format),
+        ("repeated required profile", |s| join(s).required_profiles = strings(&["change-auditor", "logs-investigator", "change-auditor"]), "spec.join.required_profiles[2]", Rule::Duplicate),
+        ("required profile not in the plan", |s| join(s).required_profiles = strings(&["logs-investigator", "trace-analyst"]), "spec.join.required_profiles[1]", Rule::UnknownReference),
+        ("required profile named by a delegation name", |s| join(s).required_profiles = strings(&["logs"]), "spec.join.required_profiles[0]", Rule::UnknownReference),
         // Limits.
         ("unknown overflow", |s| limits(s).overflow = 9, "spec.limits.overflow", Rule::UnknownEnum),
         ("limits deadline and timeout", |s| limits(s).deadline = Some(ts(now() + Duration::from_secs(60))), "spec.limits.timeout", Rule::Exclusive),
@@ -395,19 +397,182 @@ fn an_unknown_reference_lists_what_exists() {
 }
 
 #[test]
-fn a_planner_asks_for_a_static_plan() {
+fn a_spec_without_a_plan_names_both_ways_to_give_one() {
+    let mut spec = incident_spec();
+    spec.delegations.clear();
+    let e = assert_invalid(
+        validate::run_spec(&spec, now()),
+        "spec.delegations",
+        Rule::Required,
+    );
+    assert!(e.message.contains("static plan in delegations"), "{e}");
+    assert!(e.message.contains("or a planner"), "{e}");
+}
+
+#[test]
+fn a_static_plan_may_require_profiles() {
+    let mut spec = incident_spec();
+    join(&mut spec).required_profiles = strings(&["change-auditor", "logs-investigator"]);
+    let spec = validate::run_spec(&spec, now()).unwrap();
+    assert_eq!(
+        spec.join.required_profiles,
+        ["change-auditor", "logs-investigator"]
+    );
+    assert_eq!(spec.planner, None);
+    assert_eq!(spec.limits.max_rounds, model::Limits::DEFAULT_MAX_ROUNDS);
+
+    let mut spec = incident_spec();
+    join(&mut spec).required_profiles = strings(&["trace-analyst"]);
+    let e = assert_invalid(
+        validate::run_spec(&spec, now()),
+        "spec.join.required_profiles[0]",
+        Rule::UnknownReference,
+    );
+    assert!(e.message.contains("`trace-analyst`"), "{e}");
+    assert!(
+        e.message
+            .contains("change-auditor, logs-investigator, metrics-analyst"),
+        "{e}"
+    );
+}
+
+// ---------------------------------------------------------------------------------------
+// Planner runs.
+
+/// The incident handed to a planner: no static plan, a contract that names the profiles
+/// the answer needs.
+fn planner_spec() -> v1::RunSpec {
     let mut spec = incident_spec();
     spec.delegations.clear();
     spec.planner = Some(v1::PlannerSpec {
-        profile_id: "planner".into(),
-        instructions: String::new(),
+        profile_id: "incident-planner".into(),
+        instructions: "  Start with the logs; ask metrics for the impact.  ".into(),
+        ..v1::PlannerSpec::default()
     });
+    let join = join(&mut spec);
+    join.required.clear();
+    join.optional.clear();
+    join.weights.clear();
+    join.required_profiles = strings(&["logs-investigator", "metrics-analyst"]);
+    // A planner's run has no plan to check the count against: it stays as given.
+    join.minimum.as_mut().unwrap().count = 5;
+    spec
+}
+
+fn planner(spec: &mut v1::RunSpec) -> &mut v1::PlannerSpec {
+    spec.planner.as_mut().unwrap()
+}
+
+#[test]
+fn a_planner_spec_converts_with_an_empty_plan() {
+    let spec = validate::run_spec(&planner_spec(), now()).expect("the planner spec is valid");
+    assert!(spec.plan.is_empty(), "the planner names the delegations");
+    assert_eq!(
+        spec.planner,
+        Some(model::Planner {
+            profile_id: "incident-planner".into(),
+            instructions: "Start with the logs; ask metrics for the impact.".into(),
+        })
+    );
+    assert_eq!(
+        spec.join.required_profiles,
+        ["logs-investigator", "metrics-analyst"]
+    );
+    assert!(spec.join.required.is_empty() && spec.join.weights.is_empty());
+    assert_eq!(spec.join.minimum.count, 5);
+    assert_eq!(spec.limits.max_parallel_workers, 3, "given limits are kept");
+
+    // No instructions, no required profiles: still a valid planner run.
+    let mut bare = planner_spec();
+    planner(&mut bare).instructions.clear();
+    join(&mut bare).required_profiles.clear();
+    let bare = validate::run_spec(&bare, now()).unwrap();
+    assert_eq!(bare.planner.unwrap().instructions, "");
+    assert!(bare.join.required_profiles.is_empty());
+}
+
+#[test]
+fn a_planner_run_defaults_to_four_rounds() {
+    let rounds = |spec: &v1::RunSpec| validate::run_spec(spec, now()).unwrap().limits.max_rounds;
+    assert_eq!(model::Limits::DEFAULT_PLANNER_MAX_ROUNDS, 4);
+
+    let mut spec = planner_spec();
+    assert_eq!(limits(&mut spec).max_rounds, 0, "unset in the base spec");
+    assert_eq!(rounds(&spec), model::Limits::DEFAULT_PLANNER_MAX_ROUNDS);
+    spec.limits = None;
+    assert_eq!(rounds(&spec), model::Limits::DEFAULT_PLANNER_MAX_ROUNDS);
+    let spec = validate::run_spec(&spec, now()).unwrap();
+    assert_eq!(
+        spec.limits,
+        model::Limits {
+            max_rounds: model::Limits::DEFAULT_PLANNER_MAX_ROUNDS,
+            ..model::Limits::defaults(now())
+        },
+        "every other limit keeps its default"
+    );
+
+    let mut spec = planner_spec();
+    limits(&mut spec).max_rounds = 9;
+    assert_eq!(rounds(&spec), 9, "a given max_rounds is kept");
+
+    // A static plan keeps its own default, and may ask for more rounds.
+    let mut spec = incident_spec();
+    assert_eq!(rounds(&spec), model::Limits::DEFAULT_MAX_ROUNDS);
+    limits(&mut spec).max_rounds = 3;
+    assert_eq!(rounds(&spec), 3);
+}
+
+#[test]
+fn every_invalid_planner_spec_names_its_field_and_rule() {
+    #[rustfmt::skip]
+    let cases: Vec<Case<v1::RunSpec>> = vec![
+        ("planner and delegations", |s| s.delegations.push(planned("logs", "logs-investigator", "logs")), "spec.planner", Rule::Exclusive),
+        ("no planner profile", |s| planner(s).profile_id.clear(), "spec.planner.profile_id", Rule::Required),
+        ("planner profile with a space", |s| planner(s).profile_id = "incident planner".into(), "spec.planner.profile_id", Rule::Format),
+        ("long planner profile", |s| planner(s).profile_id = "p".repeat(129), "spec.planner.profile_id", Rule::TooLong),
+        ("long instructions", |s| planner(s).instructions = "i".repeat(4097), "spec.planner.instructions", Rule::TooLong),
+        ("required delegations", |s| join(s).required = strings(&["logs"]), "spec.join.required", Rule::NotAllowed),
+        ("required profile in required", |s| join(s).required = strings(&["logs-investigator"]), "spec.join.required", Rule::NotAllowed),
+        ("optional delegations", |s| join(s).optional = strings(&["changes"]), "spec.join.optional", Rule::NotAllowed),
+        ("weights", |s| {
+            join(s).weights.insert("logs-investigator".into(), 2.0);
+        }, "spec.join.weights", Rule::NotAllowed),
+        ("blank required profile", |s| join(s).required_profiles.push(" ".into()), "spec.join.required_profiles[2]", Rule::Format),
+        ("bad required profile", |s| join(s).required_profiles[0] = "logs/investigator".into(), "spec.join.required_profiles[0]", Rule::Format),
+        ("repeated required profile", |s| join(s).required_profiles.push("logs-investigator".into()), "spec.join.required_profiles[2]", Rule::Duplicate),
+        ("rounds past the cap", |s| limits(s).max_rounds = 1001, "spec.limits.max_rounds", Rule::Range),
+    ];
+
+    check_cases(&planner_spec(), cases, |s| validate::run_spec(s, now()));
+}
+
+#[test]
+fn a_planner_run_asks_for_profiles_instead_of_delegations() {
+    let mut spec = planner_spec();
+    join(&mut spec).required = strings(&["logs"]);
     let e = assert_invalid(
         validate::run_spec(&spec, now()),
-        "spec.planner",
-        Rule::Unsupported,
+        "spec.join.required",
+        Rule::NotAllowed,
     );
-    assert!(e.message.contains("static plan"), "{e}");
+    assert_eq!(
+        e.message,
+        "a planner's run names profiles, not delegations: use join.required_profiles"
+    );
+
+    let mut spec = planner_spec();
+    join(&mut spec).optional = strings(&["metrics-analyst"]);
+    let e = assert_invalid(
+        validate::run_spec(&spec, now()),
+        "spec.join.optional",
+        Rule::NotAllowed,
+    );
+    assert!(
+        e.message
+            .starts_with("a planner's run names profiles, not delegations: "),
+        "{e}"
+    );
+    assert!(e.message.contains("join.required_profiles"), "{e}");
 }
 
 #[test]
