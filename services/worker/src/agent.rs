@@ -388,7 +388,10 @@ impl Agent {
     /// A model call, retried with backoff and jitter while the error is transient
     /// (honouring the server's `Retry-After`); one `model.call` span with the
     /// OpenTelemetry GenAI attributes (`gen_ai.*`), retries included.
-    async fn complete(&self, request: &ModelRequest) -> Result<ModelResponse, ProviderError> {
+    pub(crate) async fn complete(
+        &self,
+        request: &ModelRequest,
+    ) -> Result<ModelResponse, ProviderError> {
         let provider = self.provider.name();
         // A provider without models (the playbook) is its own model.
         let model = if request.model.is_empty() {
@@ -560,14 +563,17 @@ fn deadline_of(task: &v1::DelegationTask) -> tokio::time::Instant {
 /// The claims of a task token the loop uses, read without verification (the policy
 /// service verifies the token on every call; these can only narrow what is offered).
 #[derive(Debug, serde::Deserialize)]
-struct TokenView {
+pub(crate) struct TokenView {
     #[serde(default)]
     tools: Vec<String>,
     #[serde(default)]
     max_calls: u32,
+    /// The run the token is bound to (`run`).
+    #[serde(default)]
+    pub(crate) run: String,
 }
 
-fn token_view(token: &str) -> Result<TokenView, String> {
+pub(crate) fn token_view(token: &str) -> Result<TokenView, String> {
     let unreadable = |why: &str| {
         format!(
             "the task token is not a readable JWS ({why}); ask the supervisor for a valid task token"

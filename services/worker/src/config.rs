@@ -296,7 +296,7 @@ mod tests {
             PathBuf::from("./.convene/credentials")
         );
         config.validate().unwrap();
-        assert_eq!(config.load_profiles().unwrap().len(), 6);
+        assert_eq!(config.load_profiles().unwrap().len(), 8);
     }
 
     #[test]

@@ -9,7 +9,8 @@
 //! claims cite that evidence ([`report`]). The worker registers its profiles and
 //! capacity with the supervisor's worker registry and heartbeats ([`registration`]).
 //!
-//! - [`WorkerService`]: the `convene.v1.Worker` service and its in-process handle.
+//! - [`WorkerService`]: the `convene.v1.Worker` service and its in-process handle;
+//!   its PlanTurn asks a planner profile's model for one turn of a run's planner.
 //! - [`Config`], [`run`]: the standalone binary's configuration and main loop.
 //! - [`profiles`]: the profiles file, and the registry that builds each profile's model
 //!   provider by name; [`tools`]: the read-only tools, `delegate@1` (nested delegation
@@ -33,6 +34,7 @@ pub mod hold;
 pub mod model_server;
 pub mod models;
 pub mod openai;
+mod planner;
 pub mod playbook;
 pub mod profiles;
 pub mod provider;

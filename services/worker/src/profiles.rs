@@ -2,7 +2,8 @@
 //!
 //! A YAML file with a list of profiles. Each has the fields of `convene.v1.WorkerProfile`
 //! (capabilities in the policy file's scope syntax), plus the provider-specific
-//! `playbook` section for the `playbook` provider, an optional `hold` section for the
+//! `playbook` section for the `playbook` provider (or, for a planner, its `planner`
+//! section; see [`crate::playbook::planner`]), an optional `hold` section for the
 //! bench ([`crate::hold`]) and an optional `faults` section for tests
 //! ([`crate::faults`]; refused by a build without fault injection). Unknown keys are
 //! refused, and every profile is validated with
@@ -31,7 +32,7 @@ use serde::{Deserialize, Serialize};
 use crate::faults::Faults;
 use crate::hold::Hold;
 use crate::openai::{self, ClientSettings, Connection, OpenAiProvider};
-use crate::playbook::{self, PlaybookProvider, PlaybookSpec};
+use crate::playbook::{self, PlannerProvider, PlannerSpec, PlaybookProvider, PlaybookSpec};
 use crate::provider::ModelProvider;
 
 /// The profiles of the payment-incident example, embedded in the binary.
@@ -139,6 +140,9 @@ pub struct ProfileEntry {
     /// The `playbook` provider's script.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub playbook: Option<PlaybookSpec>,
+    /// The `playbook` provider's script for a planner (instead of `playbook`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub planner: Option<PlannerSpec>,
     /// Delegations wait at their start for a release file (the bench's `hold`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hold: Option<Hold>,
@@ -164,6 +168,8 @@ pub struct Profile {
     pub wire: v1::WorkerProfile,
     /// The playbook, for the `playbook` provider.
     pub playbook: Option<PlaybookSpec>,
+    /// The planner playbook, for a planner with the `playbook` provider.
+    pub planner: Option<PlannerSpec>,
     /// Where the `openai` provider's server and key are.
     pub connection: Connection,
     /// The bench's `hold`, if the profile has one.
@@ -277,29 +283,7 @@ impl ProfileEntry {
                 format!("name a model provider, e.g. `{}`", playbook::PROVIDER_NAME),
             ));
         }
-        match (&self.playbook, profile.provider.as_str()) {
-            (Some(p), playbook::PROVIDER_NAME) => {
-                p.validate(&profile.default_tools, &format!("{field}.playbook"))?;
-            }
-            (None, playbook::PROVIDER_NAME) => {
-                return Err((
-                    format!("{field}.playbook"),
-                    "the playbook provider needs a `playbook` section with steps and rules".into(),
-                ));
-            }
-            (Some(_), other) => {
-                return Err((
-                    format!("{field}.playbook"),
-                    format!(
-                        "only the `{}` provider reads a playbook; remove it or set provider \
-                         to `{}` (this profile uses `{other}`)",
-                        playbook::PROVIDER_NAME,
-                        playbook::PROVIDER_NAME
-                    ),
-                ));
-            }
-            (None, _) => {}
-        }
+        self.check_script(field, &profile)?;
         let connection = self.connection(field, &profile.provider)?;
         if profile.provider == openai::PROVIDER_NAME && profile.model.trim().is_empty() {
             return Err((
@@ -332,6 +316,7 @@ impl ProfileEntry {
             profile,
             wire,
             playbook: self.playbook.clone(),
+            planner: self.planner.clone(),
             connection,
             hold: self.hold.clone(),
             faults: self.faults.clone(),
@@ -340,6 +325,53 @@ impl ProfileEntry {
 }
 
 impl ProfileEntry {
+    /// Checks the `playbook` or `planner` section against the provider: the `playbook`
+    /// provider needs exactly one of them, other providers read neither.
+    fn check_script(
+        &self,
+        field: &str,
+        profile: &model::WorkerProfile,
+    ) -> Result<(), (String, String)> {
+        let provider = profile.provider.as_str();
+        let section = match (&self.playbook, &self.planner) {
+            (Some(_), Some(_)) => {
+                return Err((
+                    format!("{field}.planner"),
+                    "a profile has at most one of `playbook` (a specialist's steps and rules) \
+                     and `planner` (a planner's rounds); remove one"
+                        .into(),
+                ));
+            }
+            (Some(_), None) => Some("playbook"),
+            (None, Some(_)) => Some("planner"),
+            (None, None) => None,
+        };
+        if provider != playbook::PROVIDER_NAME {
+            return match section {
+                Some(key) => Err((
+                    format!("{field}.{key}"),
+                    format!(
+                        "only the `{}` provider reads a {key} section; remove it or set \
+                         provider to `{}` (this profile uses `{provider}`)",
+                        playbook::PROVIDER_NAME,
+                        playbook::PROVIDER_NAME
+                    ),
+                )),
+                None => Ok(()),
+            };
+        }
+        match (&self.playbook, &self.planner) {
+            (Some(p), _) => p.validate(&profile.default_tools, &format!("{field}.playbook")),
+            (_, Some(p)) => p.validate(&format!("{field}.planner")),
+            (None, None) => Err((
+                format!("{field}.playbook"),
+                "the playbook provider needs a `playbook` section with steps and rules (or, \
+                 for a planner, a `planner` section with rounds)"
+                    .into(),
+            )),
+        }
+    }
+
     /// The `openai` connection settings, refused on other providers.
     fn connection(&self, field: &str, provider: &str) -> Result<Connection, (String, String)> {
         let connection = Connection {
@@ -470,15 +502,20 @@ impl ProviderRegistry {
     }
 
     /// The providers built into the worker: [`crate::playbook`], playing the profile's
-    /// `playbook` section, and [`crate::openai`], an OpenAI-compatible server, whose
-    /// HTTP client uses `client`.
+    /// `playbook` (or `planner`) section, and [`crate::openai`], an OpenAI-compatible
+    /// server, whose HTTP client uses `client`.
     pub fn builtin(client: &ClientSettings) -> Self {
         let mut registry = Self::empty();
         registry.register(
             playbook::PROVIDER_NAME,
             Arc::new(|profile: &Profile| {
+                if let Some(planner) = profile.planner.clone() {
+                    return PlannerProvider::new(&profile.profile.id, planner)
+                        .map(|p| Arc::new(p) as Arc<dyn ModelProvider>);
+                }
                 let spec = profile.playbook.clone().ok_or_else(|| {
-                    "the playbook provider needs a `playbook` section with steps and rules"
+                    "the playbook provider needs a `playbook` section with steps and rules (or, \
+                     for a planner, a `planner` section with rounds)"
                         .to_owned()
                 })?;
                 PlaybookProvider::new(&profile.profile.id, &profile.profile.default_tools, spec)
@@ -735,6 +772,59 @@ profiles:
         assert!(err.to_string().contains("kind"), "{err}");
     }
 
+    const PLANNER: &str = r#"
+profiles:
+  - id: planner
+    version: "1"
+    planner:
+      rounds:
+        - delegate:
+            - { profile_id: logs-investigator, goal: Find the errors }
+      finish: { summary: "Decided {outcome}" }
+"#;
+
+    #[test]
+    fn a_planner_profile_has_a_planner_section_and_no_playbook() {
+        let profiles = parse(PLANNER, "p.yaml").unwrap();
+        let p = &profiles[0];
+        assert_eq!(p.profile.provider, "playbook");
+        assert!(p.playbook.is_none());
+        assert_eq!(p.planner.as_ref().unwrap().rounds.len(), 1);
+        let provider = ProviderRegistry::builtin(&ClientSettings::default())
+            .build(p)
+            .unwrap();
+        assert_eq!(provider.name(), "playbook");
+
+        assert_eq!(
+            invalid_field(&PLANNER.replace("goal: Find the errors", "goal: \"\"")),
+            "profiles[0].planner.rounds[0].delegate[0].goal"
+        );
+        // At most one of playbook and planner, and only on the playbook provider.
+        let both = PLANNER.replace(
+            "    planner:\n",
+            "    playbook: { steps: [] }\n    planner:\n",
+        );
+        match parse(&both, "p.yaml").unwrap_err() {
+            Error::Invalid { field, detail, .. } => {
+                assert_eq!(field, "profiles[0].planner");
+                assert!(detail.contains("at most one"), "{detail}");
+            }
+            other => panic!("expected an invalid field, got {other}"),
+        }
+        assert_eq!(
+            invalid_field(&PLANNER.replace(
+                "    planner:\n",
+                "    provider: openai\n    model: m\n    planner:\n"
+            )),
+            "profiles[0].planner"
+        );
+        let unknown = parse(&PLANNER.replace("goal: Find", "goals: Find"), "p.yaml");
+        assert!(
+            unknown.unwrap_err().to_string().contains("goals"),
+            "unknown keys are refused by name"
+        );
+    }
+
     #[test]
     fn the_mcp_example_keeps_every_payment_incident_profile() {
         let path = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -764,7 +854,9 @@ profiles:
                 "change-auditor",
                 "logs-investigator-model",
                 "metrics-investigator-model",
-                "change-auditor-model"
+                "change-auditor-model",
+                "incident-planner",
+                "incident-planner-model"
             ]
         );
         // Each model-driven twin holds what its playbook specialist holds.

@@ -14,6 +14,10 @@
 //! Capacity counts running delegations; one more is refused with RESOURCE_EXHAUSTED
 //! ("worker busy") so the supervisor dispatches it elsewhere. Joining a running
 //! delegation does not count.
+//!
+//! PlanTurn asks a planner profile's model for one turn of a run's planner
+//! ([`crate::planner`]). It keeps no state and takes no capacity slot: it is one short
+//! model call.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -318,6 +322,22 @@ impl WorkerService {
         server.add_service(worker_server::WorkerServer::new(self.clone()))
     }
 
+    /// The agent of `profile`, or FAILED_PRECONDITION naming the profiles served.
+    fn agent(&self, profile: &str) -> Result<&Agent, Status> {
+        self.inner.agents.get(profile).ok_or_else(|| {
+            into_status(&ExecuteError::UnknownProfile {
+                profile: profile.to_owned(),
+                served: self
+                    .inner
+                    .agents
+                    .keys()
+                    .cloned()
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            })
+        })
+    }
+
     /// Joins the delegation if it runs, returns its cached result if it finished, or
     /// starts it.
     fn start_or_join(
@@ -470,18 +490,7 @@ impl worker_server::Worker for WorkerService {
                 "give the task token the policy service issued for this delegation",
             ));
         }
-        let agent = self.inner.agents.get(&task.profile_id).ok_or_else(|| {
-            into_status(&ExecuteError::UnknownProfile {
-                profile: task.profile_id.clone(),
-                served: self
-                    .inner
-                    .agents
-                    .keys()
-                    .cloned()
-                    .collect::<Vec<_>>()
-                    .join(", "),
-            })
-        })?;
+        let agent = self.agent(&task.profile_id)?;
         let assignment = Assignment {
             task,
             token: request.task_token,
@@ -520,6 +529,17 @@ impl worker_server::Worker for WorkerService {
             None => false,
         };
         Ok(Response::new(v1::WorkerCancelResponse { cancelled }))
+    }
+
+    async fn plan_turn(
+        &self,
+        request: Request<v1::PlanTurnRequest>,
+    ) -> Result<Response<v1::PlanTurnResponse>, Status> {
+        let request = request.into_inner();
+        crate::planner::check_ids(&request)?;
+        let agent = self.agent(&request.profile_id)?;
+        let response = crate::planner::plan_turn(agent, &self.inner.worker_id, request).await?;
+        Ok(Response::new(response))
     }
 }
 

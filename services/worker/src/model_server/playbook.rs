@@ -7,13 +7,21 @@
 //! are in, it hands in the playbook's report through `submit_report`, its claims citing
 //! the calls. The worker's `openai` provider, the loop's checks, the policy service and
 //! the evidence store all run for real; only the model's judgment is the playbook's.
+//!
+//! It plays a planner too: a request offering exactly the tools `delegate` and `finish`
+//! is answered by the `planner` section of the one profile that has it
+//! ([`crate::playbook::planner`]), from the conversation the request carries.
 
 use std::collections::{BTreeMap, BTreeSet};
 
+use serde_json::Value;
+
 use super::{Recorded, Reply, Responder};
-use crate::openai::function_name;
-use crate::playbook::PlaybookProvider;
+use crate::openai::{function_name, tool_name};
+use crate::playbook::planner::messages::{DELEGATE, FINISH};
+use crate::playbook::{PlannerProvider, PlaybookProvider};
 use crate::profiles::Profile;
+use crate::provider::{Message, Role, ToolCall};
 use crate::report::{SUBMIT_REPORT, ToolOutcome};
 
 /// Usage a playbook answer reports, so token accounting and spans have numbers.
@@ -26,18 +34,33 @@ const COMPLETION_TOKENS: u32 = 60;
 #[derive(Debug)]
 pub struct PlaybookResponder {
     by_tools: Vec<(BTreeSet<String>, PlaybookProvider)>,
+    planner: Option<PlannerProvider>,
 }
 
 impl PlaybookResponder {
-    /// A responder playing every `playbook` profile of `profiles`.
+    /// A responder playing every `playbook` profile of `profiles`, and the profile with
+    /// a `planner` section, if there is one.
     ///
     /// # Errors
     ///
-    /// A playbook profile cannot be played, or two have the same tools (a request
-    /// could not tell them apart).
+    /// A playbook profile cannot be played, two have the same tools (a request could
+    /// not tell them apart), or two have a `planner` section.
     pub fn new(profiles: &[Profile]) -> Result<Self, String> {
         let mut by_tools: Vec<(BTreeSet<String>, PlaybookProvider)> = Vec::new();
+        let mut planner: Option<PlannerProvider> = None;
         for p in profiles {
+            if let Some(spec) = p.planner.clone() {
+                if let Some(other) = &planner {
+                    return Err(format!(
+                        "profiles {} and {} both have a planner section; a request could not \
+                         tell them apart",
+                        other.profile_id(),
+                        p.profile.id
+                    ));
+                }
+                planner = Some(PlannerProvider::new(&p.profile.id, spec)?);
+                continue;
+            }
             let Some(spec) = p.playbook.clone() else {
                 continue;
             };
@@ -56,12 +79,15 @@ impl PlaybookResponder {
             let provider = PlaybookProvider::new(&p.profile.id, &p.profile.default_tools, spec)?;
             by_tools.push((tools, provider));
         }
-        Ok(Self { by_tools })
+        Ok(Self { by_tools, planner })
     }
 
     fn answer(&self, request: &Recorded) -> Result<Reply, String> {
-        let offered: BTreeSet<String> = request
-            .tools()
+        let tools: BTreeSet<&str> = request.tools().into_iter().collect();
+        if tools == BTreeSet::from([DELEGATE, FINISH]) {
+            return self.plan(request);
+        }
+        let offered: BTreeSet<String> = tools
             .into_iter()
             .filter(|f| *f != SUBMIT_REPORT)
             .map(str::to_owned)
@@ -103,6 +129,69 @@ impl PlaybookResponder {
         };
         Ok(reply.with_usage(PROMPT_TOKENS, COMPLETION_TOKENS))
     }
+
+    /// A planner's turn, from the conversation the request carries.
+    fn plan(&self, request: &Recorded) -> Result<Reply, String> {
+        let planner = self.planner.as_ref().ok_or_else(|| {
+            "the request offers the planner tools delegate and finish, and no profile has a \
+             planner section"
+                .to_owned()
+        })?;
+        let messages: Vec<Message> = request.messages().iter().filter_map(to_message).collect();
+        let answer = planner.answer(&messages);
+        let reply = if answer.tool_calls.is_empty() {
+            Reply::text(answer.content)
+        } else {
+            Reply::tool_calls(
+                answer
+                    .tool_calls
+                    .into_iter()
+                    .map(|c| (c.id, function_name(&c.name), c.arguments.to_string())),
+            )
+        };
+        Ok(reply.with_usage(PROMPT_TOKENS, COMPLETION_TOKENS))
+    }
+}
+
+/// A chat-completions message as the provider's [`Message`] (`developer` is read as
+/// `system`); None for a message without a known role.
+fn to_message(m: &Value) -> Option<Message> {
+    let role = match m["role"].as_str()? {
+        "system" | "developer" => Role::System,
+        "user" => Role::User,
+        "assistant" => Role::Assistant,
+        "tool" => Role::Tool,
+        _ => return None,
+    };
+    let content = match &m["content"] {
+        Value::String(text) => text.clone(),
+        // Content given as parts: their texts joined.
+        Value::Array(parts) => parts.iter().filter_map(|p| p["text"].as_str()).collect(),
+        _ => String::new(),
+    };
+    let tool_calls = m["tool_calls"]
+        .as_array()
+        .map(|calls| {
+            calls
+                .iter()
+                .map(|c| {
+                    let raw = c["function"]["arguments"].as_str().unwrap_or_default();
+                    ToolCall {
+                        id: c["id"].as_str().unwrap_or_default().to_owned(),
+                        name: tool_name(c["function"]["name"].as_str().unwrap_or_default()),
+                        arguments: serde_json::from_str(raw)
+                            .unwrap_or_else(|_| Value::String(raw.to_owned())),
+                    }
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    Some(Message {
+        role,
+        content,
+        tool_calls,
+        tool_call_id: m["tool_call_id"].as_str().map(str::to_owned),
+    })
 }
 
 impl Responder for PlaybookResponder {

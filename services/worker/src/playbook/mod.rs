@@ -48,8 +48,15 @@
 //!
 //! The YAML schema is [`spec`], the rules' conditions [`condition`], the templates
 //! [`template`]; this module plays the model's part with them.
+//!
+//! # Planners
+//!
+//! A `playbook` profile may carry a `planner:` section instead of `playbook:`: it then
+//! plays a run's planner, whose tools are `delegate` and `finish`, round by round
+//! ([`planner`]).
 
 mod condition;
+pub mod planner;
 mod spec;
 mod template;
 
@@ -58,6 +65,7 @@ use std::collections::BTreeMap;
 use serde_json::Value;
 
 pub use condition::{Condition, Op, When, resolve};
+pub use planner::{PlannerProvider, PlannerSpec};
 pub use spec::{ActionTemplate, ClaimTemplate, PlaybookSpec, Rule, Step};
 pub use template::Template;
 

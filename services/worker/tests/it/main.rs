@@ -1,11 +1,12 @@
 //! The worker's integration tests, one binary, over a real policy service and evidence
-//! store: Execute, registration with a registry, the binary black-box, and MCP tools
-//! against a real MCP server.
+//! store: Execute, PlanTurn, registration with a registry, the binary black-box, and MCP
+//! tools against a real MCP server.
 
 mod binary;
 mod execute;
 mod mcp;
 mod model;
 mod model_server;
+mod planner;
 mod registration;
 mod support;

@@ -148,6 +148,8 @@ async fn worker_registers_heartbeats_re_registers_and_deregisters() {
             [
                 "change-auditor",
                 "change-auditor-model",
+                "incident-planner",
+                "incident-planner-model",
                 "logs-investigator",
                 "logs-investigator-model",
                 "metrics-investigator",

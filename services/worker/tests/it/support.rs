@@ -1,7 +1,7 @@
 //! The mesh a worker needs, for real: the policy service and the evidence store on
 //! loopback gRPC servers over a temporary data directory with the example policy, a
-//! supervisor credential to issue task tokens with, and helpers to start workers and
-//! build their tasks.
+//! supervisor credential to issue task tokens with, and helpers to start workers, build
+//! their tasks and call them.
 
 use std::fmt::Debug;
 use std::path::PathBuf;
@@ -252,6 +252,14 @@ impl TestWorker {
         }
     }
 
+    /// Calls PlanTurn over gRPC.
+    pub async fn plan_turn(
+        &self,
+        request: v1::PlanTurnRequest,
+    ) -> Result<v1::PlanTurnResponse, tonic::Status> {
+        Ok(self.client.clone().plan_turn(request).await?.into_inner())
+    }
+
     /// Calls Execute over gRPC.
     pub async fn execute(
         &self,
@@ -280,6 +288,20 @@ pub fn profiles_with(id: &str, edit: impl FnOnce(&mut Profile)) -> Vec<Profile> 
     let mut profiles = profiles::example().unwrap();
     edit(profiles.iter_mut().find(|p| p.profile.id == id).unwrap());
     profiles
+}
+
+/// A token shaped like a task token (a JWS with `claims` as its payload) but not
+/// signed by anyone: for calls where the worker reads the claims without verifying them
+/// and makes no call with the token.
+pub fn unsigned_token(claims: &serde_json::Value) -> String {
+    use base64::Engine as _;
+    let encode = |bytes: &[u8]| base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(bytes);
+    format!(
+        "{}.{}.{}",
+        encode(br#"{"alg":"EdDSA","typ":"JWT"}"#),
+        encode(claims.to_string().as_bytes()),
+        encode(b"not-a-signature")
+    )
 }
 
 /// A permission scope.
