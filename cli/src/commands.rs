@@ -61,11 +61,13 @@ pub async fn run(client: &Client, spec: v1::RunSpec, opts: &RunOptions) -> anyho
     }
     if !opts.json {
         if started.created {
+            let plan = match run.spec.as_ref().and_then(|s| s.planner.as_ref()) {
+                Some(p) => format!("planned by {}", p.profile_id),
+                None => format!("{} delegation(s)", run.delegations.len()),
+            };
             println!(
-                "Run {} accepted: {} delegation(s); trace {}",
-                run.run_id,
-                run.delegations.len(),
-                run.trace_id
+                "Run {} accepted: {plan}; trace {}",
+                run.run_id, run.trace_id
             );
         } else {
             println!(
@@ -200,12 +202,23 @@ async fn follow(client: &Client, run: &v1::Run, show: bool) -> anyhow::Result<()
                 );
             }
             Some(Kind::Decision(d)) => {
-                if show && !tty {
-                    println!(
-                        "  join       revision {}: {}",
-                        d.revision,
-                        v1::JoinOutcome::try_from(d.outcome).map_or("?", |o| o.as_str_name())
-                    );
+                let text = format!(
+                    "  join       revision {}: {}",
+                    d.revision,
+                    v1::JoinOutcome::try_from(d.outcome).map_or("?", |o| o.as_str_name())
+                );
+                if tty {
+                    let _ = multi.println(text);
+                } else if show {
+                    println!("{text}");
+                }
+            }
+            Some(Kind::Planned(t)) => {
+                let text = format!("  round {:<4} {}", t.round, planned_line(&t));
+                if tty {
+                    let _ = multi.println(text);
+                } else if show {
+                    println!("{text}");
                 }
             }
             Some(Kind::Terminal(_)) => break,
@@ -218,6 +231,39 @@ async fn follow(client: &Client, run: &v1::Run, show: bool) -> anyhow::Result<()
         }
     }
     Ok(())
+}
+
+/// What a planner's committed turn did, in one line: its delegations and refusals.
+fn planned_line(t: &v1::PlannerTurn) -> String {
+    let delegated = t
+        .calls
+        .iter()
+        .filter(|c| !c.delegation_id.is_empty())
+        .count();
+    let refused: Vec<&str> = t
+        .calls
+        .iter()
+        .filter(|c| !c.error.is_empty())
+        .map(|c| c.error.as_str())
+        .collect();
+    let finished = t
+        .calls
+        .iter()
+        .any(|c| c.tool == "finish" && c.error.is_empty());
+    let mut parts = vec![format!("planner turn {}", t.turn)];
+    if delegated > 0 {
+        parts.push(format!("delegated {delegated}"));
+    }
+    if finished {
+        parts.push("finished".to_owned());
+    }
+    if t.calls.is_empty() {
+        parts.push("answered in plain text".to_owned());
+    }
+    for r in refused {
+        parts.push(format!("refused: {r}"));
+    }
+    parts.join("; ")
 }
 
 /// Options of `convene events`.

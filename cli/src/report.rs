@@ -123,7 +123,28 @@ pub fn assessment(
         state_name(run.state),
         status
     );
-    if decision.revision > 1 {
+    if let Some(planner) = run.planner.as_ref().filter(|p| !p.turns.is_empty()) {
+        let delegated = run.delegations.len();
+        let rounds = run
+            .delegations
+            .iter()
+            .filter_map(|d| d.task.as_ref().map(|t| t.round))
+            .max()
+            .unwrap_or(0);
+        let _ = writeln!(
+            w,
+            "  (planned by {} in {} round(s), {} planner turn(s), {delegated} delegation(s); the last round's join decided)",
+            run.spec
+                .as_ref()
+                .and_then(|s| s.planner.as_ref())
+                .map_or("the planner", |p| p.profile_id.as_str()),
+            rounds,
+            planner.turns.len(),
+        );
+        if !planner.summary.is_empty() {
+            let _ = writeln!(w, "  Planner's summary: {}", planner.summary);
+        }
+    } else if decision.revision > 1 {
         let _ = writeln!(
             w,
             "  (decision revision {}: late results were appended; the run was not reopened)",

@@ -35,11 +35,28 @@ pub enum CrashPoint {
     /// The decision (and the run's terminal state) was committed; the relay has not
     /// delivered its events.
     AfterDecision,
+    /// A planner's model turn reached the run's actor, which validated it and has not
+    /// committed it: a restarted supervisor asks the model again.
+    PlannerTurnReceived,
+    /// A planner's model turn and the delegations it proposed were committed; none of
+    /// them has been dispatched. A restarted supervisor never asks for the turn again.
+    AfterPlannerCommit,
 }
 
 impl CrashPoint {
     /// Every crash point, in the order a run reaches them.
-    pub const ALL: [CrashPoint; 5] = [
+    pub const ALL: [CrashPoint; 7] = [
+        CrashPoint::AfterAccept,
+        CrashPoint::PlannerTurnReceived,
+        CrashPoint::AfterPlannerCommit,
+        CrashPoint::AfterDispatch,
+        CrashPoint::ResultInFlight,
+        CrashPoint::DuringJoin,
+        CrashPoint::AfterDecision,
+    ];
+
+    /// The points a run with a static plan reaches (the others are a planner's).
+    pub const STATIC: [CrashPoint; 5] = [
         CrashPoint::AfterAccept,
         CrashPoint::AfterDispatch,
         CrashPoint::ResultInFlight,
@@ -55,6 +72,8 @@ impl CrashPoint {
             CrashPoint::ResultInFlight => "result_in_flight",
             CrashPoint::DuringJoin => "during_join",
             CrashPoint::AfterDecision => "after_decision",
+            CrashPoint::PlannerTurnReceived => "planner_turn_received",
+            CrashPoint::AfterPlannerCommit => "after_planner_commit",
         }
     }
 }

@@ -376,6 +376,41 @@ impl Supervisor for SupervisorService {
                 .into());
             }
         }
+        if let Some(planner) = &domain.planner
+            && !self
+                .deps
+                .policy_file
+                .profiles
+                .contains_key(&planner.profile_id)
+        {
+            let known: Vec<&str> = self
+                .deps
+                .policy_file
+                .profiles
+                .keys()
+                .map(String::as_str)
+                .collect();
+            return Err(Error::invalid(
+                "spec.planner.profile_id",
+                format!(
+                    "unknown profile {}; known profiles: {}",
+                    planner.profile_id,
+                    known.join(", ")
+                ),
+            )
+            .into());
+        }
+        if let Some(planner) = &spec.planner {
+            for (i, id) in planner.profiles.iter().enumerate() {
+                if !self.deps.policy_file.profiles.contains_key(id) {
+                    return Err(Error::invalid(
+                        format!("spec.planner.profiles[{i}]"),
+                        format!("unknown profile {id}; name profiles of the policy file"),
+                    )
+                    .into());
+                }
+            }
+        }
         let key = domain.idempotency_key.clone().map(|key| IdempotencyKey {
             principal: principal.id.clone(),
             key,

@@ -24,7 +24,7 @@ use tracing::field::Empty;
 
 /// The logical service name carried by every span here (see
 /// `convene_telemetry::SERVICE_ATTRIBUTE`).
-const SERVICE: &str = "supervisor";
+pub(crate) const SERVICE: &str = "supervisor";
 
 /// The root span of a new run, linked to the current span (the StartRun call that
 /// created it). A run is its own trace: a caller's trace may start many runs.
@@ -104,6 +104,20 @@ pub(crate) fn record_run_end(span: &Span, run: &v1::Run) {
 }
 
 /// The planning span: the ledger built from the spec, or a nested Delegate call's batch.
+/// One round of a planner's run: the planner's turns (their `model.call` spans come
+/// from the worker, under this one), its delegate calls and the round's join.
+pub(crate) fn round_span(parent: &Span, round: u32) -> Span {
+    tracing::info_span!(
+        parent: parent,
+        "plan",
+        convene.service = SERVICE,
+        convene.plan.kind = "planner",
+        convene.round = round,
+        convene.plan.tasks = Empty,
+        convene.plan.dropped = Empty,
+    )
+}
+
 pub(crate) fn plan_span(parent: &Span, kind: &'static str, tasks: usize) -> Span {
     tracing::info_span!(
         parent: parent,

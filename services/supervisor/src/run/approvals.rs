@@ -18,7 +18,8 @@ const APPROVAL_ATTEMPTS: u32 = 5;
 const APPROVAL_RETRY_BACKOFF: Duration = Duration::from_millis(200);
 
 impl RunActor {
-    /// Files one approval request per proposed action above R1 of an accepted result.
+    /// Files one approval request per distinct proposed action above R1 (action and
+    /// parameters) of the accepted results.
     /// The level is the higher of the worker's and the catalog's: a worker can never
     /// talk an action down.
     pub(super) async fn file_approvals(
@@ -35,6 +36,9 @@ impl RunActor {
             .cloned()
             .collect();
         let mut seen = std::collections::BTreeSet::new();
+        // The same action with the same parameters, proposed by several accepted results
+        // (a planner's follow-up to the same specialist), is one request.
+        let mut proposed = std::collections::BTreeSet::new();
         for result in accepted {
             if !seen.insert(result.delegation_id.clone()) {
                 continue;
@@ -45,7 +49,9 @@ impl RunActor {
                     Some(catalog) => asked.max(catalog),
                     None => asked,
                 };
-                if risk < RiskLevel::R2 {
+                if risk < RiskLevel::R2
+                    || !proposed.insert((action.action.clone(), format!("{:?}", action.parameters)))
+                {
                     continue;
                 }
                 let req = v1::RequestApprovalRequest {

@@ -66,6 +66,10 @@ impl RunActor {
         if self.terminal() {
             return Ok(());
         }
+        if self.spec.planner.is_some() {
+            // A planner's run decides round by round.
+            return Box::pin(self.planner_step()).await;
+        }
         // The staged results' evidence is asked about once the answer can matter: while
         // the join waits for delegations that have not reported, whatever the store
         // says, it stays pending, and the results are asked about with those still to
@@ -161,7 +165,16 @@ impl RunActor {
     ) -> Result<(), StoreError> {
         let t = self.deps.clock.now();
         let mut ev = Events::default();
-        if let Some(decision) = decision {
+        // A planner's run ends on the decision its last round recorded already: its
+        // approval requests are filed now, and it is not recorded twice.
+        let recorded = decision.is_some() && decision == self.run.decision;
+        if let Some(decision) = decision.as_ref().filter(|_| recorded) {
+            let filed = self.file_approvals(decision, &mut ev).await;
+            if !filed.is_empty() && state == v1::RunState::WaitingInput {
+                state = v1::RunState::WaitingApproval;
+            }
+            Arc::make_mut(&mut self.run).approval_ids.extend(filed);
+        } else if let Some(decision) = decision {
             Arc::make_mut(&mut self.run).outcome = decision.outcome;
             Arc::make_mut(&mut self.run)
                 .revisions

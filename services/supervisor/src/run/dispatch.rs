@@ -180,7 +180,7 @@ async fn attempt_dispatch(mut d: Box<Dispatch>) {
 /// Waits `delay`, then for a free slot at a live worker serving `profile_id` (not one
 /// of `avoid` when another has room) until `deadline`; the error is the delegation's
 /// outcome.
-async fn wait_for_worker(
+pub(super) async fn wait_for_worker(
     registry: &Arc<Registry>,
     clock: &Clock,
     profile_id: &str,

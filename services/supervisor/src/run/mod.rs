@@ -23,13 +23,17 @@
 //! launches dispatch attempts, [`outcome`] records what they report, [`staging`] holds
 //! the progress waiting for the next commit, [`verify`] asks the evidence store about
 //! cited evidence, [`decide`] runs the join and ends the run ([`approvals`] files its
-//! approval requests), and [`nested`] handles a worker's Delegate calls.
+//! approval requests), [`nested`] handles a worker's Delegate calls, [`planner`] runs a
+//! planner's rounds, and [`propose`] holds the checks every proposed delegation passes,
+//! a planner's or a worker's.
 
 mod approvals;
 mod decide;
 mod dispatch;
 mod nested;
 mod outcome;
+mod planner;
+mod propose;
 mod slot;
 mod staging;
 mod start;
@@ -91,6 +95,12 @@ pub(crate) enum Msg {
     Deliver { result: Box<v1::TaskResult> },
     /// Lease renewal found the run held by another replica: stop touching it.
     LeaseLost,
+    /// A planner turn request ended (see [`planner`]).
+    PlannerTurn {
+        turn: u32,
+        attempt: u32,
+        outcome: Box<Result<v1::PlanTurnResponse, Error>>,
+    },
 }
 
 const _: () = assert!(
@@ -148,6 +158,8 @@ pub(crate) struct RunActor {
     abandon: CancellationToken,
     tasks_in_flight: usize,
     join_timer: Option<SystemTime>,
+    /// The planner's runtime state (a run with a planner only).
+    planner: Option<Box<planner::PlannerRt>>,
 }
 
 /// Why an actor stopped.
@@ -332,6 +344,7 @@ impl RunActor {
             abandon: CancellationToken::new(),
             tasks_in_flight: 0,
             join_timer: None,
+            planner: None,
         };
         (tx, Some(actor))
     }
@@ -560,6 +573,11 @@ impl RunActor {
                     }
                 }
             }
+            Msg::PlannerTurn {
+                turn,
+                attempt,
+                outcome,
+            } => self.on_planner_turn(turn, attempt, *outcome).await,
             // Handled by the loop, which stops.
             Msg::LeaseLost => Ok(()),
         }

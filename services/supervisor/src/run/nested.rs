@@ -3,9 +3,7 @@
 
 use std::sync::Arc;
 
-use convene_core::limits;
 use convene_core::time::to_timestamp;
-use convene_core::validate;
 use convene_proto::v1;
 use convene_tokens::Claims;
 use tokio::sync::oneshot;
@@ -125,50 +123,38 @@ impl RunActor {
             .clone()
             .unwrap_or_default();
         let depth = parent_task.depth + 1;
-        limits::check_depth(depth, self.spec.limits.max_depth)
-            .map_err(|e| Error::FailedPrecondition(e.to_string()))?;
-        if children.is_empty() {
-            return Err(Error::invalid(
-                "delegations",
-                "give at least one child task",
+        // The chain the children would extend, from the top: a planner's run starts it
+        // with the planner and the run's goal.
+        let chain = self.path_to(parent);
+        let mut path: Vec<(&str, &str)> = Vec::with_capacity(chain.len() + 1);
+        if let Some(planner) = &self.spec.planner {
+            path.push((
+                planner.profile_id.as_str(),
+                self.run.spec.as_ref().map_or("", |s| s.goal.as_str()),
             ));
         }
-        self.ledger
-            .check()
-            .map_err(|e| Error::ResourceExhausted(e.to_string()))?;
-        let t = self.deps.clock.now();
+        path.extend(
+            chain
+                .iter()
+                .map(|t| (t.profile_id.as_str(), t.goal.as_str())),
+        );
+        let plan = self.check_batch(depth, children.len())?;
         let mut planned = Vec::with_capacity(children.len());
         let mut names = std::collections::BTreeSet::new();
         for (i, c) in children.iter().enumerate() {
             let field = format!("delegations[{i}]");
-            let p = validate::planned_task(c, &field)?;
-            if !self.deps.policy_file.profiles.contains_key(&p.profile_id) {
-                return Err(Error::invalid(
-                    format!("{field}.profile_id"),
-                    format!("unknown profile {}", p.profile_id),
-                ));
-            }
+            let p = self.check_proposal(&field, c, &path)?;
             if !names.insert(p.name.clone()) {
                 return Err(Error::invalid(
                     format!("{field}.name"),
                     format!("name {} is used twice in this call", p.name),
                 ));
             }
-            let path = self.path_to(parent);
-            let path: Vec<(&str, &str)> = path
-                .iter()
-                .map(|t| (t.profile_id.as_str(), t.goal.as_str()))
-                .collect();
-            limits::check_loop(&path, &p.profile_id, &p.goal)
-                .map_err(|e| Error::FailedPrecondition(format!("{field}: {e}")))?;
             planned.push(p);
         }
-        let plan = limits::plan_batch(
-            children.len(),
-            self.spec.limits.max_parallel_workers,
-            self.spec.limits.overflow,
-        )
-        .map_err(|e| Error::ResourceExhausted(e.to_string()))?;
+        drop(path);
+        drop(chain);
+        let t = self.deps.clock.now();
         let parent_deadline = deadline_of(&parent_task, self.deps.clock.now());
         // A retried delegation repeats its Delegate calls: its call indices start again
         // at 0 with each attempt, so a repeated call derives the ids of the children the

@@ -166,6 +166,13 @@ impl RunActor {
     /// exhausted no further delegation starts.
     pub(super) fn account(&mut self, result: &v1::TaskResult) {
         if let Some(usage) = &result.usage {
+            self.account_usage(usage);
+        }
+    }
+
+    /// Adds `usage` (a result's, a planner turn's) to the run and charges the budget.
+    pub(super) fn account_usage(&mut self, usage: &v1::Usage) {
+        {
             let u = Arc::make_mut(&mut self.run)
                 .usage
                 .get_or_insert_with(Default::default);

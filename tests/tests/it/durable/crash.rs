@@ -84,7 +84,7 @@ async fn a_supervisor_killed_at_any_crash_point_finishes_every_run_like_an_uncra
 
     // Every point, each with different `after`s, in random order.
     let mut plan = Vec::new();
-    for point in CrashPoint::ALL {
+    for point in CrashPoint::STATIC {
         let mut afters: Vec<u32> = (1..=BATCH as u32).collect();
         rng.shuffle(&mut afters);
         plan.extend(afters[..PER_POINT].iter().map(|a| (point, *a)));
@@ -135,7 +135,7 @@ async fn a_supervisor_killed_at_any_crash_point_finishes_every_run_like_an_uncra
         };
         let again = (rng.below(2) == 0).then(|| {
             (
-                CrashPoint::ALL[rng.below(CrashPoint::ALL.len())],
+                CrashPoint::STATIC[rng.below(CrashPoint::STATIC.len())],
                 1 + rng.below(3) as u32,
             )
         });
@@ -226,7 +226,7 @@ async fn a_supervisor_killed_at_any_crash_point_finishes_every_run_like_an_uncra
         redispatched > 0,
         "no crash interrupted a dispatched delegation"
     );
-    for point in CrashPoint::ALL {
+    for point in CrashPoint::STATIC {
         let afters: BTreeSet<u32> = kills[point.name()].iter().copied().collect();
         assert!(afters.len() >= PER_POINT, "{}: {afters:?}", point.name());
     }

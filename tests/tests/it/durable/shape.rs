@@ -173,6 +173,7 @@ pub(super) fn shape(f: &Finished) -> Shape {
             Some(Kind::Completed(_)) => "completed",
             Some(Kind::Decision(_)) => "decision",
             Some(Kind::Terminal(_)) => "terminal",
+            Some(Kind::Planned(_)) => "planned",
             None => "none",
         };
         *run_events.entry(kind).or_insert(0) += 1;
