@@ -49,10 +49,23 @@ pub fn explain(spec: &v1::RunSpec, now: SystemTime) -> anyhow::Result<String> {
         );
     }
     let l = &domain.limits;
+    let plan = match (&domain.planner, spec.planner.as_ref()) {
+        (Some(p), Some(wire)) => {
+            let to = if wire.profiles.is_empty() {
+                "every profile of the policy that holds tools".to_owned()
+            } else {
+                wire.profiles.join(", ")
+            };
+            format!(
+                "planned by {} in at most {} round(s), delegating to {to}; it stops after {} round(s) in a row without progress",
+                p.profile_id, l.max_rounds, l.no_progress_rounds
+            )
+        }
+        _ => format!("{} delegation(s)", domain.plan.len()),
+    };
     let _ = writeln!(
         w,
-        "\nPlan: {} delegation(s), at most {} at once ({}), depth ≤ {}, {} iteration(s) per worker, {} retry(ies) per delegation",
-        domain.plan.len(),
+        "\nPlan: {plan}, at most {} at once ({}), depth ≤ {}, {} iteration(s) per worker, {} retry(ies) per delegation",
         l.max_parallel_workers,
         match l.overflow {
             Overflow::Queue => "the rest queue",
@@ -102,6 +115,13 @@ pub fn explain(spec: &v1::RunSpec, now: SystemTime) -> anyhow::Result<String> {
     }
     if !j.optional.is_empty() {
         let _ = writeln!(w, "  optional: {}", j.optional.join(", "));
+    }
+    if !j.required_profiles.is_empty() {
+        let _ = writeln!(
+            w,
+            "  required: an accepted result of each of {}",
+            j.required_profiles.join(", ")
+        );
     }
     let m = &j.minimum;
     let _ = write!(w, "  minimum: {} accepted result(s)", m.count.max(1));
