@@ -140,11 +140,13 @@ impl RunActor {
             .collect()
     }
 
-    /// Whether a top-level delegation waits for a slot or runs.
+    /// Whether a top-level delegation runs, or waits for a slot it can still get (once
+    /// the budget is spent, nothing queued starts: the round is over).
     fn round_open(&self) -> bool {
-        self.slots
-            .iter()
-            .any(|s| s.top_level && matches!(s.state, SlotState::Waiting | SlotState::InFlight))
+        self.slots.iter().any(|s| {
+            s.top_level
+                && (s.in_flight() || (s.state == SlotState::Waiting && !self.budget_stopped))
+        })
     }
 
     /// The planner's next step: nothing while a turn is asked for or the round's
