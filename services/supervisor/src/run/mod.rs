@@ -555,7 +555,9 @@ impl RunActor {
                         .is_some_and(|t| t.delegation_id == result.delegation_id)
                 }) {
                     Some(index) => {
-                        self.record(index, result, false, false).await?;
+                        // A redelivery of work already reported is not charged again.
+                        let accounted = self.run.delegations[index].result.is_some();
+                        self.record(index, result, false, accounted).await?;
                         self.settle().await
                     }
                     None => {

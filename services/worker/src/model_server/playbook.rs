@@ -138,7 +138,19 @@ impl PlaybookResponder {
                 .to_owned()
         })?;
         let messages: Vec<Message> = request.messages().iter().filter_map(to_message).collect();
-        let answer = planner.answer(&messages);
+        let mut answer = planner.answer(&messages);
+        // The playbook names the playbook specialists; a request that offers their
+        // model-driven twins (`<id>-model`) gets those instead.
+        let offered = offered_profiles(request);
+        for call in &mut answer.tool_calls {
+            let Some(profile) = call.arguments["profile_id"].as_str().map(str::to_owned) else {
+                continue;
+            };
+            let twin = format!("{profile}-model");
+            if !offered.is_empty() && !offered.contains(&profile) && offered.contains(&twin) {
+                call.arguments["profile_id"] = Value::String(twin);
+            }
+        }
         let reply = if answer.tool_calls.is_empty() {
             Reply::text(answer.content)
         } else {
@@ -151,6 +163,26 @@ impl PlaybookResponder {
         };
         Ok(reply.with_usage(PROMPT_TOKENS, COMPLETION_TOKENS))
     }
+}
+
+/// The profile ids the request's `delegate` tool offers (its `profile_id` enum).
+fn offered_profiles(request: &Recorded) -> Vec<String> {
+    let tools = request.body["tools"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    tools
+        .iter()
+        .find(|t| t["function"]["name"] == DELEGATE)
+        .and_then(|t| {
+            t["function"]["parameters"]["properties"]["profile_id"]["enum"]
+                .as_array()
+                .cloned()
+        })
+        .unwrap_or_default()
+        .iter()
+        .filter_map(|v| v.as_str().map(str::to_owned))
+        .collect()
 }
 
 /// A chat-completions message as the provider's [`Message`] (`developer` is read as

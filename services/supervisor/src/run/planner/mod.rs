@@ -405,6 +405,7 @@ impl RunActor {
             .as_ref()
             .map(|s| s.goal.clone())
             .unwrap_or_default();
+        let offered = self.delegable_profiles();
         let mut proposed: Vec<Proposed> = Vec::with_capacity(message.tool_calls.len());
         let mut ending = None;
         // Valid delegate proposals, by position in `proposed`.
@@ -443,6 +444,17 @@ impl RunActor {
                         let field = format!("delegate call {i}");
                         let checked = prompt::delegation(&c.arguments, round, index)
                             .map_err(|e| format!("{field}: {e}"))
+                            .and_then(|wire| {
+                                if offered.contains(&wire.profile_id) {
+                                    Ok(wire)
+                                } else {
+                                    Err(format!(
+                                        "{field}: profile {} is not offered to this run's                                          planner; delegate to one of: {}",
+                                        wire.profile_id,
+                                        offered.join(", ")
+                                    ))
+                                }
+                            })
                             .and_then(|wire| {
                                 self.check_proposal(
                                     &field,
