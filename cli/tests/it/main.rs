@@ -5,5 +5,6 @@ mod bench;
 mod cli;
 mod durable;
 mod model;
+mod planner;
 mod support;
 mod trace;

@@ -9,5 +9,7 @@ mod durable;
 mod failover;
 mod model;
 mod nested;
+mod planner;
+mod planner_delivery;
 mod runs;
 mod trace;

@@ -109,6 +109,7 @@ async fn duplicate_results_count_once_and_conflicting_duplicates_fail_closed() {
         }
         mesh.supervisor_service()
             .deliver_result(&run_id, again)
+            .await
             .expect("the run is still running");
         let run = mesh.wait_terminal(ONCALL, &run_id, LIMIT).await;
         let decision = run.decision.clone().expect("decision");
