@@ -235,7 +235,8 @@ mod tests {
         let (model, playbook): (Vec<_>, Vec<_>) = profiles
             .iter()
             .partition(|p| p.profile.provider == convene_worker::openai::PROVIDER_NAME);
-        assert_eq!(model.len(), 3);
+        // The three specialists and the planner.
+        assert_eq!(model.len(), 4);
         for p in &model {
             assert_eq!(
                 p.connection.base_url.as_deref(),
