@@ -15,6 +15,7 @@
 
 mod crash;
 mod events;
+mod planner_crash;
 mod replicas;
 mod shape;
 
