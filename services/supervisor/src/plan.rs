@@ -20,6 +20,15 @@ pub fn evidence_scope() -> v1::PermissionScope {
     }
 }
 
+/// The error for a profile id the policy file does not define, listing those it does.
+pub(crate) fn unknown_profile(policy: &Policy, field: String, id: &str) -> crate::error::Error {
+    let known: Vec<&str> = policy.profiles.keys().map(String::as_str).collect();
+    crate::error::Error::invalid(
+        field,
+        format!("unknown profile {id}; known profiles: {}", known.join(", ")),
+    )
+}
+
 /// Where a task sits in the run.
 #[derive(Debug, Clone, Copy)]
 pub struct Placement<'a> {

@@ -68,11 +68,7 @@ impl SupervisorService {
     /// unknown delegation id is rejected, and a finished run is never reopened. A result
     /// for a run that has ended is sealed: recorded on the run (in `received`, listed in
     /// the decision's `late_discarded`, with a late `completed` event), never applied.
-    pub async fn deliver_result(
-        &self,
-        run_id: &str,
-        result: v1::TaskResult,
-    ) -> Result<(), Status> {
+    pub async fn deliver_result(&self, run_id: &str, result: v1::TaskResult) -> Result<(), Status> {
         if let Ok(mailbox) = self.mailbox(run_id)
             && mailbox
                 .send(Msg::Deliver {
@@ -121,13 +117,7 @@ impl SupervisorService {
             decision.late_discarded.push(result.delegation_id.clone());
         }
         run.received.push(result);
-        let next = self
-            .deps
-            .store
-            .run_events(&run.run_id, 0)
-            .await?
-            .last()
-            .map_or(1, |e| e.sequence + 1);
+        let next = run::next_sequence(&self.deps, &run.run_id).await?;
         run.version += 1;
         run.updated_at = Some(to_timestamp(t));
         let events = Events {
@@ -423,58 +413,27 @@ impl Supervisor for SupervisorService {
         let spec = spec.ok_or_else(|| Error::invalid("spec", "required: give the run to start"))?;
         let now = SystemTime::now();
         let domain = validate::run_spec(&spec, now).map_err(Error::from)?;
-        for (i, p) in domain.plan.iter().enumerate() {
-            if !self.deps.policy_file.profiles.contains_key(&p.profile_id) {
-                let known: Vec<&str> = self
-                    .deps
-                    .policy_file
-                    .profiles
-                    .keys()
-                    .map(String::as_str)
-                    .collect();
-                return Err(Error::invalid(
-                    format!("spec.delegations[{i}].profile_id"),
-                    format!(
-                        "unknown profile {}; known profiles: {}",
-                        p.profile_id,
-                        known.join(", ")
-                    ),
-                )
-                .into());
-            }
-        }
-        if let Some(planner) = &domain.planner
-            && !self
-                .deps
-                .policy_file
-                .profiles
-                .contains_key(&planner.profile_id)
-        {
-            let known: Vec<&str> = self
-                .deps
-                .policy_file
-                .profiles
-                .keys()
-                .map(String::as_str)
-                .collect();
-            return Err(Error::invalid(
-                "spec.planner.profile_id",
-                format!(
-                    "unknown profile {}; known profiles: {}",
-                    planner.profile_id,
-                    known.join(", ")
-                ),
+        let known = |id: &str| self.deps.policy_file.profiles.contains_key(id);
+        let unknown = domain
+            .plan
+            .iter()
+            .enumerate()
+            .map(|(i, p)| (format!("spec.delegations[{i}].profile_id"), &p.profile_id))
+            .chain(
+                domain
+                    .planner
+                    .iter()
+                    .map(|p| ("spec.planner.profile_id".to_owned(), &p.profile_id)),
             )
-            .into());
+            .find(|(_, id)| !known(id));
+        if let Some((field, id)) = unknown {
+            return Err(plan::unknown_profile(&self.deps.policy_file, field, id).into());
         }
         if let Some(planner) = &spec.planner {
             for (i, id) in planner.profiles.iter().enumerate() {
-                if !self.deps.policy_file.profiles.contains_key(id) {
-                    return Err(Error::invalid(
-                        format!("spec.planner.profiles[{i}]"),
-                        format!("unknown profile {id}; name profiles of the policy file"),
-                    )
-                    .into());
+                if !known(id) {
+                    let field = format!("spec.planner.profiles[{i}]");
+                    return Err(plan::unknown_profile(&self.deps.policy_file, field, id).into());
                 }
             }
         }

@@ -168,27 +168,10 @@ impl RunActor {
         // A planner's run ends on the decision its last round recorded already: its
         // approval requests are filed now, and it is not recorded twice.
         let recorded = decision.is_some() && decision == self.run.decision;
-        if let Some(decision) = decision.as_ref().filter(|_| recorded) {
-            let filed = self.file_approvals(decision, &mut ev).await;
-            if !filed.is_empty() && state == v1::RunState::WaitingInput {
-                state = v1::RunState::WaitingApproval;
+        if let Some(decision) = decision {
+            if !recorded {
+                self.record_decision(&decision, &mut ev, t);
             }
-            Arc::make_mut(&mut self.run).approval_ids.extend(filed);
-        } else if let Some(decision) = decision {
-            Arc::make_mut(&mut self.run).outcome = decision.outcome;
-            Arc::make_mut(&mut self.run)
-                .revisions
-                .push(decision.clone());
-            Arc::make_mut(&mut self.run).decision = Some(decision.clone());
-            ev.cloud.push(events::cloud(
-                events::JOIN_DECIDED,
-                &self.run,
-                Some("decision"),
-                t,
-                events::join_decided_data(&self.run, &decision),
-            ));
-            let e = self.event(Kind::Decision(decision.clone()));
-            ev.run.push(e);
             let filed = self.file_approvals(&decision, &mut ev).await;
             if !filed.is_empty() && state == v1::RunState::WaitingInput {
                 state = v1::RunState::WaitingApproval;
@@ -263,6 +246,29 @@ impl RunActor {
             "run finished"
         );
         Ok(())
+    }
+
+    /// Makes `decision` the run's latest, with its revision, its `join.decided` cloud
+    /// event and its run event in `ev`.
+    pub(super) fn record_decision(
+        &mut self,
+        decision: &v1::JoinDecision,
+        ev: &mut Events,
+        t: SystemTime,
+    ) {
+        let run = Arc::make_mut(&mut self.run);
+        run.outcome = decision.outcome;
+        run.revisions.push(decision.clone());
+        run.decision = Some(decision.clone());
+        ev.cloud.push(events::cloud(
+            events::JOIN_DECIDED,
+            &self.run,
+            Some("decision"),
+            t,
+            events::join_decided_data(&self.run, decision),
+        ));
+        let e = self.event(Kind::Decision(decision.clone()));
+        ev.run.push(e);
     }
 
     /// A result arrived after the decision: discard it or append a revision, per the

@@ -63,7 +63,7 @@ use self::nested::PendingDelegate;
 use self::slot::{Batch, Slot};
 use self::staging::Staging;
 
-pub(crate) use self::start::{issue_tokens, startable};
+pub(crate) use self::start::{issue_tokens, next_sequence, startable};
 
 /// A message to a run actor.
 ///

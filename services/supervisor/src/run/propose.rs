@@ -16,6 +16,7 @@ use convene_proto::v1;
 
 use super::RunActor;
 use crate::error::Error;
+use crate::plan;
 
 impl RunActor {
     /// Checks one proposed delegation (`field` names it in errors) whose delegating
@@ -28,20 +29,10 @@ impl RunActor {
     ) -> Result<PlannedTask, Error> {
         let p = validate::planned_task(wire, field)?;
         if !self.deps.policy_file.profiles.contains_key(&p.profile_id) {
-            let known: Vec<&str> = self
-                .deps
-                .policy_file
-                .profiles
-                .keys()
-                .map(String::as_str)
-                .collect();
-            return Err(Error::invalid(
+            return Err(plan::unknown_profile(
+                &self.deps.policy_file,
                 format!("{field}.profile_id"),
-                format!(
-                    "unknown profile {}; known profiles: {}",
-                    p.profile_id,
-                    known.join(", ")
-                ),
+                &p.profile_id,
             ));
         }
         limits::check_loop(path, &p.profile_id, &p.goal)

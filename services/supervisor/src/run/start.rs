@@ -284,12 +284,18 @@ pub(crate) async fn issue_tokens(
     Ok(tokens.into_iter().map(|t| t.token).collect())
 }
 
+/// The sequence number the next event of stored run `run_id` gets.
+pub(crate) async fn next_sequence(deps: &Deps, run_id: &str) -> Result<u64, StoreError> {
+    let stored = deps.store.run_events(run_id, 0).await?;
+    Ok(stored.last().map_or(1, |e| e.sequence + 1))
+}
+
 /// Ends a stored run that cannot be resumed, as FAILED with `reason`, in one commit with
 /// its events (there is no actor to do it).
 pub(super) async fn fail_stored(deps: Arc<Deps>, mut run: v1::Run, reason: String) {
     tracing::error!(run_id = %run.run_id, %reason, "the run cannot be resumed; it fails");
-    let next = match deps.store.run_events(&run.run_id, 0).await {
-        Ok(e) => e.last().map_or(1, |e| e.sequence + 1),
+    let next = match next_sequence(&deps, &run.run_id).await {
+        Ok(next) => next,
         Err(e) => {
             tracing::error!(run_id = %run.run_id, error = %e, "the run's events cannot be read");
             return;

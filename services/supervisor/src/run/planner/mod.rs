@@ -41,7 +41,7 @@ use crate::crash::CrashPoint;
 use crate::error::Error;
 use crate::plan::{self, Placement};
 use crate::store::{Events, StoreError};
-use crate::{events, trace};
+use crate::trace;
 
 /// Tries of one planner turn that fails transiently (a worker restarting, a model
 /// server's outage that outlasted the worker's own retries).
@@ -764,20 +764,7 @@ impl RunActor {
         drop(span);
         let hash = hex(&self.progress_hash(&decision));
         let mut ev = Events::default();
-        Arc::make_mut(&mut self.run).outcome = decision.outcome;
-        Arc::make_mut(&mut self.run)
-            .revisions
-            .push(decision.clone());
-        Arc::make_mut(&mut self.run).decision = Some(decision.clone());
-        ev.cloud.push(events::cloud(
-            events::JOIN_DECIDED,
-            &self.run,
-            Some("decision"),
-            now,
-            events::join_decided_data(&self.run, &decision),
-        ));
-        let e = self.event(Kind::Decision(decision.clone()));
-        ev.run.push(e);
+        self.record_decision(&decision, &mut ev, now);
         // The answers to the round's last turn, in call order, then the decision.
         let last = state.turns.last().cloned().unwrap_or_default();
         let mut answers = Vec::with_capacity(last.calls.len() + 1);
