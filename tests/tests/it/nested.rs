@@ -14,7 +14,7 @@ use convene_proto::v1::{self, evidence_store_server::EvidenceStore as _, run_eve
 
 const ONCALL: &str = "oncall@acme";
 const LIMIT: Duration = Duration::from_secs(30);
-const COORDINATOR: &str = "coordinator";
+pub(crate) const COORDINATOR: &str = "coordinator";
 /// The coordinator's one playbook step, and so the last segment of its evidence id.
 const STEP: &str = "specialists";
 
@@ -34,7 +34,7 @@ fn scope(action: &str, resource: &str) -> ScopeEntry {
 /// policy profile holds the tools its children use (its worker profile offers only
 /// `delegate@1`), and its capabilities cover its children's scopes without row limits
 /// (a parent that limits rows would refuse children that do not).
-fn nested_policy() -> String {
+pub(crate) fn nested_policy() -> String {
     let text = std::fs::read_to_string(repo_root().join("examples/payment-incident/policy.yaml"))
         .expect("the example policy exists");
     let mut file =

@@ -19,7 +19,7 @@ use std::time::{Duration, SystemTime};
 use crate::harness::{
     MeshOptions, Mode, TestMesh, Workers, example_profiles, repo_root, spec_from_yaml, wait_until,
 };
-use convene_mesh::policy_file::{PolicyFile, ProfileEntry, ScopeEntry, ToolEntry};
+use crate::nested::COORDINATOR;
 use convene_proto::v1::{self, run_event::Kind};
 use convene_worker::model_server::{PlaybookResponder, Recorded, Reply, ScriptedModel};
 use serde_json::{Value, json};
@@ -32,7 +32,6 @@ const PLANNER: &str = "incident-planner-model";
 const LOGS: &str = "logs-investigator";
 const METRICS: &str = "metrics-investigator";
 const CHANGES: &str = "change-auditor";
-const COORDINATOR: &str = "coordinator";
 const WINDOW_START: &str = "2026-07-23T01:45:00Z";
 const WINDOW_END: &str = "2026-07-23T02:10:00Z";
 /// The goal of every run here.
@@ -742,55 +741,6 @@ async fn a_planner_asking_the_same_question_every_round_ends_without_progress() 
 // ---------------------------------------------------------------------------------------
 // Depth: the planner's delegation may not delegate further at max_depth 1.
 
-fn scope(action: &str, resource: &str) -> ScopeEntry {
-    ScopeEntry {
-        action: action.to_owned(),
-        resource: resource.to_owned(),
-        time_range: None,
-        max_rows: None,
-    }
-}
-
-/// The example policy, plus what nested delegation needs: the on-call engineer may
-/// create delegations, a `coordinator` profile that may, and `delegate@1` in the
-/// catalog. The coordinator's policy profile holds the tools its children use, since a
-/// child token only narrows its parent's.
-fn coordinator_policy() -> String {
-    let text = std::fs::read_to_string(repo_root().join("examples/payment-incident/policy.yaml"))
-        .expect("the example policy exists");
-    let mut file =
-        PolicyFile::parse(&text, Some("yaml"), "example policy").expect("the example parses");
-    file.principals
-        .iter_mut()
-        .find(|p| p.id == ONCALL)
-        .expect("the example has the on-call engineer")
-        .grants
-        .push(scope("delegation:create", "delegation"));
-    file.profiles.push(ProfileEntry {
-        id: COORDINATOR.to_owned(),
-        capabilities: vec![
-            scope("logs:read", "service/*"),
-            scope("metrics:read", "metric/*"),
-            scope("delegation:create", "delegation"),
-            scope("evidence:*", "evidence"),
-        ],
-        tools: ["delegate@1", "search_logs@1", "query_metrics@1"]
-            .map(String::from)
-            .to_vec(),
-        evidence_prefixes: vec!["delegations://".to_owned()],
-        investigating: false,
-    });
-    file.tools.push(ToolEntry {
-        name: "delegate@1".to_owned(),
-        action: "delegation:create".to_owned(),
-        resource: None,
-        risk: "R0".to_owned(),
-        description: "Hand parts of a task to specialist workers through the supervisor."
-            .to_owned(),
-    });
-    serde_yaml::to_string(&file).expect("the policy serializes")
-}
-
 /// The example profiles plus a playbook `coordinator` whose one step delegates to the
 /// logs and metrics specialists with `delegate@1`.
 fn coordinator_profiles(base_url: &str) -> String {
@@ -866,7 +816,7 @@ async fn at_max_depth_one_the_planners_coordinator_must_handle_its_task_itself()
     let (mesh, run) = run_once(
         options(
             coordinator_profiles(&model.base_url()),
-            Some(coordinator_policy()),
+            Some(crate::nested::nested_policy()),
         ),
         spec(
             "planner-depth",
