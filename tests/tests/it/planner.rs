@@ -175,6 +175,16 @@ fn delegate(id: &str, profile: &str, goal: &str) -> (String, String, String) {
     )
 }
 
+/// Turn 1 delegates to the logs investigator, every later turn to the metrics one.
+fn logs_then_metrics(turn: usize) -> (String, String, String) {
+    let (profile, goal) = if turn == 1 {
+        (LOGS, LOGS_GOAL)
+    } else {
+        (METRICS, METRICS_GOAL)
+    };
+    delegate(&format!("turn-{turn}"), profile, goal)
+}
+
 /// One `finish` call citing `cite`.
 fn finish(id: &str, summary: &str, cite: &[&str]) -> (String, String, String) {
     (
@@ -1089,13 +1099,7 @@ async fn delegating_the_runs_goal_back_to_the_planner_is_refused_as_a_loop() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn delegating_again_past_max_rounds_exhausts_the_budget() {
     let model = start_model(
-        |turn, _| {
-            Reply::tool_calls(vec![delegate(
-                &format!("turn-{turn}"),
-                if turn == 1 { LOGS } else { METRICS },
-                if turn == 1 { LOGS_GOAL } else { METRICS_GOAL },
-            )])
-        },
+        |turn, _| Reply::tool_calls(vec![logs_then_metrics(turn)]),
         None,
     );
     let (mesh, run) = run_once(
@@ -1147,14 +1151,7 @@ async fn delegating_again_past_max_rounds_exhausts_the_budget() {
 async fn the_planners_tokens_exhaust_the_runs_budget() {
     // 600 tokens a turn against a budget of 1,000: the second turn spends it.
     let model = start_model(
-        |turn, _| {
-            Reply::tool_calls(vec![delegate(
-                &format!("turn-{turn}"),
-                if turn == 1 { LOGS } else { METRICS },
-                if turn == 1 { LOGS_GOAL } else { METRICS_GOAL },
-            )])
-            .with_usage(500, 100)
-        },
+        |turn, _| Reply::tool_calls(vec![logs_then_metrics(turn)]).with_usage(500, 100),
         None,
     );
     let (mesh, run) = run_once(
