@@ -487,6 +487,17 @@ impl RunActor {
         }
     }
 
+    /// Adds `task` to the ledger as a pending delegation; its index.
+    fn add_pending(&mut self, task: v1::DelegationTask) -> usize {
+        let run = Arc::make_mut(&mut self.run);
+        run.delegations.push(v1::Delegation {
+            task: Some(task),
+            state: v1::DelegationState::Pending as i32,
+            ..Default::default()
+        });
+        run.delegations.len() - 1
+    }
+
     fn event(&mut self, kind: Kind) -> v1::RunEvent {
         let e = v1::RunEvent {
             sequence: self.next_seq,

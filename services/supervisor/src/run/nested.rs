@@ -256,14 +256,7 @@ impl RunActor {
                 created.push(index);
                 continue;
             }
-            let index = self.run.delegations.len();
-            Arc::make_mut(&mut self.run)
-                .delegations
-                .push(v1::Delegation {
-                    task: Some(task),
-                    state: v1::DelegationState::Pending as i32,
-                    ..Default::default()
-                });
+            let index = self.add_pending(task);
             let mut slot = Slot::new(false, batch, SlotState::Waiting, span);
             slot.token = token;
             self.slots.push(slot);

@@ -544,14 +544,7 @@ impl RunActor {
         let mut created = Vec::new();
         for p in &mut proposed {
             if let Some((task, token)) = p.task.take() {
-                let index = self.run.delegations.len();
-                Arc::make_mut(&mut self.run)
-                    .delegations
-                    .push(v1::Delegation {
-                        task: Some(task),
-                        state: v1::DelegationState::Pending as i32,
-                        ..Default::default()
-                    });
+                let index = self.add_pending(task);
                 created.push((index, token, p.call.call_id.clone()));
             }
         }
