@@ -14,6 +14,7 @@
 //! specs, and starting and reading runs through a supervisor that may be down.
 
 mod crash;
+mod cycle;
 mod events;
 mod planner_crash;
 mod replicas;

@@ -13,23 +13,15 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant, SystemTime};
 
-use crate::harness::{
-    MeshOptions, Mode, TestMesh, Workers, example_profiles, repo_root, spec_from_yaml, wait_for,
-};
+use crate::harness::{example_profiles, repo_root, spec_from_yaml};
 use convene_core::ids;
-use convene_proto::v1::{self, run_event::Kind};
-use convene_store::{Database, sql};
+use convene_proto::v1;
 use convene_supervisor::CrashPoint;
 use convene_worker::model_server::{PlaybookResponder, Recorded, ScriptedModel};
 
-use super::shape::{
-    Finished, Shape, assert_executed_under_planned_ids, assert_once_per_delegation, executed_under,
-    inspect, shape,
-};
-use super::{
-    LIMIT, ONCALL, Rng, accepted, all_terminal, assert_aborted, no_core_dumps,
-    start_until_accepted, supervisor_env,
-};
+use super::cycle::{CrashTest, Outcome, crash_cycles};
+use super::shape::{Finished, Shape, assert_once_per_delegation, inspect, shape};
+use super::{LIMIT, start_until_accepted};
 
 /// The planner profile the runs use: `openai`, pointed at the scripted server.
 const PLANNER: &str = "incident-planner-model";
@@ -331,38 +323,6 @@ fn assert_no_turn_asked_after_commit(asked: &Asked, run: &v1::Run, label: &str) 
     again
 }
 
-/// The runs not over yet, straight from the database (asked while no supervisor runs:
-/// these are the runs its death interrupted).
-async fn unfinished(db: &Database) -> BTreeSet<String> {
-    db.fetch_all(sql("SELECT run_id FROM runs WHERE NOT terminal"))
-        .await
-        .expect("the runs read")
-        .iter()
-        .map(|r| r.get("run_id").expect("run_id"))
-        .collect()
-}
-
-/// The runs not in the state an uncrashed run ends in (WAITING_APPROVAL), with their
-/// states, straight from the database: what a stalled cycle shows.
-async fn unexpected_states(db: &Database) -> BTreeMap<String, String> {
-    db.fetch_all(
-        sql("SELECT run_id, state FROM runs WHERE state <> $1")
-            .bind(i64::from(v1::RunState::WaitingApproval as i32)),
-    )
-    .await
-    .expect("the runs read")
-    .iter()
-    .map(|r| {
-        let state: i64 = r.get("state").expect("state");
-        let name = i32::try_from(state)
-            .ok()
-            .and_then(|s| v1::RunState::try_from(s).ok())
-            .map_or_else(|| state.to_string(), |s| s.as_str_name().to_owned());
-        (r.get("run_id").expect("run_id"), name)
-    })
-    .collect()
-}
-
 /// Everything every planner run must show, crashed or not: its delegations ran once
 /// each under their planned ids, and no committed turn was asked again. Returns how
 /// many of its turns were asked more than once.
@@ -378,31 +338,14 @@ async fn a_supervisor_killed_at_any_crash_point_finishes_every_planner_run_like_
     // The wall clock and the monotonic clock at one moment: the request log's times
     // become comparable with the supervisor's commit times.
     let origin = (SystemTime::now(), Instant::now());
-    no_core_dumps();
-    let (mut rng, seed) = Rng::seeded();
-    eprintln!("planner crash test: seed {seed} (CONVENE_TEST_SEED={seed} repeats this run)");
-    let began = Instant::now();
     let responder = PlaybookResponder::new(
         &convene_worker::profiles::example().expect("the example profiles load"),
     )
     .expect("the example playbooks can be played");
     let model = ScriptedModel::start(responder).expect("the scripted model server starts");
-    let mut mesh = TestMesh::start(
-        Mode::Processes,
-        MeshOptions {
-            workers: vec![Workers {
-                profiles: Some(profiles_at(&model.base_url())),
-                count: 2,
-                capacity: 64,
-            }],
-            supervisor_env: supervisor_env(REPLICA, None),
-            ..MeshOptions::default()
-        },
-    )
-    .await;
-    let client = mesh.supervisor();
-    let credential = mesh.credential(ONCALL);
-    let db = mesh.open_database().await;
+    let profiles = profiles_at(&model.base_url());
+    let mut t = CrashTest::start("planner crash test", REPLICA, Some(profiles)).await;
+    let (client, credential, db, seed) = (&t.client, &t.credential, &t.db, t.seed);
 
     // Uncrashed runs of each spec: what every crashed one must end as.
     let mut expected: Vec<(Shape, PlannerShape)> = Vec::new();
@@ -415,7 +358,7 @@ async fn a_supervisor_killed_at_any_crash_point_finishes_every_planner_run_like_
                 variant(&format!("planner-baseline-{seed}-{v}-{i}")),
             )
             .await;
-            baselines.push(inspect(&client, &credential, &db, &id).await);
+            baselines.push(inspect(client, credential, db, &id).await);
         }
         let requests = asked(&model, origin);
         for f in &baselines {
@@ -458,153 +401,36 @@ async fn a_supervisor_killed_at_any_crash_point_finishes_every_planner_run_like_
         expected.push((run, planner));
     }
 
-    // Every point, each with different `after`s, in random order.
-    let mut plan = Vec::new();
-    for point in CrashPoint::ALL {
-        let mut afters: Vec<u32> = (1..=BATCH as u32).collect();
-        rng.shuffle(&mut afters);
-        plan.extend(afters[..PER_POINT].iter().map(|a| (point, *a)));
-    }
-    rng.shuffle(&mut plan);
-
-    let mut kills: BTreeMap<&'static str, Vec<u32>> = BTreeMap::new();
-    let mut finished: Vec<(String, Finished)> = Vec::new();
-    // Runs in flight when a supervisor died; runs with a delegation dispatched again;
-    // restarts under another replica id.
-    let mut crashed = 0;
-    let mut redispatched = 0;
-    let mut takeovers = 0;
-    for (cycle, &(point, after)) in plan.iter().enumerate() {
-        let what = format!("cycle {cycle}: {} #{after}", point.name());
-        // The supervisor is idle (its runs are over): restart it armed.
-        assert!(
-            mesh.restart("supervisor", supervisor_env(REPLICA, Some((point, after))))
-                .await,
-            "{what}: the supervisor did not start"
-        );
-        let mut tasks = Some::<Vec<_>>(
-            (0..BATCH)
-                .map(|i| {
-                    tokio::spawn(start_until_accepted(
-                        client.clone(),
-                        credential.clone(),
-                        SPECS[i % SPECS.len()](&format!("planner-crash-{seed}-{cycle}-{i}")),
-                    ))
-                })
-                .collect(),
-        );
-        if !mesh.wait_exited("supervisor", LIMIT).await {
-            // A refused StartRun says why first.
-            for t in tasks.take().into_iter().flatten() {
-                if t.is_finished() {
-                    t.await.expect("a StartRun task");
-                }
-            }
-            panic!(
-                "{what}: the supervisor never reached its crash point in {LIMIT:?}; runs \
-                 not waiting for approval (their expected end): {:?}",
-                unexpected_states(&db).await
-            );
-        }
-        assert_aborted(&mut mesh, "supervisor", &what);
-        kills.entry(point.name()).or_default().push(after);
-        let mut interrupted = unfinished(&db).await;
-
-        // As in the static crash test: back as itself or as another replica, half the
-        // time armed again, so it may crash while it resumes what the first one left.
-        let replica = if rng.below(2) == 0 {
-            REPLICA.to_owned()
-        } else {
-            takeovers += 1;
-            format!("{REPLICA}-{cycle}")
-        };
-        let again = (rng.below(2) == 0).then(|| {
-            (
-                CrashPoint::ALL[rng.below(CrashPoint::ALL.len())],
-                1 + rng.below(3) as u32,
-            )
-        });
-        let ready = mesh
-            .restart("supervisor", supervisor_env(&replica, again))
-            .await;
-        let mut ids = None;
-        if let Some((point2, after2)) = again {
-            let what2 = format!("{what}, then {} #{after2}", point2.name());
-            let awaited = format!("{what2}: the runs to finish or the supervisor to crash");
-            let crashed_again = wait_for(&awaited, LIMIT, async || {
-                if !ready || mesh.exited("supervisor") {
-                    return Ok(true);
-                }
-                if tasks
-                    .as_ref()
-                    .is_some_and(|t| t.iter().all(tokio::task::JoinHandle::is_finished))
-                {
-                    ids = Some(accepted(tasks.take().expect("StartRun tasks")).await);
-                }
-                if let Some(ids) = &ids
-                    && all_terminal(&client, &credential, ids).await
-                {
-                    // The point was not reached again: the runs are over all the same.
-                    return Ok(false);
-                }
-                Err(ids.clone())
-            })
-            .await;
-            if crashed_again {
-                assert_aborted(&mut mesh, "supervisor", &what2);
-                kills.entry(point2.name()).or_default().push(after2);
-                interrupted.extend(unfinished(&db).await);
-                assert!(
-                    mesh.restart("supervisor", supervisor_env(&replica, None))
-                        .await,
-                    "{what2}: the supervisor did not start again"
-                );
-            }
-        } else {
-            assert!(ready, "{what}: the supervisor did not start again");
-        }
-
-        let ids = match ids {
-            Some(ids) => ids,
-            None => accepted(tasks.take().expect("StartRun tasks")).await,
-        };
-        for (i, id) in ids.iter().enumerate() {
-            let f = inspect(&client, &credential, &db, id).await;
-            let label = format!("{what}: run {id}");
+    // Each run as an uncrashed one of its spec ends, and what every planner run must
+    // show, with every request the model has had so far.
+    let check = |runs: &[(String, Finished)]| {
+        for (i, (label, f)) in runs.iter().enumerate() {
             assert_eq!(
-                (shape(&f), planner_shape(&f.run)),
+                (shape(f), planner_shape(&f.run)),
                 expected[i % SPECS.len()],
                 "{label} ends unlike an uncrashed run"
             );
-            let dispatches = f
-                .events
-                .iter()
-                .filter(|e| matches!(e.kind, Some(Kind::Dispatched(_))))
-                .count();
-            if dispatches > f.run.delegations.len() {
-                redispatched += 1;
-            }
-            if interrupted.contains(id) {
-                crashed += 1;
-            }
-            finished.push((label, f));
         }
         let requests = asked(&model, origin);
-        for (label, f) in finished.iter().rev().take(ids.len()) {
+        for (label, f) in runs {
             check_run(f, &requests, label);
         }
-        let executed = executed_under(&mesh.data_dir());
-        for (label, f) in finished.iter().rev().take(ids.len()) {
-            assert_executed_under_planned_ids(&executed, f, label);
-        }
-        eprintln!(
-            "planner crash test: {what} done at {:?} (replica {replica}, {} of {} runs \
-             interrupted)",
-            began.elapsed(),
-            ids.iter().filter(|id| interrupted.contains(*id)).count(),
-            ids.len()
-        );
-    }
+    };
+    let outcome = crash_cycles(
+        &mut t,
+        (&CrashPoint::ALL, BATCH, PER_POINT),
+        |cycle, i| SPECS[i % SPECS.len()](&format!("planner-crash-{seed}-{cycle}-{i}")),
+        check,
+    )
+    .await;
+    let Outcome {
+        runs: finished,
+        kills,
+        cycles,
+        redispatched,
+        takeovers,
+        interrupted: crashed,
+    } = outcome;
 
     // The model's side once more, with every request that ever came: no committed turn
     // was asked again, not even late.
@@ -621,9 +447,9 @@ async fn a_supervisor_killed_at_any_crash_point_finishes_every_planner_run_like_
          before their commit, {redispatched} runs with delegations dispatched again, \
          {takeovers} of {} restarts under another replica id, {} model requests, {:?}",
         finished.len(),
-        plan.len(),
+        cycles,
         model.request_count(),
-        began.elapsed()
+        t.began.elapsed()
     );
     assert!(
         crashed >= MIN_CRASHED_RUNS,
@@ -638,8 +464,4 @@ async fn a_supervisor_killed_at_any_crash_point_finishes_every_planner_run_like_
         redispatched > 0,
         "no crash interrupted a dispatched delegation"
     );
-    for point in CrashPoint::ALL {
-        let afters: BTreeSet<u32> = kills[point.name()].iter().copied().collect();
-        assert!(afters.len() >= PER_POINT, "{}: {afters:?}", point.name());
-    }
 }
