@@ -71,7 +71,7 @@ pub(crate) fn nested_policy() -> String {
 }
 
 /// The two specialists the coordinator asks for, logs first.
-const SPECIALISTS: &str = r#"
+pub(crate) const SPECIALISTS: &str = r#"
               - name: logs
                 profile_id: logs-investigator
                 goal: Find the error patterns in the payment-api logs and when they began.
@@ -87,7 +87,7 @@ const SPECIALISTS: &str = r#"
 /// The example profiles plus a `coordinator` whose one step delegates `children` (YAML
 /// list items, indented for the step's `delegations:`), with `faults` added to the named
 /// profiles (the coordinator included).
-fn profiles(children: &str, faults: &[(&str, &str)]) -> String {
+pub(crate) fn profiles(children: &str, faults: &[(&str, &str)]) -> String {
     let mut text = example_profiles();
     text.push_str(&format!(
         r#"

@@ -754,52 +754,7 @@ async fn a_planner_asking_the_same_question_every_round_ends_without_progress() 
 /// The example profiles plus a playbook `coordinator` whose one step delegates to the
 /// logs and metrics specialists with `delegate@1`.
 fn coordinator_profiles(base_url: &str) -> String {
-    let mut text = example_profiles();
-    text.push_str(&format!(
-        r#"
-  - id: {COORDINATOR}
-    version: "1.0.0"
-    name: Coordinator
-    description: Splits an investigation between specialists and reports what they found.
-    instructions: Delegate to the specialists, then report their findings.
-    provider: playbook
-    default_tools: [delegate@1]
-    max_iterations: 4
-    capabilities:
-      - {{ action: "logs:read", resource: "service/*" }}
-      - {{ action: "metrics:read", resource: "metric/*" }}
-      - {{ action: "delegation:create", resource: "delegation" }}
-      - {{ action: "evidence:*", resource: "evidence" }}
-    evidence_prefixes: ["delegations://"]
-    supports_parallel_completion: true
-    playbook:
-      summary: What the specialists found
-      steps:
-        - id: specialists
-          tool: delegate@1
-          evidence_kind: delegated_findings
-          args:
-            delegations:
-              - name: logs
-                profile_id: {LOGS}
-                goal: "{LOGS_GOAL}"
-                scope: {{ resources: ["service/payment-api"] }}
-                required_scopes: [{{ action: "logs:read", resource: "service/*" }}]
-              - name: metrics
-                profile_id: {METRICS}
-                goal: "{METRICS_GOAL}"
-                scope: {{ resources: ["metric/payment.*", "metric/gateway.*"] }}
-                required_scopes: [{{ action: "metrics:read", resource: "metric/*" }}]
-      rules:
-        - step: specialists
-          claim:
-            claim_id: claim-order
-            topic: delegation.order
-            value: "{{outcomes.0.name}}:{{outcomes.0.status}}"
-            statement: "The specialists answered: {{outcomes.0.name}} {{outcomes.0.status}}"
-            confidence: 1.0
-"#
-    ));
+    let text = crate::nested::profiles(crate::nested::SPECIALISTS, &[]);
     pointed(&text, base_url, &[])
 }
 

@@ -136,15 +136,18 @@ fn ending(run: &v1::Run) -> Ending {
     }
 }
 
+/// Starts `spec` and waits for the run to end.
+async fn run_to_end(mesh: &TestMesh, spec: v1::RunSpec) -> v1::Run {
+    let run_id = mesh.start_run_id(ONCALL, spec).await;
+    mesh.wait_terminal(ONCALL, &run_id, LIMIT).await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_identical_duplicate_of_a_planner_child_counts_once() {
     let mesh = mesh().await;
 
     // The run as it ends without a duplicate.
-    let plain = mesh
-        .start_run_id(ONCALL, planner_spec("planner-delivery-plain"))
-        .await;
-    let plain = mesh.wait_terminal(ONCALL, &plain, LIMIT).await;
+    let plain = run_to_end(&mesh, planner_spec("planner-delivery-plain")).await;
     assert_eq!(
         plain.state,
         v1::RunState::WaitingApproval as i32,
@@ -213,10 +216,7 @@ async fn a_redelivered_child_result_is_not_charged_to_the_budget_twice() {
         limits.max_tool_calls = 9;
         spec
     };
-    let plain = mesh
-        .start_run_id(ONCALL, budgeted("planner-delivery-budget-plain"))
-        .await;
-    let plain = mesh.wait_terminal(ONCALL, &plain, LIMIT).await;
+    let plain = run_to_end(&mesh, budgeted("planner-delivery-budget-plain")).await;
     assert_eq!(
         plain.state,
         v1::RunState::WaitingApproval as i32,
@@ -316,10 +316,8 @@ async fn a_differing_duplicate_of_a_planner_child_fails_closed() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_child_result_after_the_planner_run_ended_is_recorded_and_never_applied() {
     let mesh = mesh().await;
-    let run_id = mesh
-        .start_run_id(ONCALL, planner_spec("planner-delivery-after-end"))
-        .await;
-    let ended = mesh.wait_terminal(ONCALL, &run_id, LIMIT).await;
+    let ended = run_to_end(&mesh, planner_spec("planner-delivery-after-end")).await;
+    let run_id = ended.run_id.clone();
     assert_eq!(
         ended.state,
         v1::RunState::WaitingApproval as i32,

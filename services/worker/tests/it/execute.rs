@@ -321,19 +321,7 @@ async fn cancel_ends_a_running_delegation_promptly() {
     );
     let token = mesh.token_for(&task, &[]).await;
 
-    let running = {
-        let (worker_client, task, token) = (worker.client.clone(), task.clone(), token.clone());
-        tokio::spawn(async move {
-            let mut client = worker_client;
-            client
-                .execute(v1::WorkerExecuteRequest {
-                    task: Some(task),
-                    task_token: token,
-                    attempt: 1,
-                })
-                .await
-        })
-    };
+    let running = worker.execute_in_background(&task, &token);
     wait_until(
         "the task in flight",
         || worker.service.in_flight(),
@@ -456,18 +444,7 @@ async fn capacity_is_enforced_and_refusals_say_why() {
     let worker = mesh.worker(profiles, 1).await;
     let busy = task("del-logs-5", "logs-investigator", Duration::from_secs(60));
     let busy_token = mesh.token_for(&busy, &[]).await;
-    let running = {
-        let (mut client, busy, token) = (worker.client.clone(), busy.clone(), busy_token.clone());
-        tokio::spawn(async move {
-            client
-                .execute(v1::WorkerExecuteRequest {
-                    task: Some(busy),
-                    task_token: token,
-                    attempt: 1,
-                })
-                .await
-        })
-    };
+    let running = worker.execute_in_background(&busy, &busy_token);
     wait_until(
         "the task in flight",
         || worker.service.in_flight(),

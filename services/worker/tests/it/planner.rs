@@ -259,18 +259,7 @@ async fn plan_turn_takes_no_execute_slot() {
         Duration::from_secs(60),
     );
     let token = mesh.token_for(&busy, &[]).await;
-    let running = {
-        let (mut client, busy, token) = (worker.client.clone(), busy.clone(), token.clone());
-        tokio::spawn(async move {
-            client
-                .execute(v1::WorkerExecuteRequest {
-                    task: Some(busy),
-                    task_token: token,
-                    attempt: 1,
-                })
-                .await
-        })
-    };
+    let running = worker.execute_in_background(&busy, &token);
     wait_until(
         "the delegation in flight",
         || worker.service.in_flight(),

@@ -260,6 +260,23 @@ impl TestWorker {
         Ok(self.client.clone().plan_turn(request).await?.into_inner())
     }
 
+    /// Calls Execute over gRPC on a task of its own (attempt 1), so the test can act
+    /// while the delegation runs.
+    pub fn execute_in_background(
+        &self,
+        task: &v1::DelegationTask,
+        token: &str,
+    ) -> tokio::task::JoinHandle<Result<tonic::Response<v1::WorkerExecuteResponse>, tonic::Status>>
+    {
+        let mut client = self.client.clone();
+        let request = v1::WorkerExecuteRequest {
+            task: Some(task.clone()),
+            task_token: token.to_owned(),
+            attempt: 1,
+        };
+        tokio::spawn(async move { client.execute(request).await })
+    }
+
     /// Calls Execute over gRPC.
     pub async fn execute(
         &self,
