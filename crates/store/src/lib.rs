@@ -5,7 +5,8 @@
 //! clusters (`postgres://...`). Opening it brings the schema up to date with the
 //! migrations embedded in this crate, one file per service area
 //! (`migrations/{sqlite,postgres}/0001_supervisor.sql`, `0002_policy.sql`,
-//! `0003_approval.sql`, `0004_evidence.sql`); the two back ends share one schema whose
+//! `0003_approval.sql`, `0004_evidence.sql`, `0005_approval_events.sql`,
+//! `0006_run_commands.sql`); the two back ends share one schema whose
 //! column types differ only where they must (`BLOB`/`BYTEA`, `INTEGER`/`BIGINT`,
 //! autoincrement/identity).
 //!

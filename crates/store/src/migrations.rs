@@ -26,11 +26,13 @@ macro_rules! files {
 
 /// The SQLite schema, in order.
 const SQLITE: &[(&str, &str)] = files!("sqlite":
-    "0001_supervisor.sql", "0002_policy.sql", "0003_approval.sql", "0004_evidence.sql");
+    "0001_supervisor.sql", "0002_policy.sql", "0003_approval.sql", "0004_evidence.sql",
+    "0005_approval_events.sql", "0006_run_commands.sql");
 
 /// The PostgreSQL schema, in order.
 const POSTGRES: &[(&str, &str)] = files!("postgres":
-    "0001_supervisor.sql", "0002_policy.sql", "0003_approval.sql", "0004_evidence.sql");
+    "0001_supervisor.sql", "0002_policy.sql", "0003_approval.sql", "0004_evidence.sql",
+    "0005_approval_events.sql", "0006_run_commands.sql");
 
 /// A back end's embedded migration files.
 #[derive(Debug, Clone, Copy)]
