@@ -87,6 +87,7 @@ fn bench_join(c: &mut Criterion) {
                     results: &results,
                     evidence: &evidence,
                     now: SystemTime::UNIX_EPOCH + Duration::from_secs(1),
+                    settlements: &convene_core::join::NO_SETTLEMENTS,
                 };
                 black_box(decide(black_box(&input)))
             });

@@ -26,7 +26,9 @@
 //! Over the accepted results it then finds the required delegations without an accepted
 //! result, the required profiles without an accepted delegation, the minimum (count,
 //! weight, evidence kinds) and the conflicts (one topic, two or more values: every claim
-//! on the topic is kept, with its evidence).
+//! on the topic is kept, with its evidence). A conflict a person settled
+//! ([`JoinInput::settlements`]: one side chosen, with a rationale) is kept too, marked
+//! SETTLED with the settlement: a human judgement, apart from the claims.
 //!
 //! # Required delegations and required profiles
 //!
@@ -46,7 +48,8 @@
 //! profile without an accepted result, the minimum not met, or an `on_timeout = FAIL`
 //! deadline passed with a gap),
 //! `PARTIAL_EVIDENCE` (some expected delegation without an accepted result),
-//! `CONFLICT_REQUIRES_HUMAN`, `COMPLETE_WITH_REVIEW_REQUIRED` (an accepted result proposes
+//! `CONFLICT_REQUIRES_HUMAN` (a conflict nobody settled), `COMPLETE_WITH_REVIEW_REQUIRED`
+//! (an accepted result proposes
 //! an action above R1; an unset level counts as R3), `COMPLETE`.
 //!
 //! # Choices
@@ -153,7 +156,15 @@ pub struct JoinInput<'a> {
     pub evidence: &'a BTreeMap<String, EvidenceFact>,
     /// The time the join is evaluated at; it becomes `decided_at`.
     pub now: SystemTime,
+    /// People's settlements of conflicts, by topic: a settled conflict is kept, marked
+    /// SETTLED with the settlement, and no longer holds the outcome at
+    /// CONFLICT_REQUIRES_HUMAN. A settlement whose topic is not in conflict, or whose
+    /// delegation is not one of the conflict's sides, changes nothing.
+    pub settlements: &'a BTreeMap<String, v1::ConflictSettlement>,
 }
+
+/// No settlements: the [`JoinInput::settlements`] of a join nobody settled anything in.
+pub static NO_SETTLEMENTS: BTreeMap<String, v1::ConflictSettlement> = BTreeMap::new();
 
 /// Where a join stands.
 #[derive(Debug, Clone, PartialEq)]
@@ -748,6 +759,17 @@ impl<'a> Evaluation<'a> {
                 .map_or(id.to_owned(), |j| j.delegation.label().to_owned())
         };
         for conflict in &conflicts {
+            if let Some(settled) = &conflict.settlement {
+                reasons.push(format!(
+                    "conflict on `{}` settled by {}: `{}` from `{}` (a human judgement: {})",
+                    conflict.topic,
+                    settled.decided_by,
+                    settled.value,
+                    label_of(&settled.delegation_id),
+                    settled.rationale
+                ));
+                continue;
+            }
             let sides: Vec<String> = conflict
                 .claims
                 .iter()
@@ -806,7 +828,7 @@ impl<'a> Evaluation<'a> {
                 quoted(&gaps)
             ));
             v1::JoinOutcome::PartialEvidence
-        } else if !conflicts.is_empty() {
+        } else if conflicts.iter().any(|c| c.settlement.is_none()) {
             v1::JoinOutcome::ConflictRequiresHuman
         } else if review {
             v1::JoinOutcome::CompleteWithReviewRequired
@@ -860,11 +882,17 @@ impl<'a> Evaluation<'a> {
                         values.push(&claim.value);
                     }
                 }
-                let (resolution, next_query) = match self.input.contract.on_conflict {
-                    OnConflict::PreserveAndEscalate => {
+                let settlement = self.input.settlements.get(topic).filter(|s| {
+                    claims
+                        .iter()
+                        .any(|(_, delegation_id, _)| *delegation_id == s.delegation_id)
+                });
+                let (resolution, next_query) = match (settlement, self.input.contract.on_conflict) {
+                    (Some(_), _) => (v1::ConflictResolution::Settled, String::new()),
+                    (None, OnConflict::PreserveAndEscalate) => {
                         (v1::ConflictResolution::Unresolved, String::new())
                     }
-                    OnConflict::FollowUp => (
+                    (None, OnConflict::FollowUp) => (
                         v1::ConflictResolution::FollowUpRequested,
                         format!("compare evidence for {topic}: {}", values.join(" vs ")),
                     ),
@@ -883,6 +911,7 @@ impl<'a> Evaluation<'a> {
                         .collect(),
                     resolution: resolution.into(),
                     next_query,
+                    settlement: settlement.cloned(),
                 }
             })
             .collect()

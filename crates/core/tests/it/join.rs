@@ -178,6 +178,7 @@ struct Case {
     results: Vec<v1::TaskResult>,
     evidence: BTreeMap<String, EvidenceFact>,
     now: SystemTime,
+    settlements: BTreeMap<String, v1::ConflictSettlement>,
 }
 
 impl Case {
@@ -188,7 +189,23 @@ impl Case {
             results,
             evidence: store(),
             now: at(BEFORE_DEADLINE),
+            settlements: BTreeMap::new(),
         }
+    }
+
+    fn settled(mut self, topic: &str, delegation_id: &str, value: &str) -> Self {
+        self.settlements.insert(
+            topic.to_owned(),
+            v1::ConflictSettlement {
+                delegation_id: delegation_id.to_owned(),
+                value: value.to_owned(),
+                decided_by: "oncall@acme".to_owned(),
+                rationale: "the rule change preceded the errors".to_owned(),
+                evidence_ids: vec![RULE_EVIDENCE.to_owned()],
+                decided_at: None,
+            },
+        );
+        self
     }
 
     fn at(mut self, secs: u64) -> Self {
@@ -203,6 +220,7 @@ impl Case {
             results: &self.results,
             evidence: &self.evidence,
             now: self.now,
+            settlements: &self.settlements,
         }
     }
 
@@ -503,6 +521,47 @@ fn conflict_requires_human_and_keeps_both_claims_with_their_evidence() {
         "{:?}",
         d.reasons
     );
+}
+
+#[test]
+fn a_settled_conflict_is_kept_with_the_settlement_and_no_longer_needs_a_human() {
+    let results = vec![changes_blaming_rule(), metrics_result(), logs_result()];
+    let d = Case::new(JoinStrategy::All, results.clone())
+        .settled("primary_cause", CHANGES, "risk_rule_change")
+        .decided();
+    assert_eq!(d.outcome(), Outcome::Complete, "{:?}", d.reasons);
+    assert_eq!(d.conflicts.len(), 1, "a settled conflict is never dropped");
+    let c = &d.conflicts[0];
+    assert_eq!(c.resolution(), v1::ConflictResolution::Settled);
+    assert_eq!(c.claims.len(), 2, "both sides stay on record");
+    let s = c
+        .settlement
+        .as_ref()
+        .expect("the settlement is on the conflict");
+    assert_eq!(
+        (s.delegation_id.as_str(), s.decided_by.as_str()),
+        (CHANGES, "oncall@acme")
+    );
+    assert!(
+        d.reasons
+            .iter()
+            .any(|r| r.contains("settled by oncall@acme")
+                && r.contains("a human judgement")
+                && r.contains("from `changes`")),
+        "{:?}",
+        d.reasons
+    );
+    // A settlement naming a delegation that is not a side, or a topic not in conflict,
+    // settles nothing.
+    let d = Case::new(JoinStrategy::All, results.clone())
+        .settled("primary_cause", METRICS, "risk_rule_change")
+        .decided();
+    assert_eq!(d.outcome(), Outcome::ConflictRequiresHuman);
+    assert!(d.conflicts[0].settlement.is_none());
+    let d = Case::new(JoinStrategy::All, results)
+        .settled("impact", CHANGES, "risk_rule_change")
+        .decided();
+    assert_eq!(d.outcome(), Outcome::ConflictRequiresHuman);
 }
 
 #[test]

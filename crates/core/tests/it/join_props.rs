@@ -344,6 +344,7 @@ impl World {
             results: &self.results,
             evidence: &self.evidence,
             now: self.now,
+            settlements: &convene_core::join::NO_SETTLEMENTS,
         }
     }
 }
