@@ -390,8 +390,11 @@ pub async fn start(args: &UpArgs, data_dir: &Path, shutdown: Shutdown) -> anyhow
         Some(db) => Arc::new(convene_approval::SqlApprovalStore::new(db.clone())),
         None => Arc::new(convene_approval::MemoryStore::new()),
     };
-    let approval_service =
-        Arc::new(convene_approval::ApprovalService::new(policy.clone()).with_store(approvals));
+    let approval_service = Arc::new(
+        convene_approval::ApprovalService::new(policy.clone())
+            .with_store(approvals)
+            .with_shutdown(shutdown.clone()),
+    );
     let approval_handle: ApprovalHandle = approval_service.clone();
 
     // One supervisor per data directory: its replica id is kept there, so a restarted

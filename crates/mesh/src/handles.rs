@@ -34,7 +34,8 @@ pub type PolicyHandle = Arc<dyn Policy>;
 /// The evidence store.
 pub type EvidenceHandle = Arc<dyn EvidenceStore>;
 /// The approval service.
-pub type ApprovalHandle = Arc<dyn Approval>;
+pub type ApprovalHandle =
+    Arc<dyn Approval<WatchEventsStream = BoxStream<v1::ApprovalWatchEventsResponse>>>;
 /// A worker.
 pub type WorkerHandle = Arc<dyn Worker>;
 /// The supervisor's worker registry.
@@ -169,6 +170,10 @@ grpc_adapter!(
         get_approval: GetApprovalRequest => GetApprovalResponse,
         list_approvals: ListApprovalsRequest => ListApprovalsResponse,
         execute: ApprovalExecuteRequest => ApprovalExecuteResponse,
+        cancel_approval: CancelApprovalRequest => CancelApprovalResponse,
+    }
+    streaming {
+        watch_events: ApprovalWatchEventsRequest => ApprovalWatchEventsResponse as WatchEventsStream,
     }
 );
 
@@ -196,6 +201,7 @@ grpc_adapter!(
         start_run: StartRunRequest => StartRunResponse,
         get_run: GetRunRequest => GetRunResponse,
         cancel_run: CancelRunRequest => CancelRunResponse,
+        resume_run: ResumeRunRequest => ResumeRunResponse,
         list_runs: ListRunsRequest => ListRunsResponse,
         delegate: DelegateRequest => DelegateResponse,
     }

@@ -22,6 +22,10 @@ pub const DEFAULT_DATA_DIR: &str = convene_server::DEFAULT_DATA_DIR;
 /// Default time an approval request may wait for its approvers.
 pub const DEFAULT_TTL: Duration = Duration::from_secs(60 * 60);
 
+/// Default time between two sweeps that record pending requests past their expiry as
+/// expired.
+pub const DEFAULT_EXPIRY_SWEEP_INTERVAL: Duration = Duration::from_secs(1);
+
 /// Everything the approval service is configured with. The shared keys (`server`,
 /// `data_dir`, `policy_file`, `dev_credentials`, `database_url`) are in
 /// [`common`](Self::common), which the config also derefs to: its `policy_file` holds
@@ -38,6 +42,10 @@ pub struct Config {
     pub default_ttl: Duration,
     /// What executes approved actions.
     pub executor: ExecutorKind,
+    /// Time between two sweeps that record pending requests past their expiry as
+    /// expired (with their `expired` event).
+    #[serde(with = "convene_server::config::duration")]
+    pub expiry_sweep_interval: Duration,
 }
 
 impl Default for Config {
@@ -46,6 +54,7 @@ impl Default for Config {
             common: ServiceCommon::new(ServerSettings::on_port(DEFAULT_PORT)),
             default_ttl: DEFAULT_TTL,
             executor: ExecutorKind::RecordOnly,
+            expiry_sweep_interval: DEFAULT_EXPIRY_SWEEP_INTERVAL,
         }
     }
 }
@@ -77,6 +86,9 @@ pub enum ConfigError {
     /// `default_ttl` is zero, so every request would be born expired.
     #[error("invalid default_ttl: must be longer than 0s, e.g. \"1h\"")]
     ZeroTtl,
+    /// `expiry_sweep_interval` is zero, so the sweep would never pause.
+    #[error("invalid expiry_sweep_interval: must be longer than 0s, e.g. \"1s\"")]
+    ZeroSweepInterval,
     /// The policy file cannot be loaded.
     #[error(transparent)]
     Policy(#[from] policy_file::Error),
@@ -96,10 +108,14 @@ impl Config {
     ///
     /// # Errors
     ///
-    /// [`ConfigError::ZeroTtl`] for a zero `default_ttl`.
+    /// [`ConfigError::ZeroTtl`] for a zero `default_ttl`,
+    /// [`ConfigError::ZeroSweepInterval`] for a zero `expiry_sweep_interval`.
     pub fn validate(&self) -> Result<(), ConfigError> {
         if self.default_ttl.is_zero() {
             return Err(ConfigError::ZeroTtl);
+        }
+        if self.expiry_sweep_interval.is_zero() {
+            return Err(ConfigError::ZeroSweepInterval);
         }
         Ok(())
     }
@@ -119,6 +135,7 @@ mod tests {
         assert_eq!(config.server.listen.port(), DEFAULT_PORT);
         assert!(config.server.listen.ip().is_loopback());
         assert_eq!(config.default_ttl, Duration::from_secs(3600));
+        assert_eq!(config.expiry_sweep_interval, Duration::from_secs(1));
         assert_eq!(config.executor, ExecutorKind::RecordOnly);
         assert!(config.dev_credentials);
         assert_eq!(
@@ -135,11 +152,13 @@ mod tests {
                 ("CONVENE_DATA_DIR", "/var/lib/convene"),
                 ("CONVENE_DEFAULT_TTL", "15m"),
                 ("CONVENE_EXECUTOR", "record-only"),
+                ("CONVENE_EXPIRY_SWEEP_INTERVAL", "250ms"),
             ])
             .load()
             .expect("valid environment");
         assert_eq!(config.data_dir, PathBuf::from("/var/lib/convene"));
         assert_eq!(config.default_ttl, Duration::from_secs(900));
+        assert_eq!(config.expiry_sweep_interval, Duration::from_millis(250));
     }
 
     #[test]
@@ -163,6 +182,14 @@ mod tests {
             ..Config::default()
         };
         assert!(matches!(config.validate(), Err(ConfigError::ZeroTtl)));
+        let config = Config {
+            expiry_sweep_interval: Duration::ZERO,
+            ..Config::default()
+        };
+        assert!(matches!(
+            config.validate(),
+            Err(ConfigError::ZeroSweepInterval)
+        ));
     }
 
     #[test]

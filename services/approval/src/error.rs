@@ -89,6 +89,27 @@ pub enum ApprovalError {
         /// What the caller can do instead.
         hint: &'static str,
     },
+    /// The request was cancelled: it takes no votes and is never executed.
+    #[error(
+        "approval request {approval_id} was cancelled {by}; it can no longer be decided or \
+         executed: file a new approval request if the action is still needed"
+    )]
+    Cancelled {
+        /// The request.
+        approval_id: String,
+        /// Who cancelled it and why.
+        by: String,
+    },
+    /// CancelApproval was called on a request that reached a final state.
+    #[error("approval request {approval_id} is {state} and can no longer be cancelled; {hint}")]
+    NotCancellable {
+        /// The request.
+        approval_id: String,
+        /// Where it stands.
+        state: State,
+        /// What that means for the caller.
+        hint: &'static str,
+    },
     /// The approver already voted differently.
     #[error(
         "{approver} already voted {previous} on approval request {approval_id}; a vote cannot \
@@ -145,6 +166,9 @@ pub enum ApprovalError {
          with the same filters"
     )]
     PageToken(&'static str),
+    /// The service is shutting down; the call may be retried elsewhere or later.
+    #[error("{0}")]
+    ShuttingDown(String),
     /// Storage failed.
     #[error("approval storage failed")]
     Store(#[from] StoreError),
@@ -166,9 +190,11 @@ impl ServiceError for ApprovalError {
             | Self::Expired { .. }
             | Self::Closed { .. }
             | Self::VoteChanged { .. }
+            | Self::Cancelled { .. }
+            | Self::NotCancellable { .. }
             | Self::NotApproved { .. } => ErrorCode::FailedPrecondition,
             Self::ExecutionInProgress { .. } | Self::Contended { .. } => ErrorCode::Aborted,
-            Self::ExecutorUnavailable { .. } => ErrorCode::Unavailable,
+            Self::ExecutorUnavailable { .. } | Self::ShuttingDown(_) => ErrorCode::Unavailable,
             Self::Store(e) => e.code(),
             Self::Internal(_) => ErrorCode::Internal,
         }

@@ -117,6 +117,7 @@ mod tests {
             votes: vec![],
             execution: None,
             executing: None,
+            cancellation: None,
             run_id: String::new(),
             rationale: String::new(),
             created_at: at,

@@ -26,6 +26,8 @@ pub enum State {
     Expired,
     /// It was executed.
     Executed,
+    /// It was withdrawn before it was executed.
+    Cancelled,
 }
 
 impl State {
@@ -38,6 +40,7 @@ impl State {
             v1::ApprovalState::Rejected => Some(Self::Rejected),
             v1::ApprovalState::Expired => Some(Self::Expired),
             v1::ApprovalState::Executed => Some(Self::Executed),
+            v1::ApprovalState::Cancelled => Some(Self::Cancelled),
         }
     }
 
@@ -49,6 +52,7 @@ impl State {
             Self::Rejected => v1::ApprovalState::Rejected,
             Self::Expired => v1::ApprovalState::Expired,
             Self::Executed => v1::ApprovalState::Executed,
+            Self::Cancelled => v1::ApprovalState::Cancelled,
         }
     }
 }
@@ -61,6 +65,7 @@ impl fmt::Display for State {
             Self::Rejected => "REJECTED",
             Self::Expired => "EXPIRED",
             Self::Executed => "EXECUTED",
+            Self::Cancelled => "CANCELLED",
         })
     }
 }
@@ -144,6 +149,37 @@ impl Execution {
     }
 }
 
+/// Who withdrew a request, and why.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Cancellation {
+    /// The principal that cancelled it.
+    pub cancelled_by: String,
+    /// Why.
+    pub reason: String,
+    /// When.
+    pub cancelled_at: SystemTime,
+}
+
+impl Cancellation {
+    /// The wire form.
+    pub fn to_proto(&self) -> v1::Cancellation {
+        v1::Cancellation {
+            cancelled_by: self.cancelled_by.clone(),
+            reason: self.reason.clone(),
+            cancelled_at: Some(to_timestamp(self.cancelled_at)),
+        }
+    }
+
+    /// `by <who>`, with the reason when there is one, for messages.
+    pub fn describe(&self) -> String {
+        if self.reason.is_empty() {
+            format!("by {}", self.cancelled_by)
+        } else {
+            format!("by {} ({})", self.cancelled_by, self.reason)
+        }
+    }
+}
+
 /// A claim that one caller is executing a request right now. Written with a
 /// compare-and-set before the executor runs, so two callers (or two instances sharing a
 /// store) can never both run the action.
@@ -189,6 +225,8 @@ pub struct ApprovalRequest {
     pub execution: Option<Execution>,
     /// Set while an executor runs the action.
     pub executing: Option<ExecutionClaim>,
+    /// Who withdrew it, once cancelled.
+    pub cancellation: Option<Cancellation>,
     /// The run that proposed the action (empty: none).
     pub run_id: String,
     /// Why the action is proposed.
@@ -316,6 +354,12 @@ impl ApprovalRequest {
                     "the action already ran; file a new approval request to run it again",
                 ));
             }
+            State::Cancelled => {
+                return Err(ApprovalError::Cancelled {
+                    approval_id: self.approval_id.clone(),
+                    by: self.cancellation_text(),
+                });
+            }
         }
         let decision = vote.decision;
         self.votes.push(vote);
@@ -366,7 +410,20 @@ impl ApprovalRequest {
             )),
             // Executed requests answer with their record instead; this is for completeness.
             State::Executed => Some("it is EXECUTED already".to_owned()),
+            State::Cancelled => Some(format!(
+                "it was CANCELLED {}; file a new approval request if the action is still \
+                 needed",
+                self.cancellation_text()
+            )),
         }
+    }
+
+    /// Who cancelled the request and why (`by <who> (<reason>)`), for messages.
+    pub fn cancellation_text(&self) -> String {
+        self.cancellation.as_ref().map_or_else(
+            || "by an unrecorded principal".to_owned(),
+            Cancellation::describe,
+        )
     }
 
     /// The wire form as seen at `now`.
@@ -399,6 +456,7 @@ impl ApprovalRequest {
             rationale: self.rationale.clone(),
             created_at: Some(to_timestamp(self.created_at)),
             approvals_required: self.approvals_required(),
+            cancellation: self.cancellation.as_ref().map(Cancellation::to_proto),
         }
     }
 }
@@ -432,6 +490,7 @@ mod tests {
             votes: vec![],
             execution: None,
             executing: None,
+            cancellation: None,
             run_id: String::new(),
             rationale: String::new(),
             created_at: t(0),
@@ -567,6 +626,37 @@ mod tests {
             ),
             "{err}"
         );
+    }
+
+    #[test]
+    fn a_cancelled_request_takes_no_votes_and_never_runs() {
+        let mut r = request(RiskLevel::R2);
+        r.cast_vote(vote("alice", Decision::Approve), t(1)).unwrap();
+        r.state = State::Cancelled;
+        r.cancellation = Some(Cancellation {
+            cancelled_by: "supervisor".into(),
+            reason: "run cancelled".into(),
+            cancelled_at: t(2),
+        });
+        let err = r
+            .cast_vote(vote("bob", Decision::Reject), t(3))
+            .unwrap_err();
+        assert!(matches!(err, ApprovalError::Cancelled { .. }), "{err}");
+        assert!(
+            err.to_string()
+                .contains("cancelled by supervisor (run cancelled)"),
+            "{err}"
+        );
+        let reason = r.not_executable_reason(t(3)).unwrap();
+        assert!(
+            reason.contains("CANCELLED by supervisor (run cancelled)"),
+            "{reason}"
+        );
+        // Past the expiry it still reads as cancelled.
+        assert_eq!(r.state_at(t(500)), State::Cancelled);
+        let wire = r.to_proto(t(3));
+        assert_eq!(wire.state, v1::ApprovalState::Cancelled as i32);
+        assert_eq!(wire.cancellation.unwrap().cancelled_by, "supervisor");
     }
 
     #[test]

@@ -8,6 +8,11 @@
 //!   was read (the caller re-reads and re-applies its change);
 //! - [`ApprovalStore::create`] is idempotent on (requester, idempotency key) in the
 //!   store itself, so two concurrent filings with one key create one request;
+//! - a change takes its [`Event`] with it, committed in the same transaction (the same
+//!   critical section in memory) or not at all; an update without an event may not
+//!   change the request's state (only the execution claim changes so). Events are read
+//!   back in commit order ([`ApprovalStore::events`]), and [`ApprovalStore::subscribe`]
+//!   says when this store committed more;
 //! - [`ApprovalStore::list`] filters and orders in the store (newest first, by
 //!   `created_at` then `approval_id`) and resumes after a [`Cursor`], which a SQL store
 //!   answers with an index range scan.
@@ -22,7 +27,9 @@ use std::{
 
 use async_trait::async_trait;
 use convene_server::ErrorCode;
+use tokio::sync::watch;
 
+use crate::events::{Event, StoredEvent};
 use crate::model::{ApprovalRequest, State};
 
 /// A request with the version it was stored at.
@@ -97,6 +104,28 @@ impl ListQuery {
     }
 }
 
+/// Which events to read.
+#[derive(Clone, Debug)]
+pub struct EventQuery {
+    /// Whose view: events of the requests it may see.
+    pub viewer: Viewer,
+    /// Only events of requests of this run; `None`: all.
+    pub run_id: Option<String>,
+    /// Strictly after this position (0: from the first).
+    pub after: u64,
+    /// At most this many.
+    pub limit: usize,
+}
+
+impl EventQuery {
+    /// Whether an event of a request of `tenant`, filed by `filed_by` for `run_id`,
+    /// passes the query's filters (not the position or the limit).
+    pub fn matches(&self, tenant: &str, filed_by: &str, run_id: &str) -> bool {
+        (tenant == self.viewer.tenant || filed_by == self.viewer.principal)
+            && self.run_id.as_deref().is_none_or(|r| r == run_id)
+    }
+}
+
 /// Why a store operation failed.
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -122,6 +151,19 @@ pub enum StoreError {
         /// The request.
         approval_id: String,
     },
+    /// The update would change the request's state without an event describing it.
+    #[error(
+        "approval request {approval_id} would change from {from} to {to} without an event; \
+         every state change is written with its event"
+    )]
+    Unrecorded {
+        /// The request.
+        approval_id: String,
+        /// Its stored state.
+        from: State,
+        /// The state the update asked for.
+        to: State,
+    },
     /// The storage backend failed.
     #[error("storage backend failed: {0}")]
     Backend(#[source] Box<dyn std::error::Error + Send + Sync>),
@@ -134,6 +176,7 @@ impl StoreError {
             StoreError::Conflict { .. } => ErrorCode::Aborted,
             StoreError::Missing { .. }
             | StoreError::DuplicateId { .. }
+            | StoreError::Unrecorded { .. }
             | StoreError::Backend(_) => ErrorCode::Internal,
         }
     }
@@ -142,25 +185,54 @@ impl StoreError {
 /// Storage for approval requests. See the [module docs](self) for the contract.
 #[async_trait]
 pub trait ApprovalStore: Debug + Send + Sync {
-    /// Stores `request` at version 1, unless its requester already used its
-    /// idempotency key: then returns the request stored under that key, unchanged.
-    async fn create(&self, request: ApprovalRequest) -> Result<Created, StoreError>;
+    /// Stores `request` at version 1 with `event` (its `requested` event), unless its
+    /// requester already used its idempotency key: then returns the request stored under
+    /// that key, unchanged, and commits no event.
+    async fn create(&self, request: ApprovalRequest, event: Event) -> Result<Created, StoreError>;
 
     /// The request with this id, whoever's it is (visibility is the caller's check).
     async fn get(&self, approval_id: &str) -> Result<Option<Versioned>, StoreError>;
 
-    /// Replaces the request with the same id if it is still at version `expected`, and
-    /// returns it at version `expected + 1`.
+    /// Replaces the request with the same id if it is still at version `expected`,
+    /// commits `event` with it, and returns it at version `expected + 1`. Without an
+    /// event the state must stay as stored.
     ///
     /// # Errors
     ///
     /// [`StoreError::Conflict`] if someone else updated it since, [`StoreError::Missing`]
-    /// if it does not exist.
+    /// if it does not exist, [`StoreError::Unrecorded`] if it would change state without
+    /// an event. Nothing is written then.
     async fn update(
         &self,
         expected: u64,
         request: ApprovalRequest,
+        event: Option<Event>,
     ) -> Result<Versioned, StoreError>;
+
+    /// Up to `limit` requests stored as pending whose expiry is at or before `now`,
+    /// soonest expiry first.
+    async fn pending_expired(
+        &self,
+        now: SystemTime,
+        limit: usize,
+    ) -> Result<Vec<Versioned>, StoreError>;
+
+    /// Up to `query.limit` events matching `query`, in commit order, after
+    /// `query.after`.
+    async fn events(&self, query: &EventQuery) -> Result<Vec<StoredEvent>, StoreError>;
+
+    /// The position of the event with this id if `viewer` may see it; `None` for an
+    /// unknown id or another's event.
+    async fn event_position(
+        &self,
+        event_id: &str,
+        viewer: &Viewer,
+    ) -> Result<Option<u64>, StoreError>;
+
+    /// A counter that moves whenever this store commits an event: wait on it, then read
+    /// [`events`](Self::events) again. Commits of other processes sharing the database
+    /// do not move it; readers that need those poll.
+    fn subscribe(&self) -> watch::Receiver<u64>;
 
     /// Up to `query.limit` requests matching `query`, newest first (by `created_at`, then
     /// by `approval_id`, both descending), after `query.after`.
@@ -175,9 +247,19 @@ fn order_key(created_at: SystemTime, approval_id: &str) -> OrderKey {
 }
 
 /// Requests in memory; lost when the process ends.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct MemoryStore {
     inner: Mutex<Memory>,
+    committed: watch::Sender<u64>,
+}
+
+impl Default for MemoryStore {
+    fn default() -> Self {
+        Self {
+            inner: Mutex::default(),
+            committed: watch::Sender::new(0),
+        }
+    }
 }
 
 #[derive(Debug, Default)]
@@ -187,6 +269,8 @@ struct Memory {
     by_key: HashMap<(String, String), String>,
     /// List order → approval id.
     order: BTreeMap<OrderKey, String>,
+    /// Every committed event; the position of `events[i]` is `i + 1`.
+    events: Vec<Event>,
 }
 
 impl MemoryStore {
@@ -200,11 +284,16 @@ impl MemoryStore {
         // poisoned lock still guards valid data.
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
     }
+
+    fn announce(&self) {
+        self.committed.send_modify(|n| *n += 1);
+    }
 }
 
 #[async_trait]
 impl ApprovalStore for MemoryStore {
-    async fn create(&self, request: ApprovalRequest) -> Result<Created, StoreError> {
+    async fn create(&self, request: ApprovalRequest, event: Event) -> Result<Created, StoreError> {
+        debug_assert_eq!(event.approval_id(), request.approval_id);
         let mut memory = self.lock();
         let key = (request.requester.clone(), request.idempotency_key.clone());
         if let Some(existing) = memory.by_key.get(&key).and_then(|id| memory.by_id.get(id)) {
@@ -225,6 +314,9 @@ impl ApprovalStore for MemoryStore {
             request,
         };
         memory.by_id.insert(id, stored.clone());
+        memory.events.push(event);
+        drop(memory);
+        self.announce();
         Ok(Created::New(stored))
     }
 
@@ -236,7 +328,13 @@ impl ApprovalStore for MemoryStore {
         &self,
         expected: u64,
         request: ApprovalRequest,
+        event: Option<Event>,
     ) -> Result<Versioned, StoreError> {
+        debug_assert!(
+            event
+                .as_ref()
+                .is_none_or(|e| e.approval_id() == request.approval_id)
+        );
         let mut memory = self.lock();
         let Some(current) = memory.by_id.get_mut(&request.approval_id) else {
             return Err(StoreError::Missing {
@@ -255,11 +353,85 @@ impl ApprovalStore for MemoryStore {
         debug_assert_eq!(current.request.requester, request.requester);
         debug_assert_eq!(current.request.idempotency_key, request.idempotency_key);
         debug_assert_eq!(current.request.created_at, request.created_at);
+        if event.is_none() && current.request.state != request.state {
+            return Err(StoreError::Unrecorded {
+                approval_id: request.approval_id,
+                from: current.request.state,
+                to: request.state,
+            });
+        }
         *current = Versioned {
             version: expected + 1,
             request,
         };
-        Ok(current.clone())
+        let updated = current.clone();
+        if let Some(event) = event {
+            memory.events.push(event);
+            drop(memory);
+            self.announce();
+        }
+        Ok(updated)
+    }
+
+    async fn pending_expired(
+        &self,
+        now: SystemTime,
+        limit: usize,
+    ) -> Result<Vec<Versioned>, StoreError> {
+        let memory = self.lock();
+        let mut due: Vec<Versioned> = memory
+            .by_id
+            .values()
+            .filter(|v| v.request.state == State::Pending && v.request.expires_at <= now)
+            .cloned()
+            .collect();
+        due.sort_by(|a, b| {
+            (a.request.expires_at, &a.request.approval_id)
+                .cmp(&(b.request.expires_at, &b.request.approval_id))
+        });
+        due.truncate(limit);
+        Ok(due)
+    }
+
+    async fn events(&self, query: &EventQuery) -> Result<Vec<StoredEvent>, StoreError> {
+        let memory = self.lock();
+        let skip = usize::try_from(query.after).unwrap_or(usize::MAX);
+        Ok(memory
+            .events
+            .iter()
+            .enumerate()
+            .skip(skip)
+            .filter(|(_, e)| {
+                let cloud = e.cloud();
+                query.matches(&cloud.tenant_id, e.filed_by(), &cloud.correlation_id)
+            })
+            .take(query.limit)
+            .map(|(i, e)| StoredEvent {
+                position: i as u64 + 1,
+                event: e.cloud().clone(),
+            })
+            .collect())
+    }
+
+    async fn event_position(
+        &self,
+        event_id: &str,
+        viewer: &Viewer,
+    ) -> Result<Option<u64>, StoreError> {
+        let memory = self.lock();
+        Ok(memory
+            .events
+            .iter()
+            .position(|e| e.cloud().id == event_id)
+            .filter(|&i| {
+                let e = &memory.events[i];
+                e.cloud().tenant_id == viewer.tenant || e.filed_by() == viewer.principal
+            })
+            .map(|i| i as u64 + 1))
+    }
+
+    fn subscribe(&self) -> watch::Receiver<u64> {
+        self.committed.subscribe()
     }
 
     async fn list(&self, query: &ListQuery) -> Result<Vec<Versioned>, StoreError> {

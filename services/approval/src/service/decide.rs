@@ -1,5 +1,5 @@
-//! Voting on approval requests: who may vote, the vote itself under compare-and-set,
-//! and recording a request found expired.
+//! Voting on approval requests: who may vote, and the vote itself under
+//! compare-and-set, written with its `decided` event.
 
 use convene_core::Rule;
 use convene_mesh::{auth::Caller, policy_file::PrincipalKind};
@@ -9,8 +9,9 @@ use tonic::Status;
 use super::{ApprovalService, MAX_ATTEMPTS, ROLE_DECIDE, invalid, required, required_hash};
 use crate::{
     error::ApprovalError,
-    model::{ApprovalRequest, Decision, State, Vote, VoteEffect},
-    store::{StoreError, Versioned},
+    events::Event,
+    model::{ApprovalRequest, Decision, Vote, VoteEffect},
+    store::StoreError,
 };
 
 impl ApprovalService {
@@ -71,10 +72,15 @@ impl ApprovalService {
                 decided_at: now,
             };
             let mut request = stored.request.clone();
-            match request.cast_vote(vote, now) {
+            match request.cast_vote(vote.clone(), now) {
                 Ok(VoteEffect::Repeated) => return Ok(stored.request),
                 Ok(VoteEffect::Recorded(state)) => {
-                    match self.store.update(stored.version, request).await {
+                    let event = Event::decided(&request, &vote);
+                    match self
+                        .store
+                        .update(stored.version, request, Some(event))
+                        .await
+                    {
                         Ok(updated) => {
                             tracing::info!(
                                 approval_id = %msg.approval_id,
@@ -91,7 +97,7 @@ impl ApprovalService {
                     }
                 }
                 Err(e @ ApprovalError::Expired { .. }) => {
-                    self.persist_expiry(stored).await;
+                    self.persist_expiry(stored, now).await;
                     return Err(e.into());
                 }
                 Err(e) => return Err(e.into()),
@@ -101,23 +107,5 @@ impl ApprovalService {
             approval_id: msg.approval_id,
         }
         .into())
-    }
-
-    /// Writes down that a pending request expired. Best effort: readers already see it
-    /// as expired ([`ApprovalRequest::state_at`]), so losing a race here changes nothing.
-    async fn persist_expiry(&self, stored: Versioned) {
-        if stored.request.state != State::Pending {
-            return;
-        }
-        let mut expired = stored.request;
-        expired.state = State::Expired;
-        let approval_id = expired.approval_id.clone();
-        match self.store.update(stored.version, expired).await {
-            Ok(_) => tracing::info!(%approval_id, "approval request expired"),
-            Err(StoreError::Conflict { .. }) => {}
-            Err(error) => {
-                tracing::warn!(%approval_id, %error, "cannot record the expiry of an approval request");
-            }
-        }
     }
 }

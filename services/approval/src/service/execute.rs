@@ -1,6 +1,7 @@
 //! Executing approved requests exactly once: the claim written before the executor
-//! runs, the task that runs the action and records its outcome, and the per-request
-//! locks that queue concurrent Execute calls in this process.
+//! runs, the task that runs the action and records its outcome (with its `executed`
+//! event), and the per-request locks that queue concurrent Execute calls in this
+//! process.
 
 use std::{
     collections::HashMap,
@@ -18,6 +19,7 @@ use tracing::Instrument as _;
 use super::{ApprovalService, MAX_ATTEMPTS, ROLE_EXECUTE, required, required_hash};
 use crate::{
     error::ApprovalError,
+    events::Event,
     executor::{Executor, ExecutorError},
     model::{Execution, ExecutionClaim, State},
     store::{ApprovalStore, StoreError, Versioned},
@@ -79,7 +81,8 @@ impl ApprovalService {
                 by: principal.id.clone(),
                 started_at: now,
             });
-            match self.store.update(stored.version, claim).await {
+            // The claim is no state change: it is written without an event.
+            match self.store.update(stored.version, claim, None).await {
                 Ok(claimed) => break claimed,
                 Err(StoreError::Conflict { .. }) => {}
                 Err(e) => return Err(ApprovalError::from(e).into()),
@@ -152,7 +155,8 @@ impl ExecutionRun {
             done.execution = Some(execution.clone());
             done.executing = None;
             done.state = State::Executed;
-            match self.store.update(current.version, done).await {
+            let event = Event::executed(&done, &execution);
+            match self.store.update(current.version, done, Some(event)).await {
                 Ok(_) => {
                     tracing::info!(
                         %approval_id,
@@ -195,7 +199,7 @@ impl ExecutionRun {
         for _ in 0..MAX_ATTEMPTS {
             let mut released = current.request.clone();
             released.executing = None;
-            match self.store.update(current.version, released).await {
+            match self.store.update(current.version, released, None).await {
                 Ok(_) => return Ok(()),
                 Err(StoreError::Conflict { .. }) => {
                     current = self

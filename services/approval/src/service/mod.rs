@@ -7,13 +7,15 @@
 //! | RequestApproval | role `approvals:request`; `on_behalf_of` only as a `service` principal | — |
 //! | Decide | a `human` principal with role `approvals:decide`, not the requester | its tenant |
 //! | Execute | role `approvals:execute` | its tenant |
-//! | GetApproval, ListApprovals | any principal | its tenant, plus the requests it filed |
+//! | CancelApproval | the principal that filed the request, or its requester | its tenant, plus the requests it filed |
+//! | GetApproval, ListApprovals, WatchEvents | any principal | its tenant, plus the requests it filed |
 //!
-//! The last row is how the supervisor follows the requests it filed: it lives in the
+//! The last rows are how the supervisor follows the requests it filed: it lives in the
 //! `system` tenant and files requests for a run's principal (`on_behalf_of`), so the
-//! request belongs to that principal's tenant; the filer may still read it. Deciding and
-//! executing stay strictly within the tenant, and requests of other tenants answer
-//! NOT_FOUND, never PERMISSION_DENIED, so their existence does not leak.
+//! request belongs to that principal's tenant; the filer may still read, watch and
+//! cancel it. Deciding and executing stay strictly within the tenant, and requests of
+//! other tenants answer NOT_FOUND, never PERMISSION_DENIED, so their existence does not
+//! leak.
 //!
 //! # Concurrency
 //!
@@ -28,18 +30,26 @@
 //!
 //! This file holds the service, its construction, the checks every call shares and the
 //! gRPC methods; the work behind them is split by concern: filing requests
-//! (`request`), voting (`decide`), executing (`execute`) and reading (`read`).
+//! (`request`), voting (`decide`), executing (`execute`), withdrawing (`cancel`), the
+//! expiry sweep (`expiry`), reading (`read`) and streaming events (`watch`).
 
+mod cancel;
 mod decide;
 mod execute;
+mod expiry;
 mod read;
 mod request;
+mod watch;
 
-use std::{sync::Arc, time::Duration};
+use std::{
+    sync::{Arc, atomic::AtomicBool},
+    time::Duration,
+};
 
 use convene_core::{Rule, ValidationError, time::Clock};
-use convene_mesh::{auth::Authenticator, policy_file::Policy};
+use convene_mesh::{auth::Authenticator, handles::BoxStream, policy_file::Policy};
 use convene_proto::v1::{self, approval_server::Approval};
+use convene_server::Shutdown;
 use tonic::{Request, Response, Status};
 use tracing::Instrument as _;
 
@@ -50,6 +60,7 @@ use crate::{
     store::{ApprovalStore, MemoryStore, Versioned},
 };
 use execute::ExecutionLocks;
+pub use watch::WATCH_POLL_INTERVAL;
 
 /// Role needed to file approval requests.
 pub const ROLE_REQUEST: &str = "approvals:request";
@@ -81,11 +92,18 @@ pub struct ApprovalService {
     clock: Clock,
     default_ttl: Duration,
     locks: ExecutionLocks,
+    expiry_sweep_interval: Duration,
+    /// Ends following WatchEvents streams and the expiry sweep, when set.
+    shutdown: Option<Shutdown>,
+    /// Whether the expiry sweep task was started.
+    sweeping: AtomicBool,
 }
 
 impl ApprovalService {
     /// A service over `policy` with in-memory storage, the record-only executor, the
-    /// system clock and the default time to live of one hour.
+    /// system clock, the default time to live of one hour, an expiry sweep every second
+    /// (once started: [`spawn_expiry_sweep`](Self::spawn_expiry_sweep)) and no shutdown
+    /// signal.
     pub fn new(policy: Arc<Policy>) -> Self {
         Self {
             auth: Authenticator::principals_only(policy.clone()),
@@ -95,11 +113,14 @@ impl ApprovalService {
             clock: Clock::system(),
             default_ttl: crate::config::DEFAULT_TTL,
             locks: ExecutionLocks::default(),
+            expiry_sweep_interval: crate::config::DEFAULT_EXPIRY_SWEEP_INTERVAL,
+            shutdown: None,
+            sweeping: AtomicBool::new(false),
         }
     }
 
     /// A service as `config` describes it: its policy (with development credentials when
-    /// enabled), time to live and executor.
+    /// enabled), time to live, executor and expiry sweep interval.
     ///
     /// # Errors
     ///
@@ -112,7 +133,8 @@ impl ApprovalService {
         let (policy, _) = config.policy_source().load()?;
         Ok(Self::new(Arc::new(policy))
             .with_default_ttl(config.default_ttl)
-            .with_executor(executor))
+            .with_executor(executor)
+            .with_expiry_sweep_interval(config.expiry_sweep_interval))
     }
 
     /// Uses `clock` for "now" (creation, expiry, votes, executions).
@@ -140,6 +162,21 @@ impl ApprovalService {
     #[must_use]
     pub fn with_default_ttl(mut self, ttl: Duration) -> Self {
         self.default_ttl = ttl;
+        self
+    }
+
+    /// Sweeps expired requests every `interval` once the sweep is started.
+    #[must_use]
+    pub fn with_expiry_sweep_interval(mut self, interval: Duration) -> Self {
+        self.expiry_sweep_interval = interval;
+        self
+    }
+
+    /// Ends following WatchEvents streams (UNAVAILABLE, saying to resume) and the expiry
+    /// sweep when `shutdown` triggers.
+    #[must_use]
+    pub fn with_shutdown(mut self, shutdown: Shutdown) -> Self {
+        self.shutdown = Some(shutdown);
         self
     }
 
@@ -203,6 +240,8 @@ fn required_hash(hash: &str) -> Result<(), Status> {
 
 #[tonic::async_trait]
 impl Approval for ApprovalService {
+    type WatchEventsStream = BoxStream<v1::ApprovalWatchEventsResponse>;
+
     async fn request_approval(
         &self,
         request: Request<v1::RequestApprovalRequest>,
@@ -293,5 +332,25 @@ impl Approval for ApprovalService {
             execution: Some(execution.to_proto()),
             executed_now,
         }))
+    }
+
+    async fn cancel_approval(
+        &self,
+        request: Request<v1::CancelApprovalRequest>,
+    ) -> Result<Response<v1::CancelApprovalResponse>, Status> {
+        let caller = self.auth.authenticate(&request).await?;
+        let approval = self.cancel_inner(&caller, request.into_inner()).await?;
+        Ok(Response::new(v1::CancelApprovalResponse {
+            approval: Some(approval.to_proto(self.clock.now())),
+        }))
+    }
+
+    async fn watch_events(
+        &self,
+        request: Request<v1::ApprovalWatchEventsRequest>,
+    ) -> Result<Response<Self::WatchEventsStream>, Status> {
+        let caller = self.auth.authenticate(&request).await?;
+        let stream = self.watch_inner(&caller, request.into_inner()).await?;
+        Ok(Response::new(stream))
     }
 }

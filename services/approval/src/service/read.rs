@@ -52,7 +52,7 @@ impl ApprovalService {
                 invalid(
                     &format!("states[{i}]"),
                     Rule::UnknownEnum,
-                    format!("{s} is not a state to filter by; use APPROVAL_STATE_PENDING ... APPROVAL_STATE_EXECUTED"),
+                    format!("{s} is not a state to filter by; use APPROVAL_STATE_PENDING ... APPROVAL_STATE_CANCELLED"),
                 )
             })?;
             if !states.contains(&state) {

@@ -12,6 +12,7 @@ use super::{ApprovalService, ROLE_REQUEST, bounded, invalid, required};
 use crate::{
     canonical,
     error::ApprovalError,
+    events::Event,
     model::{ApprovalRequest, State},
     store::Created,
 };
@@ -95,13 +96,15 @@ impl ApprovalService {
             votes: Vec::new(),
             execution: None,
             executing: None,
+            cancellation: None,
             run_id: msg.run_id,
             rationale: msg.rationale,
             created_at: now,
         };
+        let event = Event::requested(&request);
         match self
             .store
-            .create(request.clone())
+            .create(request.clone(), event)
             .await
             .map_err(ApprovalError::from)?
         {

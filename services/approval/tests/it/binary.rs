@@ -44,6 +44,7 @@ fn dump_config_shows_defaults_environment_and_flags() {
         "listen = \"127.0.0.1:7403\"",
         "data_dir = \"./.convene\"",
         "default_ttl = \"1h\"",
+        "expiry_sweep_interval = \"1s\"",
         "executor = \"record-only\"",
         "dev_credentials = true",
     ] {

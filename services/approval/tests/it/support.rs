@@ -12,8 +12,8 @@ use std::{
 
 use async_trait::async_trait;
 use convene_approval::{
-    ApprovalService, Config, ExecutionOutcome, Executor, ExecutorError, ManualClock, add_to_server,
-    canonical::struct_from_json, model::ApprovalRequest,
+    ApprovalService, ApprovalStore, Config, ExecutionOutcome, Executor, ExecutorError, ManualClock,
+    add_to_server, canonical::struct_from_json, model::ApprovalRequest,
 };
 use convene_mesh::{auth::request, policy_file::dev_credential};
 use convene_proto::v1::{
@@ -21,7 +21,7 @@ use convene_proto::v1::{
     ListApprovalsRequest, RequestApprovalRequest, RequestApprovalResponse, RiskLevel, VoteDecision,
     approval_client::ApprovalClient,
 };
-use convene_server::{GrpcServer, ServerSettings, test_util::TestServer};
+use convene_server::{GrpcServer, ServerSettings, Shutdown, test_util::TestServer};
 use serde_json::json;
 use tempfile::TempDir;
 use tonic::{Code, Status, transport::Channel};
@@ -29,11 +29,12 @@ use tonic::{Code, Status, transport::Channel};
 /// The example policy with two changes the tests need: the on-call engineer may also
 /// decide (so the "never the requester" rule, not a missing role, is what stops them),
 /// and the other tenant has an approver of its own.
-fn test_policy() -> String {
+pub fn test_policy() -> String {
     let policy = convene_mesh::policy_file::EXAMPLE_POLICY
-        .replace(
-            "roles: [runs:start, runs:read, approvals:request, evidence:read]",
-            "roles: [runs:start, runs:read, approvals:request, evidence:read, approvals:decide]",
+        .replacen(
+            "approvals:request, evidence:read]",
+            "approvals:request, evidence:read, approvals:decide]",
+            1,
         )
         .replace(
             "  # Services of the mesh.\n",
@@ -86,7 +87,30 @@ pub struct Harness {
     pub service: Arc<ApprovalService>,
     pub clock: ManualClock,
     pub executor: Arc<CountingExecutor>,
+    /// The service's own shutdown signal (the server has another).
+    pub shutdown: Shutdown,
     pub data: TempDir,
+}
+
+/// What a [`Harness`] starts with beyond the defaults.
+pub struct Options {
+    /// The policy file's text; `None`: the embedded example.
+    pub policy: Option<String>,
+    /// Where requests are kept; `None`: in memory.
+    pub store: Option<Arc<dyn ApprovalStore>>,
+    /// Time between two background expiry sweeps. Long by default, so that only the
+    /// test's own `sweep_expired` calls record expiries.
+    pub sweep_interval: Duration,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Self {
+            policy: None,
+            store: None,
+            sweep_interval: Duration::from_secs(3600),
+        }
+    }
 }
 
 impl Harness {
@@ -101,8 +125,16 @@ impl Harness {
     }
 
     pub async fn start_with(policy: Option<String>) -> Self {
+        Self::start_with_options(Options {
+            policy,
+            ..Options::default()
+        })
+        .await
+    }
+
+    pub async fn start_with_options(options: Options) -> Self {
         let data = tempfile::tempdir().expect("temp dir");
-        let policy_file = policy.map(|text| {
+        let policy_file = options.policy.map(|text| {
             let path = data.path().join("policy.yaml");
             std::fs::write(&path, text).expect("write the policy");
             path
@@ -114,16 +146,21 @@ impl Harness {
                 policy_file,
                 ..convene_server::ServiceCommon::default()
             },
+            expiry_sweep_interval: options.sweep_interval,
             ..Config::default()
         };
         let clock = ManualClock::new(SystemTime::UNIX_EPOCH + Duration::from_secs(1_800_000_000));
         let executor = Arc::new(CountingExecutor::default());
-        let service = Arc::new(
-            ApprovalService::from_config(&config)
-                .expect("the service starts")
-                .with_clock(clock.clone())
-                .with_executor(executor.clone()),
-        );
+        let shutdown = Shutdown::new();
+        let mut service = ApprovalService::from_config(&config)
+            .expect("the service starts")
+            .with_clock(clock.clone())
+            .with_executor(executor.clone())
+            .with_shutdown(shutdown.clone());
+        if let Some(store) = options.store {
+            service = service.with_store(store);
+        }
+        let service = Arc::new(service);
         let server = TestServer::start(add_to_server(
             GrpcServer::new(config.server.clone()),
             service.clone(),
@@ -134,6 +171,7 @@ impl Harness {
             service,
             clock,
             executor,
+            shutdown,
             data,
         }
     }
