@@ -184,6 +184,7 @@ fn started(run: &v1::Run) -> Events {
             SystemTime::now(),
             events::run_started_data(run),
         )],
+        ..Default::default()
     }
 }
 
@@ -252,6 +253,7 @@ fn completed(run: &v1::Run, i: usize, sequence: u64) -> Change {
             SystemTime::now(),
             events::delegation_completed_data(&run, &d, false),
         )],
+        ..Default::default()
     };
     Change { run, events }
 }
@@ -302,6 +304,7 @@ fn decided(run: &v1::Run, sequence: u64) -> Change {
                 events::run_completed_data(&run),
             ),
         ],
+        ..Default::default()
     };
     Change { run, events }
 }

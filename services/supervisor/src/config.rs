@@ -67,6 +67,17 @@ pub struct Config {
     /// acceptance and its decision are never held. 0: commit each at once.
     #[serde(with = "convene_server::config::duration")]
     pub commit_linger: Duration,
+    /// The endpoint other supervisor replicas reach this one at
+    /// (`http://10.0.0.7:7000`), for the calls they forward to the replica that runs a
+    /// run (a worker's `Delegate` that reached another replica). Unset: `http://` and
+    /// the listen address, unless that is unspecified (`0.0.0.0`, `[::]`): then calls
+    /// for its runs are not forwarded to it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub advertise_endpoint: Option<String>,
+    /// How long the approval requests a run files for its proposed actions stay open; a
+    /// request nobody approved by then expires, and the run records the action EXPIRED.
+    #[serde(with = "convene_server::config::duration")]
+    pub approval_ttl: Duration,
     /// This replica's id: the owner of the runs it leases. Unset: a fresh UUIDv7 at
     /// every start, and a restarted supervisor takes its runs back once their leases
     /// expire. A stable id (one process per id!) lets a supervisor that restarts in place
@@ -119,6 +130,8 @@ impl Default for Config {
             max_retry_backoff: Duration::from_secs(2),
             dispatch_grace: Duration::from_secs(2),
             commit_linger: DEFAULT_COMMIT_LINGER,
+            approval_ttl: Duration::from_secs(3600),
+            advertise_endpoint: None,
             replica_id: None,
             run_lease_ttl: Duration::from_secs(15),
             claim_interval: Duration::from_secs(5),
@@ -180,6 +193,11 @@ impl Config {
         if self.claim_interval.is_zero() {
             return Err(Error::Config(
                 "claim_interval must be more than zero".to_owned(),
+            ));
+        }
+        if self.approval_ttl.is_zero() {
+            return Err(Error::Config(
+                "approval_ttl must be more than zero, e.g. \"1h\": a request would expire as it is filed".to_owned(),
             ));
         }
         if self.nats_url.is_some() {

@@ -41,6 +41,13 @@ pub enum CrashPoint {
     /// A planner's model turn and the delegations it proposed were committed; none of
     /// them has been dispatched. A restarted supervisor never asks for the turn again.
     AfterPlannerCommit,
+    /// A run's actor took a stored command (a cancel, a person's input, a changed
+    /// approval request) and has not committed its effect: the command stays pending
+    /// and is applied by whoever runs the run next.
+    CommandReceived,
+    /// Events of the approval service reached the supervisor, which has not stored
+    /// them (nor the commands they make): it reads them again from its cursor.
+    ApprovalEventReceived,
 }
 
 impl CrashPoint {
@@ -53,6 +60,13 @@ impl CrashPoint {
         CrashPoint::ResultInFlight,
         CrashPoint::DuringJoin,
         CrashPoint::AfterDecision,
+    ];
+
+    /// The points of a run that waits for people and of the approval events it reacts
+    /// to (not in [`Self::ALL`]: a run that never waits never reaches them).
+    pub const WAITING: [CrashPoint; 2] = [
+        CrashPoint::CommandReceived,
+        CrashPoint::ApprovalEventReceived,
     ];
 
     /// The points a run with a static plan reaches (the others are a planner's).
@@ -74,6 +88,8 @@ impl CrashPoint {
             CrashPoint::AfterDecision => "after_decision",
             CrashPoint::PlannerTurnReceived => "planner_turn_received",
             CrashPoint::AfterPlannerCommit => "after_planner_commit",
+            CrashPoint::CommandReceived => "command_received",
+            CrashPoint::ApprovalEventReceived => "approval_event_received",
         }
     }
 }
@@ -175,7 +191,7 @@ mod tests {
             serde_json::from_str(r#"{"point": "result_in_flight", "after": 3}"#).unwrap();
         assert_eq!(s.point, Some(CrashPoint::ResultInFlight));
         assert_eq!(s.after, 3);
-        for point in CrashPoint::ALL {
+        for point in CrashPoint::ALL.into_iter().chain(CrashPoint::WAITING) {
             let parsed: CrashPoint =
                 serde_json::from_value(serde_json::Value::String(point.name().into())).unwrap();
             assert_eq!(parsed, point);
@@ -200,7 +216,7 @@ mod tests {
         crash.at(CrashPoint::AfterDecision);
         assert_eq!(crash.reached.load(Ordering::SeqCst), 2);
         let off = Crash::new(&CrashSettings::default());
-        for point in CrashPoint::ALL {
+        for point in CrashPoint::ALL.into_iter().chain(CrashPoint::WAITING) {
             off.at(point);
         }
         assert_eq!(off.reached.load(Ordering::SeqCst), 0);

@@ -16,10 +16,13 @@ pub const RUN_STARTED: &str = "dev.convene.run.started.v1";
 pub const DELEGATION_COMPLETED: &str = "dev.convene.delegation.completed.v1";
 /// The join produced a decision (or a revision).
 pub const JOIN_DECIDED: &str = "dev.convene.join.decided.v1";
-/// A run reached a terminal state.
+/// A run ended, in a final state (once per run).
 pub const RUN_COMPLETED: &str = "dev.convene.run.completed.v1";
-/// The supervisor filed an approval request for a proposed action.
-pub const APPROVAL_REQUESTED: &str = "dev.convene.approval.requested.v1";
+/// A run began to wait for people (WAITING_INPUT or WAITING_APPROVAL).
+pub const RUN_WAITING: &str = "dev.convene.run.waiting.v1";
+/// A waiting run continues: a person acted, or an approval request it waited for was
+/// settled.
+pub const RUN_RESUMED: &str = "dev.convene.run.resumed.v1";
 
 /// An event in the CloudEvents 1.0 JSON event format (structured content mode):
 /// `specversion`, `id`, `source`, `type`, `subject`, `time` (RFC 3339), `datacontenttype`,
@@ -150,6 +153,34 @@ pub fn run_completed_data(run: &v1::Run) -> serde_json::Value {
         "outcome": outcome_name(run.outcome),
         "reason": run.terminal_reason,
         "approvalIds": run.approval_ids,
+        "actions": run.actions.iter().map(|a| json!({
+            "approvalId": a.approval_id,
+            "action": a.action,
+            "state": v1::ActionState::try_from(a.state).map_or("ACTION_STATE_UNSPECIFIED", |s| s.as_str_name()),
+        })).collect::<Vec<_>>(),
+    })
+}
+
+/// The payload of `run.waiting`.
+pub fn run_waiting_data(run: &v1::Run, waiting: &v1::RunWaiting) -> serde_json::Value {
+    json!({
+        "runId": run.run_id,
+        "state": run_state_name(waiting.state),
+        "outcome": outcome_name(waiting.outcome),
+        "reason": waiting.reason,
+        "ticket": waiting.ticket.as_ref().map(|t| json!({"id": t.id, "version": t.version})),
+        "openConflicts": waiting.open_conflicts,
+        "pendingApprovals": waiting.pending_approvals,
+    })
+}
+
+/// The payload of `run.resumed`.
+pub fn run_resumed_data(run: &v1::Run, resumed: &v1::RunResumed) -> serde_json::Value {
+    json!({
+        "runId": run.run_id,
+        "by": resumed.by,
+        "input": resumed.input,
+        "detail": resumed.detail,
     })
 }
 

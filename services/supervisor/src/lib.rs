@@ -11,11 +11,13 @@
 //! Runs and their events live behind [`store::RunStore`]; the supervisor is their only
 //! writer and every commit carries the version it read, and the lease of the replica
 //! that runs it. A restarted supervisor, or another replica once the lease expired,
-//! resumes every unfinished run where its stored state left it ([`recovery`]). The
-//! outbox of CloudEvents reaches `WatchEvents` subscribers, and NATS JetStream when
+//! resumes every unfinished run where its stored state left it ([`recovery`]). A run
+//! that waits for people holds no actor; commands for runs (cancel, resume, a settled
+//! approval request) work on any replica ([`commands`]). The outbox of CloudEvents reaches `WatchEvents` subscribers, and NATS JetStream when
 //! configured ([`relay`]).
 #![forbid(unsafe_code)]
 
+mod commands;
 mod config;
 pub mod crash;
 mod error;
@@ -137,6 +139,7 @@ pub(crate) struct Settings {
     pub(crate) max_retry_backoff: Duration,
     pub(crate) dispatch_grace: Duration,
     pub(crate) commit_linger: Duration,
+    pub(crate) approval_ttl: Duration,
 }
 
 /// What a run actor needs from the rest of the supervisor.
@@ -245,12 +248,14 @@ pub fn build(parts: Parts) -> (SupervisorService, Arc<Registry>) {
             max_retry_backoff: parts.config.max_retry_backoff,
             dispatch_grace: parts.config.dispatch_grace,
             commit_linger: parts.config.commit_linger,
+            approval_ttl: parts.config.approval_ttl,
         },
         live: Mutex::new(HashMap::new()),
         shutdown_token,
         actors: tokio_util::task::TaskTracker::new(),
     });
     recovery::spawn(deps.clone());
+    commands::spawn(deps.clone());
     (SupervisorService::new(deps, auth, parts.shutdown), registry)
 }
 
@@ -314,6 +319,21 @@ pub async fn run(config: Config, shutdown: Shutdown) -> Result<(), Error> {
         source,
     })?;
     tracing::info!(%addr, "supervisor listening");
+    // Other replicas forward calls for this replica's runs to it.
+    let advertised = config
+        .advertise_endpoint
+        .clone()
+        .or_else(|| (!addr.ip().is_unspecified()).then(|| format!("http://{addr}")));
+    match advertised {
+        Some(endpoint) => {
+            if let Err(e) = service.register(&replica, &endpoint).await {
+                tracing::warn!(error = %e, "this replica's endpoint could not be recorded; other replicas cannot forward calls for its runs to it");
+            }
+        }
+        None => tracing::info!(
+            "no advertise_endpoint and an unspecified listen address: other replicas do not forward calls for this replica's runs to it"
+        ),
+    }
     add_to(
         GrpcServer::new(config.server.clone()),
         service.clone(),

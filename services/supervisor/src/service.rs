@@ -19,9 +19,15 @@ use tracing::Instrument;
 use crate::error::Error;
 use crate::plan::{self, Placement};
 use crate::run::{self, DelegateAsk, Msg, RunActor};
-use crate::store::{Created, Events, IdempotencyKey, is_terminal};
+use crate::store::{
+    CommandKind, Created, Events, IdempotencyKey, is_final, is_terminal, is_waiting,
+};
 use crate::watchers::RunWatchers;
-use crate::{Deps, events, trace};
+use crate::{Deps, commands, events, trace};
+
+/// Metadata a replica sets on a call it forwards to another, so it is never forwarded
+/// again.
+const FORWARDED: &str = "x-convene-forwarded";
 
 /// The Supervisor service (also its own in-process handle).
 #[derive(Clone)]
@@ -30,6 +36,10 @@ pub struct SupervisorService {
     auth: Authenticator,
     shutdown: Shutdown,
     watchers: Arc<RunWatchers>,
+    /// Clients of other replicas, by endpoint, for forwarded calls.
+    peers: Arc<
+        std::sync::Mutex<std::collections::HashMap<String, convene_mesh::handles::GrpcSupervisor>>,
+    >,
 }
 
 impl std::fmt::Debug for SupervisorService {
@@ -56,6 +66,7 @@ impl SupervisorService {
     pub(crate) fn new(deps: Arc<Deps>, auth: Authenticator, shutdown: Shutdown) -> Self {
         Self {
             watchers: Arc::new(RunWatchers::new(deps.store.clone())),
+            peers: Arc::default(),
             deps,
             auth,
             shutdown,
@@ -128,10 +139,100 @@ impl SupervisorService {
                 kind: Some(Kind::Completed(completed)),
             }],
             cloud: Vec::new(),
+            commands: Vec::new(),
+            release: false,
         };
         tracing::info!(run_id = %run.run_id, "a result for an ended run was sealed: recorded, not applied");
         self.deps.store.commit(&run, &events).await?;
         Ok(())
+    }
+
+    /// Stores a command of `principal` for `run_id`, gets it applied as far as this
+    /// replica can, and waits a little for its outcome: the run as it stands then, the
+    /// outcome (`None`: still pending) and the command's id.
+    async fn command(
+        &self,
+        run_id: &str,
+        principal: &Principal,
+        kind: CommandKind,
+    ) -> Result<(v1::Run, Option<crate::store::CommandDone>, String), Error> {
+        let command = commands::command(&self.deps, run_id, &principal.id, kind);
+        self.deps.store.add_command(&command).await?;
+        commands::nudge(&self.deps, run_id).await?;
+        let outcome = commands::outcome(&self.deps, &command.command_id, commands::WAIT).await?;
+        let run = self.stored_run(run_id).await?;
+        Ok((run, outcome, command.command_id))
+    }
+
+    /// Records this replica's endpoint, for the calls other replicas forward to it.
+    pub(crate) async fn register(&self, replica: &str, endpoint: &str) -> Result<(), Error> {
+        self.deps.store.register_replica(replica, endpoint).await?;
+        Ok(())
+    }
+
+    /// A worker's Delegate for a run this replica does not run: forwarded, with the
+    /// worker's token and the caller's trace, to the replica that holds the run's
+    /// lease. Never forwarded twice, nor to this replica.
+    async fn forward_delegate(
+        &self,
+        request: Request<v1::DelegateRequest>,
+        not_here: Error,
+    ) -> Result<Response<v1::DelegateResponse>, Status> {
+        let run_id = self
+            .auth
+            .authenticate(&request)
+            .await
+            .ok()
+            .and_then(|c| match c {
+                Caller::Task(claims) => Some(claims.run_id.clone()),
+                Caller::Principal(_) => None,
+            });
+        let Some(run_id) = run_id else {
+            return Err(not_here.into());
+        };
+        let forwarded = request.metadata().contains_key(FORWARDED);
+        let me = self.deps.lease.as_ref().map(|l| l.owner.as_str());
+        let owner = self
+            .deps
+            .store
+            .run_owner(&run_id)
+            .await
+            .map_err(Error::from)?;
+        let endpoint = match owner {
+            Some((owner, Some(endpoint))) if !forwarded && Some(owner.as_str()) != me => endpoint,
+            Some((owner, None)) if Some(owner.as_str()) != me => {
+                return Err(Error::Unavailable(format!(
+                    "run {run_id} is run by supervisor replica {owner}, which recorded no endpoint to forward to (set its advertise_endpoint); retry later"
+                ))
+                .into());
+            }
+            _ => return Err(not_here.into()),
+        };
+        let client = {
+            let mut peers = self.peers.lock().expect("peers lock poisoned");
+            match peers.get(&endpoint) {
+                Some(c) => c.clone(),
+                None => {
+                    let c =
+                        convene_mesh::handles::GrpcSupervisor::connect(&endpoint).map_err(|e| {
+                            Error::Unavailable(format!("replica endpoint {endpoint}: {e}"))
+                        })?;
+                    peers.insert(endpoint.clone(), c.clone());
+                    c
+                }
+            }
+        };
+        let authorization = request.metadata().get("authorization").cloned();
+        let mut onward = Request::new(request.into_inner());
+        if let Some(a) = authorization {
+            onward.metadata_mut().insert("authorization", a);
+        }
+        onward
+            .metadata_mut()
+            .insert(FORWARDED, tonic::metadata::MetadataValue::from_static("1"));
+        tracing::debug!(%run_id, %endpoint, "forwarding Delegate to the replica that runs the run");
+        use convene_proto::v1::supervisor_server::Supervisor as _;
+        client.delegate(onward).await
     }
 
     /// Waits, at most `grace`, for every run actor to end; call it once shutdown fired
@@ -227,7 +328,9 @@ impl SupervisorService {
                     let next = seen.and_then(|last| note.events_after(last));
                     seen = next.is_some().then_some(note.sequence);
                     next.is_none_or(|events| {
-                        events.iter().any(|e| matches!(e.kind, Some(Kind::Terminal(_))))
+                        events.iter().any(|e| {
+                            matches!(e.kind, Some(Kind::Terminal(_) | Kind::Waiting(_)))
+                        })
                     })
                 }
                 () = self.shutdown.wait() => {
@@ -385,6 +488,60 @@ struct RunIdentity {
     run_id: String,
     trace_id: String,
     trace_parent: String,
+}
+
+/// Checks what a ResumeRun carries before it is stored: a ticket, a rationale and one
+/// well-formed input.
+fn check_resume(req: &v1::ResumeRunRequest) -> Result<(), Error> {
+    if req.ticket.as_ref().is_none_or(|t| t.id.trim().is_empty()) {
+        return Err(Error::invalid(
+            "ticket",
+            "required: give the run's current ticket (Run.ticket, or its `waiting` event)",
+        ));
+    }
+    if req.rationale.trim().is_empty() {
+        return Err(Error::invalid(
+            "rationale",
+            "required: say why, for the record",
+        ));
+    }
+    match &req.input {
+        None => Err(Error::invalid(
+            "input",
+            "required: settle a conflict, ask for a follow-up, or close the run",
+        )),
+        Some(v1::resume_run_request::Input::Settle(s)) => {
+            if s.topic.trim().is_empty() {
+                return Err(Error::invalid(
+                    "settle.topic",
+                    "required: the conflict's topic",
+                ));
+            }
+            if s.delegation_id.trim().is_empty() {
+                return Err(Error::invalid(
+                    "settle.delegation_id",
+                    "required: the delegation whose claim is chosen",
+                ));
+            }
+            Ok(())
+        }
+        Some(v1::resume_run_request::Input::FollowUp(f)) => {
+            if f.profile_id.trim().is_empty() {
+                return Err(Error::invalid(
+                    "follow_up.profile_id",
+                    "required: the profile to ask",
+                ));
+            }
+            if f.goal.trim().is_empty() {
+                return Err(Error::invalid(
+                    "follow_up.goal",
+                    "required: what the follow-up must establish",
+                ));
+            }
+            Ok(())
+        }
+        Some(v1::resume_run_request::Input::Close(_)) => Ok(()),
+    }
 }
 
 /// Strips what ListRuns leaves out (results and revisions) to keep pages small.
@@ -568,6 +725,7 @@ impl Supervisor for SupervisorService {
             let mut lost = watch.receiver().borrow_and_update().lost;
             let mut last = req.after_sequence;
             let mut done = false;
+            let (mut ended, mut waits) = (false, false);
             // The events the last note carried, when they follow on from `last`.
             let mut noted: Option<Vec<v1::RunEvent>> = None;
             loop {
@@ -579,7 +737,16 @@ impl Supervisor for SupervisorService {
                     Ok(batch) => {
                         for e in batch {
                             last = e.sequence;
-                            done |= matches!(e.kind, Some(Kind::Terminal(_)));
+                            // The stream ends at the run's end, or at a wait it did
+                            // not resume from (late results recorded meanwhile
+                            // included).
+                            match e.kind {
+                                Some(Kind::Terminal(_)) => ended = true,
+                                Some(Kind::Waiting(_)) => waits = true,
+                                Some(Kind::Resumed(_)) => waits = false,
+                                _ => {}
+                            }
+                            done = ended || waits;
                             if tx
                                 .send(Ok(v1::WatchRunResponse { event: Some(e) }))
                                 .await
@@ -636,29 +803,61 @@ impl Supervisor for SupervisorService {
             .await?;
         let req = request.into_inner();
         let run = self.run_of_tenant(&req.run_id, &principal.tenant).await?;
-        if is_terminal(run.state) {
-            return Ok(Response::new(v1::CancelRunResponse { run: Some(run) }));
+        if is_final(run.state) {
+            return Ok(Response::new(v1::CancelRunResponse {
+                run: Some(run),
+                outcome: v1::CommandOutcome::AlreadyEnded as i32,
+                command_id: String::new(),
+            }));
         }
-        let reason = if req.reason.trim().is_empty() {
-            format!("cancelled by {}", principal.id)
-        } else {
-            format!("cancelled by {}: {}", principal.id, req.reason.trim())
+        let (run, outcome, command_id) = self
+            .command(&run.run_id, &principal, CommandKind::Cancel(req))
+            .await?;
+        let outcome = match outcome {
+            Some(_) if run.state == v1::RunState::Cancelled as i32 => v1::CommandOutcome::Applied,
+            Some(_) => v1::CommandOutcome::AlreadyEnded,
+            None => v1::CommandOutcome::Pending,
         };
-        let (reply, answer) = oneshot::channel();
-        match self.mailbox(&run.run_id) {
-            Ok(mailbox) if mailbox.send(Msg::Cancel { reason, reply }).is_ok() => {
-                let run = answer.await.map_err(|_| {
-                    Error::Unavailable(
-                        "the run's owner stopped while cancelling; read the run again".to_owned(),
-                    )
-                })?;
-                Ok(Response::new(v1::CancelRunResponse { run: Some(run) }))
-            }
-            _ => {
-                let run = self.run_of_tenant(&run.run_id, &principal.tenant).await?;
-                Ok(Response::new(v1::CancelRunResponse { run: Some(run) }))
-            }
+        Ok(Response::new(v1::CancelRunResponse {
+            run: Some(run),
+            outcome: outcome as i32,
+            command_id,
+        }))
+    }
+
+    async fn resume_run(
+        &self,
+        request: Request<v1::ResumeRunRequest>,
+    ) -> Result<Response<v1::ResumeRunResponse>, Status> {
+        let principal = self
+            .principal(&request, &["runs:resolve"], "resume waiting runs")
+            .await?;
+        let req = request.into_inner();
+        let run = self.run_of_tenant(&req.run_id, &principal.tenant).await?;
+        check_resume(&req)?;
+        if !is_waiting(run.state) {
+            return Err(Error::FailedPrecondition(format!(
+                "run {} is not waiting for people ({}); only a waiting run can be resumed",
+                run.run_id,
+                events::run_state_name(run.state)
+            ))
+            .into());
         }
+        let (run, outcome, command_id) = self
+            .command(&run.run_id, &principal, CommandKind::Resume(req))
+            .await?;
+        let outcome = match outcome {
+            Some(done) if done.code == tonic::Code::Ok as i32 => v1::CommandOutcome::Applied,
+            Some(done) => {
+                return Err(Status::new(tonic::Code::from_i32(done.code), done.message));
+            }
+            None => v1::CommandOutcome::Pending,
+        };
+        Ok(Response::new(v1::ResumeRunResponse {
+            run: Some(run),
+            outcome: outcome as i32,
+            command_id,
+        }))
     }
 
     async fn list_runs(
@@ -717,7 +916,11 @@ impl Supervisor for SupervisorService {
             .check_audience("convene-supervisor")
             .map_err(|_| Error::PermissionDenied("your task token does not allow redelegation (its audience lacks convene-supervisor)".to_owned()))?;
         let token = bearer(&request)?.to_owned();
-        let mailbox = self.mailbox(&claims.run_id)?;
+        let mailbox = match self.mailbox(&claims.run_id) {
+            Ok(mailbox) => mailbox,
+            // Another replica runs the run: the call goes to it.
+            Err(not_here) => return self.forward_delegate(request, not_here).await,
+        };
         let (reply, answer) = oneshot::channel();
         mailbox
             .send(Msg::Delegate(Box::new(DelegateAsk {

@@ -83,13 +83,66 @@ pub struct Events {
     pub run: Vec<v1::RunEvent>,
     /// CloudEvents for the outbox (WatchEvents and brokers).
     pub cloud: Vec<v1::CloudEvent>,
+    /// Commands for the run this change applied: marked done, with their outcome, in
+    /// the same commit.
+    pub commands: Vec<CommandDone>,
+    /// The run begins to wait with nothing of it in flight: its lease goes in the same
+    /// commit (see `run/waiting.rs`).
+    pub release: bool,
 }
 
 impl Events {
     /// Whether there is nothing to commit.
     pub fn is_empty(&self) -> bool {
-        self.run.is_empty() && self.cloud.is_empty()
+        self.run.is_empty() && self.cloud.is_empty() && self.commands.is_empty() && !self.release
     }
+}
+
+/// A command for a run (cancel it, resume it with a person's input, look at its
+/// approval requests again), stored by whichever replica received it and applied by the
+/// replica that owns the run.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct RunCommand {
+    /// Unique id.
+    #[prost(string, tag = "1")]
+    pub command_id: String,
+    /// The run.
+    #[prost(string, tag = "2")]
+    pub run_id: String,
+    /// Who sent it (a principal id, or `approval` for an approval event).
+    #[prost(string, tag = "3")]
+    pub principal: String,
+    /// When it was stored.
+    #[prost(message, optional, tag = "4")]
+    pub created_at: Option<prost_types::Timestamp>,
+    /// What to do.
+    #[prost(oneof = "CommandKind", tags = "5, 6, 7")]
+    pub kind: Option<CommandKind>,
+}
+
+/// What a [`RunCommand`] asks for.
+#[derive(Clone, PartialEq, prost::Oneof)]
+pub enum CommandKind {
+    /// Cancel the run.
+    #[prost(message, tag = "5")]
+    Cancel(v1::CancelRunRequest),
+    /// Resume the waiting run with a person's input.
+    #[prost(message, tag = "6")]
+    Resume(v1::ResumeRunRequest),
+    /// An approval request of the run changed: look at its requests again.
+    #[prost(message, tag = "7")]
+    Approval(v1::CloudEvent),
+}
+
+/// What applying a command did: a status code (OK: applied) and its message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CommandDone {
+    /// The command.
+    pub command_id: String,
+    /// `tonic::Code` as an integer; 0 when applied.
+    pub code: i32,
+    /// What happened, in words.
+    pub message: String,
 }
 
 /// Storage of runs, their events and the outbox.
@@ -188,6 +241,45 @@ pub trait RunStore: Send + Sync + 'static {
     /// The last outbox event `relay` acknowledged, where it resumes after a restart.
     async fn relay_cursor(&self, relay: &str) -> Result<Option<String>, StoreError>;
 
+    /// Stores a command for a run; a command id stored already is left as it is.
+    async fn add_command(&self, command: &RunCommand) -> Result<(), StoreError>;
+
+    /// The commands of `run_id` not applied yet, oldest first.
+    async fn pending_commands(&self, run_id: &str) -> Result<Vec<RunCommand>, StoreError>;
+
+    /// The runs that have commands not applied yet.
+    async fn runs_with_commands(&self) -> Result<Vec<String>, StoreError>;
+
+    /// What applying a command did, once it was applied; `None` while it is pending.
+    async fn command_outcome(&self, command_id: &str) -> Result<Option<CommandDone>, StoreError>;
+
+    /// Marks commands of a run that will never be applied (the run has ended) as done,
+    /// with `code` and `message`, outside any commit of the run.
+    async fn end_commands(&self, done: &[CommandDone]) -> Result<(), StoreError>;
+
+    /// Claims one waiting run for `owner` (see [`RunStore::claim_runs`]) when its lease
+    /// is free or expired, to apply the commands pending for it. `None` when the run is
+    /// not waiting or another replica holds it.
+    async fn claim_waiting(
+        &self,
+        owner: &str,
+        run_id: &str,
+        lease_ttl: Duration,
+    ) -> Result<Option<v1::Run>, StoreError>;
+
+    /// Adds events another service produced (an approval service's) to the outbox,
+    /// unless an event with the same id is there already, so `WatchEvents` and the relay
+    /// carry them too.
+    async fn import_events(&self, events: &[v1::CloudEvent]) -> Result<(), StoreError>;
+
+    /// Records where the supervisor replica `replica` can be reached (its advertised
+    /// endpoint), replacing what was recorded before.
+    async fn register_replica(&self, replica: &str, endpoint: &str) -> Result<(), StoreError>;
+
+    /// The replica holding `run_id`'s lease now and the endpoint it registered, if any.
+    async fn run_owner(&self, run_id: &str)
+    -> Result<Option<(String, Option<String>)>, StoreError>;
+
     /// Records that `relay` delivered every outbox event up to `event_id`. The cursor
     /// only moves forward: an acknowledgement of an event before the cursor (a slower
     /// replica relaying the same events) changes nothing. A relay delivers at least
@@ -236,12 +328,27 @@ impl Committed {
     }
 }
 
-/// Whether a run state is terminal.
+/// Whether a run in this state has stopped: it has ended (a final state) or waits for
+/// people (a waiting state). A stopped run needs no actor; a waiting one gets one again
+/// when a command for it arrives.
 pub fn is_terminal(state: i32) -> bool {
     !matches!(
         v1::RunState::try_from(state),
         Ok(v1::RunState::Pending | v1::RunState::Running | v1::RunState::Unspecified) | Err(_)
     )
+}
+
+/// Whether a run in this state waits for people: WAITING_APPROVAL or WAITING_INPUT.
+pub fn is_waiting(state: i32) -> bool {
+    matches!(
+        v1::RunState::try_from(state),
+        Ok(v1::RunState::WaitingApproval | v1::RunState::WaitingInput)
+    )
+}
+
+/// Whether a run in this state has ended for good.
+pub fn is_final(state: i32) -> bool {
+    is_terminal(state) && !is_waiting(state)
 }
 
 #[derive(Default)]
@@ -257,6 +364,11 @@ struct Inner {
     leases: HashMap<String, (String, SystemTime)>,
     /// Relay → outbox index of the last acknowledged event.
     relays: HashMap<String, usize>,
+    /// Replica → advertised endpoint.
+    replicas: HashMap<String, String>,
+    /// Commands by id, with their outcome once applied; and their order.
+    commands: HashMap<String, (RunCommand, Option<CommandDone>)>,
+    command_order: Vec<String>,
 }
 
 /// Everything in memory: fast, and lost with the process.
@@ -381,6 +493,17 @@ impl RunStore for MemoryStore {
                 .get_mut(&run.run_id)
                 .ok_or_else(|| StoreError::NotFound(run.run_id.clone()))?;
             *stored = run.clone();
+            // A waiting run is nobody's until a command wakes it.
+            if events.release {
+                inner.leases.remove(&run.run_id);
+            }
+            for done in &events.commands {
+                if let Some((_, outcome)) = inner.commands.get_mut(&done.command_id)
+                    && outcome.is_none()
+                {
+                    *outcome = Some(done.clone());
+                }
+            }
             Self::append(&mut inner, run, events)
         };
         let _ = self.notify.send(committed);
@@ -554,6 +677,135 @@ impl RunStore for MemoryStore {
             inner.leases.remove(run_id);
         }
         Ok(held)
+    }
+
+    async fn add_command(&self, command: &RunCommand) -> Result<(), StoreError> {
+        let mut inner = self.inner.lock().expect("store lock poisoned");
+        if !inner.commands.contains_key(&command.command_id) {
+            inner.command_order.push(command.command_id.clone());
+            inner
+                .commands
+                .insert(command.command_id.clone(), (command.clone(), None));
+        }
+        Ok(())
+    }
+
+    async fn pending_commands(&self, run_id: &str) -> Result<Vec<RunCommand>, StoreError> {
+        let inner = self.inner.lock().expect("store lock poisoned");
+        Ok(inner
+            .command_order
+            .iter()
+            .filter_map(|id| inner.commands.get(id))
+            .filter(|(c, done)| done.is_none() && c.run_id == run_id)
+            .map(|(c, _)| c.clone())
+            .collect())
+    }
+
+    async fn runs_with_commands(&self) -> Result<Vec<String>, StoreError> {
+        let inner = self.inner.lock().expect("store lock poisoned");
+        let mut runs: Vec<String> = Vec::new();
+        for (c, done) in inner.commands.values() {
+            if done.is_none() && !runs.contains(&c.run_id) {
+                runs.push(c.run_id.clone());
+            }
+        }
+        Ok(runs)
+    }
+
+    async fn command_outcome(&self, command_id: &str) -> Result<Option<CommandDone>, StoreError> {
+        let inner = self.inner.lock().expect("store lock poisoned");
+        Ok(inner
+            .commands
+            .get(command_id)
+            .and_then(|(_, done)| done.clone()))
+    }
+
+    async fn end_commands(&self, done: &[CommandDone]) -> Result<(), StoreError> {
+        let mut inner = self.inner.lock().expect("store lock poisoned");
+        for d in done {
+            if let Some((_, outcome)) = inner.commands.get_mut(&d.command_id)
+                && outcome.is_none()
+            {
+                *outcome = Some(d.clone());
+            }
+        }
+        Ok(())
+    }
+
+    async fn claim_waiting(
+        &self,
+        owner: &str,
+        run_id: &str,
+        lease_ttl: Duration,
+    ) -> Result<Option<v1::Run>, StoreError> {
+        let now = SystemTime::now();
+        let mut inner = self.inner.lock().expect("store lock poisoned");
+        let Some(run) = inner
+            .runs
+            .get(run_id)
+            .filter(|r| is_waiting(r.state))
+            .cloned()
+        else {
+            return Ok(None);
+        };
+        if inner
+            .leases
+            .get(run_id)
+            .is_some_and(|(_, until)| *until > now)
+        {
+            return Ok(None);
+        }
+        inner
+            .leases
+            .insert(run_id.to_owned(), (owner.to_owned(), now + lease_ttl));
+        Ok(Some(run))
+    }
+
+    async fn register_replica(&self, replica: &str, endpoint: &str) -> Result<(), StoreError> {
+        let mut inner = self.inner.lock().expect("store lock poisoned");
+        inner
+            .replicas
+            .insert(replica.to_owned(), endpoint.to_owned());
+        Ok(())
+    }
+
+    async fn run_owner(
+        &self,
+        run_id: &str,
+    ) -> Result<Option<(String, Option<String>)>, StoreError> {
+        let now = SystemTime::now();
+        let inner = self.inner.lock().expect("store lock poisoned");
+        Ok(inner
+            .leases
+            .get(run_id)
+            .filter(|(_, until)| *until > now)
+            .map(|(owner, _)| (owner.clone(), inner.replicas.get(owner).cloned())))
+    }
+
+    async fn import_events(&self, events: &[v1::CloudEvent]) -> Result<(), StoreError> {
+        let imported = {
+            let mut inner = self.inner.lock().expect("store lock poisoned");
+            let mut any = false;
+            for e in events {
+                if !inner.outbox_index.contains_key(&e.id) {
+                    let at = inner.outbox.len();
+                    inner.outbox_index.insert(e.id.clone(), at);
+                    inner.outbox.push(e.clone());
+                    any = true;
+                }
+            }
+            any
+        };
+        if imported {
+            let _ = self.notify.send(Committed {
+                run_id: String::new(),
+                last_sequence: 0,
+                cloud: true,
+                events: None,
+                ended: None,
+            });
+        }
+        Ok(())
     }
 
     async fn relay_cursor(&self, relay: &str) -> Result<Option<String>, StoreError> {

@@ -113,7 +113,8 @@ pub struct PrincipalEntry {
     /// appear in the file.
     #[serde(default)]
     pub credential_sha256: Vec<String>,
-    /// Roles: `runs:start`, `runs:read`, `approvals:decide`, `approvals:execute`,
+    /// Roles: `runs:start`, `runs:read`, `runs:resolve` (resume a waiting run: settle a
+    /// conflict, ask for a follow-up, close it), `approvals:decide`, `approvals:execute`,
     /// `tokens:issue`, `approvals:request`, `workers:register`.
     #[serde(default)]
     pub roles: Vec<String>,

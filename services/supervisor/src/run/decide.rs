@@ -7,13 +7,14 @@ use std::time::SystemTime;
 
 use convene_core::join::{self, ExpectedDelegation, JoinInput, JoinState};
 use convene_core::model::LateResultPolicy;
+use convene_core::time::to_timestamp;
 use convene_proto::v1::{self, run_event::Kind};
 use tracing::Instrument as _;
 
 use super::RunActor;
 use super::slot::Slot;
 use crate::crash::CrashPoint;
-use crate::store::{Events, StoreError};
+use crate::store::{Events, StoreError, is_waiting};
 use crate::{events, trace};
 
 impl RunActor {
@@ -39,7 +40,7 @@ impl RunActor {
 
     /// The join's input at `now`: the contract, the `expected` delegations (from
     /// [`Self::expected`]), every result received and the evidence facts known.
-    fn join_input<'a>(
+    pub(super) fn join_input<'a>(
         &'a self,
         expected: &'a [ExpectedDelegation],
         now: SystemTime,
@@ -50,6 +51,7 @@ impl RunActor {
             results: &self.run.received,
             evidence: &self.facts,
             now,
+            settlements: &self.settlements,
         }
     }
 
@@ -66,8 +68,9 @@ impl RunActor {
         if self.terminal() {
             return Ok(());
         }
-        if self.spec.planner.is_some() {
-            // A planner's run decides round by round.
+        if self.spec.planner.is_some() && !self.human_round() {
+            // A planner's run decides round by round (until a person asks for a
+            // follow-up: then the join decides on it as on a static plan's).
             return Box::pin(self.planner_step()).await;
         }
         // The staged results' evidence is asked about once the answer can matter: while
@@ -82,7 +85,12 @@ impl RunActor {
         let expected = self.expected();
         let input = self.join_input(&expected, self.deps.clock.now());
         match span.in_scope(|| join::decide(&input)) {
-            JoinState::Decided(decision) => {
+            JoinState::Decided(mut decision) => {
+                // A run that resumed (a follow-up a person asked for) decides again: the
+                // next revision.
+                if let Some(previous) = &self.run.decision {
+                    decision.revision = previous.revision + 1;
+                }
                 trace::record_decision(&span, &decision);
                 let state = self.state_for(decision.outcome, false);
                 let reason = decision.reasons.first().cloned().unwrap_or_default();
@@ -155,16 +163,37 @@ impl RunActor {
         }
     }
 
-    /// Ends the run: records the decision (if any), files approval requests for proposed
-    /// R2/R3 actions of accepted results, stops what must stop, and commits.
+    /// Stops the run on a decision (if any) in `state`: records the decision, files
+    /// approval requests for proposed R2/R3 actions of accepted results, stops what must
+    /// stop, and commits. A state the join decided (SUCCEEDED, PARTIAL or a waiting
+    /// state) becomes the run's state after people's part ([`Self::settled_state`]):
+    /// waiting while a conflict is open or an action pending, else final.
     pub(super) async fn finish(
+        &mut self,
+        decision: Option<v1::JoinDecision>,
+        state: v1::RunState,
+        reason: String,
+    ) -> Result<(), StoreError> {
+        self.finish_with(decision, state, reason, Events::default())
+            .await
+    }
+
+    /// [`Self::finish`], committing `ev` (what led to it) with the end.
+    pub(super) async fn finish_with(
         &mut self,
         decision: Option<v1::JoinDecision>,
         mut state: v1::RunState,
         reason: String,
+        mut ev: Events,
     ) -> Result<(), StoreError> {
         let t = self.deps.clock.now();
-        let mut ev = Events::default();
+        let decided_by_join = matches!(
+            state,
+            v1::RunState::Succeeded
+                | v1::RunState::Partial
+                | v1::RunState::WaitingInput
+                | v1::RunState::WaitingApproval
+        );
         // A planner's run ends on the decision its last round recorded already: its
         // approval requests are filed now, and it is not recorded twice.
         let recorded = decision.is_some() && decision == self.run.decision;
@@ -172,18 +201,43 @@ impl RunActor {
             if !recorded {
                 self.record_decision(&decision, &mut ev, t);
             }
-            let filed = self.file_approvals(&decision, &mut ev).await;
-            if !filed.is_empty() && state == v1::RunState::WaitingInput {
-                state = v1::RunState::WaitingApproval;
+            if decided_by_join {
+                let filed = self.file_approvals(&decision).await;
+                let run = Arc::make_mut(&mut self.run);
+                for action in filed {
+                    if !run.approval_ids.contains(&action.approval_id) {
+                        run.approval_ids.push(action.approval_id.clone());
+                        run.actions.push(action);
+                    }
+                }
             }
-            Arc::make_mut(&mut self.run).approval_ids.extend(filed);
         }
+        if decided_by_join {
+            state = self.settled_state();
+        }
+        self.stop_in(state, reason, ev).await
+    }
+
+    /// Puts the run in the stopped `state` (final or waiting) with `reason`, stops what
+    /// must stop, and commits `ev` with the events of the stop: `waiting` (a new ticket
+    /// when the run begins to wait or its ticket was used) or `terminal` and
+    /// `run.completed`, once.
+    pub(super) async fn stop_in(
+        &mut self,
+        state: v1::RunState,
+        reason: String,
+        mut ev: Events,
+    ) -> Result<(), StoreError> {
+        let t = self.deps.clock.now();
+        let was = self.run.state;
         Arc::make_mut(&mut self.run).state = state as i32;
         if !reason.is_empty() {
             Arc::make_mut(&mut self.run).terminal_reason = reason.clone();
         }
+        let waiting = is_waiting(state as i32);
         // In-flight delegations: under APPEND_REVISION their results may still revise
-        // the decision, so they keep running to their own deadlines; otherwise they stop.
+        // the decision of a run that stopped, so they keep running to their own
+        // deadlines; otherwise they stop.
         let keep_running = state != v1::RunState::Cancelled
             && self.spec.join.late_result == LateResultPolicy::AppendRevision
             && !self.cancel.is_cancelled();
@@ -198,6 +252,15 @@ impl RunActor {
             if d.state == v1::DelegationState::Pending as i32 && !in_flight {
                 d.state = v1::DelegationState::Cancelled as i32;
                 d.detail = "the run ended before it was dispatched".to_owned();
+                never_started.push(i);
+            } else if d.state == v1::DelegationState::Dispatched as i32
+                && !in_flight
+                && d.result.is_none()
+            {
+                // Dispatched by a replica that died; this one ends the run before
+                // dispatching it again.
+                d.state = v1::DelegationState::Cancelled as i32;
+                d.detail = "the run ended before this delegation answered".to_owned();
                 never_started.push(i);
             } else if dormant && d.result.is_none() {
                 d.state = v1::DelegationState::Cancelled as i32;
@@ -220,19 +283,64 @@ impl RunActor {
             }
             self.cancel.cancel();
         }
-        let e = self.event(Kind::Terminal(v1::RunTerminal {
-            state: state as i32,
-            outcome: self.run.outcome,
-            reason,
-        }));
-        ev.run.push(e);
-        ev.cloud.push(events::cloud(
-            events::RUN_COMPLETED,
-            &self.run,
-            None,
-            t,
-            events::run_completed_data(&self.run),
-        ));
+        if waiting {
+            let fresh = !is_waiting(was) || self.ticket_used || self.run.ticket.is_none();
+            if fresh {
+                self.ticket_used = false;
+                // Versions count the run's waits: past the current ticket and every
+                // ticket an input was given under.
+                let version = self
+                    .run
+                    .human_decisions
+                    .iter()
+                    .filter_map(|h| h.ticket.as_ref())
+                    .chain(self.run.ticket.as_ref())
+                    .map(|t| t.version)
+                    .max()
+                    .unwrap_or(0)
+                    + 1;
+                Arc::make_mut(&mut self.run).ticket = Some(v1::RunTicket {
+                    id: uuid::Uuid::now_v7().to_string(),
+                    version,
+                    issued_at: Some(to_timestamp(t)),
+                });
+            }
+            if fresh || was != state as i32 {
+                let waiting = self.waiting_event(state, reason);
+                ev.cloud.push(events::cloud(
+                    events::RUN_WAITING,
+                    &self.run,
+                    None,
+                    t,
+                    events::run_waiting_data(&self.run, &waiting),
+                ));
+                let e = self.event(Kind::Waiting(waiting));
+                ev.run.push(e);
+            }
+        } else {
+            // Nothing to resume any more.
+            Arc::make_mut(&mut self.run).ticket = None;
+            let e = self.event(Kind::Terminal(v1::RunTerminal {
+                state: state as i32,
+                outcome: self.run.outcome,
+                reason,
+            }));
+            ev.run.push(e);
+            ev.cloud.push(events::cloud(
+                events::RUN_COMPLETED,
+                &self.run,
+                None,
+                t,
+                events::run_completed_data(&self.run),
+            ));
+        }
+        // A waiting run gives up its lease with this commit, unless delegations whose
+        // late results may still revise its decision are in flight: then when they are
+        // done (see `RunActor::stop`).
+        if waiting && !(keep_running && self.slots.iter().any(Slot::in_flight)) {
+            ev.release = true;
+            self.lease_released = true;
+        }
         let decided = self.run.decision.is_some();
         self.commit(ev).await?;
         if decided {
@@ -243,7 +351,8 @@ impl RunActor {
             run_id = %self.run.run_id,
             state = events::run_state_name(self.run.state),
             outcome = events::outcome_name(self.run.outcome),
-            "run finished"
+            "{}",
+            if waiting { "run waits for people" } else { "run finished" }
         );
         Ok(())
     }

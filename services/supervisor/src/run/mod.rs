@@ -38,6 +38,7 @@ mod slot;
 mod staging;
 mod start;
 mod verify;
+mod waiting;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -83,11 +84,8 @@ pub(crate) enum Msg {
         worker_id: Option<String>,
         outcome: Box<Result<v1::TaskResult, Error>>,
     },
-    /// Cancel the run.
-    Cancel {
-        reason: String,
-        reply: oneshot::Sender<v1::Run>,
-    },
+    /// Commands for the run are stored: apply them (see [`waiting`]).
+    Commands,
     /// A worker asks for child delegations under its own token.
     Delegate(Box<DelegateAsk>),
     /// A result delivered out of band (e.g. a redelivery); it goes through the same
@@ -160,6 +158,14 @@ pub(crate) struct RunActor {
     join_timer: Option<SystemTime>,
     /// The planner's runtime state (a run with a planner only).
     planner: Option<Box<planner::PlannerRt>>,
+    /// People's settlements of conflicts, by topic (from `run.human_decisions`): the
+    /// join's input.
+    settlements: BTreeMap<String, v1::ConflictSettlement>,
+    /// Whether the run's current ticket was used by an input: its next wait gets a new
+    /// one.
+    ticket_used: bool,
+    /// Whether the run's lease was given up with its last commit (it waits).
+    lease_released: bool,
 }
 
 /// Why an actor stopped.
@@ -321,6 +327,24 @@ impl RunActor {
         let max_parallel = spec.limits.max_parallel_workers as usize;
         live.insert(run.run_id.clone(), tx.clone());
         drop(live);
+        let settlements = run
+            .human_decisions
+            .iter()
+            .filter(|h| h.kind == v1::HumanDecisionKind::Settle as i32)
+            .map(|h| {
+                (
+                    h.topic.clone(),
+                    v1::ConflictSettlement {
+                        delegation_id: h.delegation_id.clone(),
+                        value: h.value.clone(),
+                        decided_by: h.decided_by.clone(),
+                        rationale: h.rationale.clone(),
+                        evidence_ids: h.evidence_ids.clone(),
+                        decided_at: h.decided_at,
+                    },
+                )
+            })
+            .collect();
         let run = Arc::new(run);
         let actor = RunActor {
             deps,
@@ -345,6 +369,9 @@ impl RunActor {
             tasks_in_flight: 0,
             join_timer: None,
             planner: None,
+            settlements,
+            ticket_used: false,
+            lease_released: false,
         };
         (tx, Some(actor))
     }
@@ -376,6 +403,18 @@ impl RunActor {
             self.end_delegation_span(index);
         }
         match exit {
+            Exit::Done if crate::store::is_waiting(self.run.state) => {
+                // A waiting run keeps its tokens (a follow-up may need the run's again);
+                // its lease went with the commit that made it wait, unless delegations
+                // were in flight then or nothing was committed since this replica
+                // claimed it.
+                if !self.lease_released
+                    && let Some(lease) = &self.deps.lease
+                    && let Err(e) = self.deps.store.release(&lease.owner, &run_id).await
+                {
+                    tracing::warn!(run_id, error = %e, "the waiting run's lease could not be released; it lapses");
+                }
+            }
             Exit::Done => {
                 // Tokens of a finished run are useless to anyone but an attacker. (Only
                 // then: a revoked run stays revoked, so a run resumed later could not
@@ -383,6 +422,9 @@ impl RunActor {
                 if let Err(error) = self.deps.revoker.revoke(run_id.clone()).await {
                     tracing::warn!(run_id, %error, "could not revoke the run's tokens");
                 }
+            }
+            Exit::Lost(_) if crate::store::is_waiting(self.run.state) => {
+                tracing::debug!(run_id, "the run waits: its lease was given up");
             }
             Exit::Shutdown => {
                 // Progress held for a later commit is committed first, so whoever
@@ -539,14 +581,7 @@ impl RunActor {
                 }
                 self.settle().await
             }
-            Msg::Cancel { reason, reply } => {
-                if !self.terminal() {
-                    self.cancel.cancel();
-                    self.finish(None, v1::RunState::Cancelled, reason).await?;
-                }
-                let _ = reply.send((*self.run).clone());
-                Ok(())
-            }
+            Msg::Commands => Box::pin(self.on_commands()).await,
             Msg::Delegate(ask) => {
                 let DelegateAsk {
                     claims,

@@ -251,6 +251,8 @@ impl RunActor {
         let mut ev = Events {
             run: vec![e],
             cloud: vec![cloud],
+            commands: Vec::new(),
+            release: false,
         };
         if self.slots[index].top_level {
             Arc::make_mut(&mut self.run).received.push(result);

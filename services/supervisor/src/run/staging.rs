@@ -95,6 +95,8 @@ impl Staging {
         let mut all = std::mem::take(&mut self.staged);
         all.run.extend(events.run);
         all.cloud.extend(events.cloud);
+        all.commands.extend(events.commands);
+        all.release |= events.release;
         (all, std::mem::take(&mut self.joined))
     }
 

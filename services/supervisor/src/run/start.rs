@@ -98,13 +98,17 @@ impl RunActor {
         );
 
         let no_task = v1::DelegationTask::default();
+        // A waiting run was claimed for a command: nothing of it is dispatched again
+        // (its delegations stopped when it began to wait).
+        let waiting = crate::store::is_waiting(self.run.state);
         // Top-level delegations to dispatch again, and those whose results the join has.
         let mut redispatch = Vec::new();
         let mut verify = Vec::new();
         for (i, d) in self.run.delegations.iter().enumerate() {
             let task = d.task.as_ref().unwrap_or(&no_task);
             let top_level = task.parent_delegation_id.is_empty();
-            let settled = d.result.is_some()
+            let settled = waiting
+                || d.result.is_some()
                 || matches!(
                     v1::DelegationState::try_from(d.state),
                     Ok(v1::DelegationState::Dropped
@@ -195,6 +199,13 @@ impl RunActor {
             }
         }
         self.verify_staged().await;
+        // Commands stored while no actor ran the run (a takeover, a waiting run claimed
+        // for them) are applied before anything else happens to it: a cancel before any
+        // dispatch or deadline.
+        Box::pin(self.on_commands()).await?;
+        if self.terminal() && !waiting {
+            return Ok(());
+        }
         for i in redispatch {
             self.batches[0].queue.push_back(i);
         }
@@ -324,6 +335,8 @@ pub(super) async fn fail_stored(deps: Arc<Deps>, mut run: v1::Run, reason: Strin
             t,
             events::run_completed_data(&run),
         )],
+        commands: Vec::new(),
+        release: false,
     };
     if let Err(e) = deps.store.commit(&run, &events).await {
         tracing::error!(run_id = %run.run_id, error = %e, "the failed run could not be stored");

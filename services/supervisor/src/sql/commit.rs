@@ -13,7 +13,9 @@ use prost::Message as _;
 
 use super::rows::{decode, ts_micros};
 use super::{Last, SqlRunStore};
-use crate::store::{Created, Events, IdempotencyKey, StoreError, is_terminal};
+use crate::store::{
+    CommandDone, Created, Events, IdempotencyKey, StoreError, is_terminal, is_waiting,
+};
 
 impl SqlRunStore {
     pub(super) async fn create_run(
@@ -126,13 +128,19 @@ impl SqlRunStore {
         // The version and lease checks again, in the write itself: they hold for the row
         // as it is then (SQLite has one writer; PostgreSQL locks the row it updates).
         // With leases, a run another replica claimed is not this one's to write.
+        // A run that begins to wait is nobody's: its lease goes in the same write
+        // (`release`), and a command for it makes a replica claim it again.
         let text = if me.is_some() {
             "UPDATE runs SET state = $3, terminal = $4, version = $5, \
-             updated_at = $6, trace_id = $7, body = $8 \
-             WHERE run_id = $1 AND version = $2 AND (owner IS NULL OR owner = $9)"
+             updated_at = $6, trace_id = $7, body = $8, waiting = $9, \
+             owner = CASE WHEN $10 THEN NULL ELSE owner END, \
+             lease_until = CASE WHEN $10 THEN NULL ELSE lease_until END \
+             WHERE run_id = $1 AND version = $2 AND (owner IS NULL OR owner = $11)"
         } else {
             "UPDATE runs SET state = $3, terminal = $4, version = $5, \
-             updated_at = $6, trace_id = $7, body = $8 \
+             updated_at = $6, trace_id = $7, body = $8, waiting = $9, \
+             owner = CASE WHEN $10 THEN NULL ELSE owner END, \
+             lease_until = CASE WHEN $10 THEN NULL ELSE lease_until END \
              WHERE run_id = $1 AND version = $2"
         };
         let mut update = sql(text)
@@ -143,7 +151,9 @@ impl SqlRunStore {
             .bind(run.version)
             .bind(ts_micros(run.updated_at.as_ref()))
             .bind(&run.trace_id)
-            .bind(run.encode_to_vec());
+            .bind(run.encode_to_vec())
+            .bind(is_waiting(run.state))
+            .bind(events.release);
         if let Some(me) = &me {
             update = update.bind(me);
         }
@@ -324,7 +334,23 @@ pub(super) fn appends(run: &v1::Run, events: &Events) -> Vec<Append> {
             .bind(e.encode_to_vec())
     });
     out.extend(run_events.into_iter().chain(outbox).map(Append::Always));
+    // The commands this change applied are done in the same transaction.
+    for done in &events.commands {
+        out.push(Append::Always(command_done(done, updated_at)));
+    }
     out
+}
+
+/// Marks one command done with its outcome (a command done already stays as it was).
+pub(super) fn command_done(done: &CommandDone, at: i64) -> Statement {
+    sql(
+        "UPDATE run_commands SET done = TRUE, done_at = $2, outcome_code = $3, \
+         outcome_message = $4 WHERE command_id = $1 AND NOT done",
+    )
+    .bind(&done.command_id)
+    .bind(at)
+    .bind(done.code)
+    .bind(&done.message)
 }
 
 // A commit's rows of each kind go in one statement (in pieces of at most 32 rows: a

@@ -27,9 +27,10 @@
 //! The store's code is split by concern: this module holds the store, its memory of
 //! the runs it committed and the [`RunStore`] implementation; `commit` writes runs and
 //! what a commit appends, `read` reads runs and their events, `leases` claims, renews
-//! and releases runs, `events` watches the event tables for other processes' commits
+//! and releases runs, `commands` keeps the commands for runs, `events` watches the event tables for other processes' commits
 //! and keeps the relay's cursor, and `rows` decodes stored rows.
 
+mod commands;
 mod commit;
 mod events;
 mod leases;
@@ -50,7 +51,8 @@ use self::commit::latest_revision;
 use self::events::{ends, poll};
 use self::rows::{decode, narrow};
 use crate::store::{
-    Committed, Created, Events, IdempotencyKey, Page, RunStore, StoreError, is_terminal,
+    CommandDone, Committed, Created, Events, IdempotencyKey, Page, RunCommand, RunStore,
+    StoreError, is_terminal,
 };
 
 /// How often other processes' commits are looked for.
@@ -386,6 +388,50 @@ impl RunStore for SqlRunStore {
 
     async fn release(&self, owner: &str, run_id: &str) -> Result<bool, StoreError> {
         self.release_lease(owner, run_id).await
+    }
+
+    async fn add_command(&self, command: &RunCommand) -> Result<(), StoreError> {
+        self.insert_command(command).await
+    }
+
+    async fn pending_commands(&self, run_id: &str) -> Result<Vec<RunCommand>, StoreError> {
+        self.read_pending_commands(run_id).await
+    }
+
+    async fn runs_with_commands(&self) -> Result<Vec<String>, StoreError> {
+        self.read_runs_with_commands().await
+    }
+
+    async fn command_outcome(&self, command_id: &str) -> Result<Option<CommandDone>, StoreError> {
+        self.read_command_outcome(command_id).await
+    }
+
+    async fn end_commands(&self, done: &[CommandDone]) -> Result<(), StoreError> {
+        self.write_commands_done(done).await
+    }
+
+    async fn claim_waiting(
+        &self,
+        owner: &str,
+        run_id: &str,
+        lease_ttl: Duration,
+    ) -> Result<Option<v1::Run>, StoreError> {
+        self.claim_waiting_run(owner, run_id, lease_ttl).await
+    }
+
+    async fn import_events(&self, events: &[v1::CloudEvent]) -> Result<(), StoreError> {
+        self.insert_foreign_events(events).await
+    }
+
+    async fn register_replica(&self, replica: &str, endpoint: &str) -> Result<(), StoreError> {
+        self.write_replica(replica, endpoint).await
+    }
+
+    async fn run_owner(
+        &self,
+        run_id: &str,
+    ) -> Result<Option<(String, Option<String>)>, StoreError> {
+        self.read_run_owner(run_id).await
     }
 
     async fn relay_cursor(&self, relay: &str) -> Result<Option<String>, StoreError> {

@@ -10,7 +10,9 @@ use std::time::{Duration, SystemTime};
 use convene_core::time::to_timestamp;
 use convene_proto::v1;
 use convene_store::test_util::{TestDatabase, test_databases};
-use convene_supervisor::store::{Created, Events, IdempotencyKey, RunStore, StoreError};
+use convene_supervisor::store::{
+    CommandDone, CommandKind, Created, Events, IdempotencyKey, RunCommand, RunStore, StoreError,
+};
 use convene_supervisor::{MemoryStore, SqlRunStore};
 
 /// A store under test, with what keeps its database alive.
@@ -92,6 +94,8 @@ fn events(run: &v1::Run, sequence: u64, kind: &str) -> Events {
     Events {
         run: vec![run_event(run, sequence)],
         cloud: vec![cloud(run, kind)],
+        commands: Vec::new(),
+        release: false,
     }
 }
 
@@ -361,6 +365,8 @@ async fn a_commit_with_many_events_stores_every_one_in_order() {
             cloud: (0..MANY)
                 .map(|n| cloud(&wide, &format!("wide.{n}")))
                 .collect(),
+            commands: Vec::new(),
+            release: false,
         };
         store.commit(&wide, &many).await.unwrap();
         let last = next(&wide, v1::RunState::Succeeded);
@@ -922,6 +928,8 @@ async fn the_poll_reports_each_run_once_with_its_highest_sequence() {
         let three = Events {
             run: (2..=4).map(|n| run_event(&a2, n)).collect(),
             cloud: Vec::new(),
+            commands: Vec::new(),
+            release: false,
         };
         there.commit(&a2, &three).await.unwrap();
 
@@ -951,6 +959,194 @@ async fn the_poll_reports_each_run_once_with_its_highest_sequence() {
             again.is_err(),
             "{}: rows already reported come again: {again:?}",
             t.label
+        );
+    }
+}
+
+/// A cancel command for `run`.
+fn cancel_command(run: &v1::Run, id: &str) -> RunCommand {
+    RunCommand {
+        command_id: id.to_owned(),
+        run_id: run.run_id.clone(),
+        principal: "oncall@acme".to_owned(),
+        created_at: Some(to_timestamp(SystemTime::now())),
+        kind: Some(CommandKind::Cancel(v1::CancelRunRequest {
+            run_id: run.run_id.clone(),
+            reason: id.to_owned(),
+        })),
+    }
+}
+
+#[tokio::test]
+async fn commands_are_stored_once_and_done_with_the_commit_that_applies_them() {
+    for s in subjects().await {
+        let store = &*s.store;
+        let run = new_run("acme");
+        create(store, &run).await;
+        store
+            .add_command(&cancel_command(&run, "c1"))
+            .await
+            .unwrap();
+        store
+            .add_command(&cancel_command(&run, "c2"))
+            .await
+            .unwrap();
+        // The same id again (two replicas taking one event) is stored once.
+        store
+            .add_command(&cancel_command(&run, "c1"))
+            .await
+            .unwrap();
+        let pending = store.pending_commands(&run.run_id).await.unwrap();
+        let ids: Vec<&str> = pending.iter().map(|c| c.command_id.as_str()).collect();
+        assert_eq!(ids, ["c1", "c2"], "{}: oldest first, once each", s.label);
+        assert_eq!(
+            pending[0].kind,
+            cancel_command(&run, "c1").kind,
+            "{}",
+            s.label
+        );
+        assert_eq!(
+            store.runs_with_commands().await.unwrap(),
+            std::slice::from_ref(&run.run_id),
+            "{}",
+            s.label
+        );
+        assert_eq!(store.command_outcome("c1").await.unwrap(), None);
+
+        // A commit that applies c1 marks it done with its outcome, in one transaction.
+        let changed = next(&run, v1::RunState::Cancelled);
+        let mut ev = events(&changed, 2, "dev.convene.run.completed.v1");
+        ev.commands.push(CommandDone {
+            command_id: "c1".to_owned(),
+            code: 0,
+            message: "cancelled".to_owned(),
+        });
+        store.commit(&changed, &ev).await.unwrap();
+        let done = store.command_outcome("c1").await.unwrap().expect("done");
+        assert_eq!(
+            (done.code, done.message.as_str()),
+            (0, "cancelled"),
+            "{}",
+            s.label
+        );
+        // A command done elsewhere, with a refusal.
+        store
+            .end_commands(&[CommandDone {
+                command_id: "c2".to_owned(),
+                code: 9,
+                message: "the run had ended".to_owned(),
+            }])
+            .await
+            .unwrap();
+        assert_eq!(
+            store.command_outcome("c2").await.unwrap().map(|d| d.code),
+            Some(9)
+        );
+        assert!(
+            store
+                .pending_commands(&run.run_id)
+                .await
+                .unwrap()
+                .is_empty()
+        );
+        assert!(
+            store.runs_with_commands().await.unwrap().is_empty(),
+            "{}",
+            s.label
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_waiting_run_is_nobodys_until_claimed_for_a_command() {
+    for s in subjects().await {
+        let store = &*s.store;
+        let run = new_run("acme");
+        create(store, &run).await;
+        let hour = Duration::from_secs(3600);
+        let claimed = store.claim_runs("replica-a", hour, 10).await.unwrap();
+        assert_eq!(claimed.len(), 1, "{}", s.label);
+        // It begins to wait: its lease goes with the commit.
+        let waiting = next(&run, v1::RunState::WaitingInput);
+        let mut ev = events(&waiting, 2, "dev.convene.run.waiting.v1");
+        ev.release = true;
+        store.commit(&waiting, &ev).await.unwrap();
+        assert!(
+            store
+                .claim_runs("replica-b", hour, 10)
+                .await
+                .unwrap()
+                .is_empty(),
+            "{}: the claim loop never takes a waiting run",
+            s.label
+        );
+        assert!(
+            store
+                .renew_lease("replica-a", std::slice::from_ref(&run.run_id), hour)
+                .await
+                .unwrap()
+                .is_empty(),
+            "{}: replica a holds it no more",
+            s.label
+        );
+        // A command gets it claimed, by one replica.
+        let got = store
+            .claim_waiting("replica-b", &run.run_id, hour)
+            .await
+            .unwrap();
+        assert_eq!(got.map(|r| r.version), Some(2), "{}", s.label);
+        assert!(
+            store
+                .claim_waiting("replica-a", &run.run_id, hour)
+                .await
+                .unwrap()
+                .is_none(),
+            "{}: held by b",
+            s.label
+        );
+        // A running or ended run is never claimed this way.
+        let other = new_run("acme");
+        create(store, &other).await;
+        assert!(
+            store
+                .claim_waiting("replica-a", &other.run_id, hour)
+                .await
+                .unwrap()
+                .is_none(),
+            "{}",
+            s.label
+        );
+    }
+}
+
+#[tokio::test]
+async fn events_of_another_service_join_the_outbox_once() {
+    for s in subjects().await {
+        let store = &*s.store;
+        let run = new_run("acme");
+        create(store, &run).await;
+        let mut foreign = cloud(&run, "dev.convene.approval.decided.v1");
+        foreign.source = "convene://approval".to_owned();
+        store
+            .import_events(std::slice::from_ref(&foreign))
+            .await
+            .unwrap();
+        store
+            .import_events(std::slice::from_ref(&foreign))
+            .await
+            .unwrap();
+        let all = store.cloud_events(None, 100).await.unwrap();
+        let copies = all.iter().filter(|e| e.id == foreign.id).count();
+        assert_eq!(copies, 1, "{}: deduplicated by event id", s.label);
+        store
+            .acknowledge("approval-events", &foreign.id)
+            .await
+            .unwrap();
+        assert_eq!(
+            store.relay_cursor("approval-events").await.unwrap(),
+            Some(foreign.id.clone()),
+            "{}",
+            s.label
         );
     }
 }

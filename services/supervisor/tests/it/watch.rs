@@ -15,7 +15,7 @@ use convene_proto::v1::supervisor_server::Supervisor as _;
 use convene_proto::v1::{self, run_event::Kind};
 use convene_server::Shutdown;
 use convene_supervisor::store::{
-    Committed, Created, Events, IdempotencyKey, Page, RunStore, StoreError,
+    CommandDone, Committed, Created, Events, IdempotencyKey, Page, RunCommand, RunStore, StoreError,
 };
 use convene_supervisor::{Config, MemoryStore, MeshConnector, Parts};
 use futures::StreamExt as _;
@@ -100,6 +100,41 @@ impl RunStore for Counting {
     async fn acknowledge(&self, relay: &str, event_id: &str) -> Result<(), StoreError> {
         self.inner.acknowledge(relay, event_id).await
     }
+    async fn add_command(&self, command: &RunCommand) -> Result<(), StoreError> {
+        self.inner.add_command(command).await
+    }
+    async fn pending_commands(&self, run_id: &str) -> Result<Vec<RunCommand>, StoreError> {
+        self.inner.pending_commands(run_id).await
+    }
+    async fn runs_with_commands(&self) -> Result<Vec<String>, StoreError> {
+        self.inner.runs_with_commands().await
+    }
+    async fn command_outcome(&self, command_id: &str) -> Result<Option<CommandDone>, StoreError> {
+        self.inner.command_outcome(command_id).await
+    }
+    async fn end_commands(&self, done: &[CommandDone]) -> Result<(), StoreError> {
+        self.inner.end_commands(done).await
+    }
+    async fn claim_waiting(
+        &self,
+        owner: &str,
+        run_id: &str,
+        lease_ttl: Duration,
+    ) -> Result<Option<v1::Run>, StoreError> {
+        self.inner.claim_waiting(owner, run_id, lease_ttl).await
+    }
+    async fn import_events(&self, events: &[v1::CloudEvent]) -> Result<(), StoreError> {
+        self.inner.import_events(events).await
+    }
+    async fn register_replica(&self, replica: &str, endpoint: &str) -> Result<(), StoreError> {
+        self.inner.register_replica(replica, endpoint).await
+    }
+    async fn run_owner(
+        &self,
+        run_id: &str,
+    ) -> Result<Option<(String, Option<String>)>, StoreError> {
+        self.inner.run_owner(run_id).await
+    }
 }
 
 const TENANT: &str = "acme-payments";
@@ -154,6 +189,8 @@ async fn finish(store: &Counting, run: &v1::Run) {
             }),
         )],
         cloud: vec![cloud(&ended, convene_supervisor::events::RUN_COMPLETED)],
+        commands: Vec::new(),
+        release: false,
     };
     store.commit(&ended, &events).await.expect("committed");
 }
@@ -163,6 +200,8 @@ async fn start(store: &Counting, run: &v1::Run) {
     let events = Events {
         run: vec![event(run, 1, Kind::Started(run.clone()))],
         cloud: Vec::new(),
+        commands: Vec::new(),
+        release: false,
     };
     store.create(run, None, &events).await.expect("created");
 }

@@ -747,6 +747,7 @@ impl RunActor {
             results: &self.run.received,
             evidence: &self.facts,
             now,
+            settlements: &self.settlements,
         };
         let mut decision = span.in_scope(|| match join::decide(&input) {
             JoinState::Decided(d) => d,
@@ -872,6 +873,7 @@ impl RunActor {
             results: &self.run.received,
             evidence: &self.facts,
             now: self.deps.clock.now(),
+            settlements: &self.settlements,
         };
         let mut d = join::assess(&input);
         d.revision = 1;
