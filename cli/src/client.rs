@@ -109,15 +109,23 @@ impl Client {
                     self.endpoint
                 )
             }
-            Code::Unauthenticated => anyhow::anyhow!(
-                "not authenticated{}: {msg}",
-                if self.principal.is_empty() {
-                    String::new()
-                } else {
-                    format!(" as {}", self.principal)
-                }
+            Code::Unauthenticated => {
+                anyhow::anyhow!("not authenticated{}: {msg}", self.acting_as())
+            }
+            Code::PermissionDenied => anyhow::anyhow!(
+                "not permitted{}: {msg} (act as a principal that may, with --as PRINCIPAL)",
+                self.acting_as()
             ),
             code => anyhow::anyhow!("{msg} ({code:?})"),
+        }
+    }
+
+    /// ` as <principal>` when the principal is known, for messages.
+    fn acting_as(&self) -> String {
+        if self.principal.is_empty() {
+            String::new()
+        } else {
+            format!(" as {}", self.principal)
         }
     }
 }

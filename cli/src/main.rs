@@ -3,9 +3,11 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::{ArgGroup, Parser, Subcommand, ValueEnum};
 use convene_cli::client::{Client, DEFAULT_DATA_DIR, DEFAULT_ENDPOINT};
-use convene_cli::commands::{self, EventsOptions, RunOptions};
+use convene_cli::commands::{
+    self, ApprovalVerb, EventsOptions, ResolveInput, ResolveOptions, RunOptions,
+};
 use convene_cli::{bench, report, spec, up};
 use convene_proto::v1;
 use convene_server::cli::{LogFormat, ServiceArgs};
@@ -15,6 +17,18 @@ use convene_server::{Shutdown, dump};
 /// allocation than the system allocator here.
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+/// Which run states are waiting and which final, for the help of the commands that
+/// show runs.
+const RUN_STATES_HELP: &str = "\
+Run states:
+  active   PENDING, RUNNING
+  waiting  WAITING_INPUT (a conflict is open: settle it with `convene runs resolve`),
+           WAITING_APPROVAL (an approval request the run filed is pending:
+           `convene approvals list --run <run>`). Not final: the run holds no worker
+           meanwhile and resumes when people act.
+  final    SUCCEEDED, PARTIAL, FAILED, REJECTED, BUDGET_EXHAUSTED, NO_PROGRESS,
+           CANCELLED. The run has ended and never changes state again.";
 
 /// convene: a control plane for supervised multi-agent work.
 ///
@@ -70,11 +84,16 @@ enum Command {
         service: ServeCommand,
     },
     /// Submit a run spec, show live progress (one line per delegation) and print the
-    /// assessment. Exit status 0 for SUCCEEDED, PARTIAL and WAITING_APPROVAL.
+    /// assessment once the run stops: it ended, or it waits for people (then it says for
+    /// what, and the commands that continue it). Exit status 0 for SUCCEEDED, PARTIAL and
+    /// the waiting states WAITING_INPUT and WAITING_APPROVAL; 2 for the other final
+    /// states.
+    #[command(after_help = RUN_STATES_HELP)]
     Run {
         /// Run spec file (YAML or JSON, protobuf JSON mapping).
         file: PathBuf,
-        /// Print the final Run as JSON (protobuf JSON mapping) instead of the assessment.
+        /// Print the Run as it stopped as JSON (protobuf JSON mapping) instead of the
+        /// assessment.
         #[arg(long)]
         json: bool,
         /// Print the run id as soon as the run is accepted and return.
@@ -128,8 +147,8 @@ enum Command {
         #[arg(long = "run", value_name = "RUN_ID")]
         run_id: Option<String>,
         /// Only events of this type (repeatable): dev.convene.run.completed.v1, or short
-        /// run.started, delegation.completed, join.decided, run.completed,
-        /// approval.requested.
+        /// run.started, delegation.completed, join.decided, run.waiting, run.resumed,
+        /// run.completed (a run ended, once per run), approval.requested.
         #[arg(long = "type", value_name = "TYPE")]
         types: Vec<String>,
         /// Print each event as one line of JSON in the CloudEvents JSON format
@@ -139,7 +158,7 @@ enum Command {
         #[command(flatten)]
         client: ClientArgs,
     },
-    /// Inspect runs.
+    /// Inspect runs, continue waiting ones, cancel them.
     Runs {
         #[command(subcommand)]
         command: RunsCommand,
@@ -172,7 +191,9 @@ enum ServeCommand {
 
 #[derive(Debug, Subcommand)]
 enum RunsCommand {
-    /// Show one run as an assessment (or JSON).
+    /// Show one run as an assessment (or JSON): for a waiting run also what it waits
+    /// for and the commands that continue it.
+    #[command(after_help = RUN_STATES_HELP)]
     Get {
         /// The run id.
         run_id: String,
@@ -183,8 +204,10 @@ enum RunsCommand {
         client: ClientArgs,
     },
     /// List your tenant's runs, newest first.
+    #[command(after_help = RUN_STATES_HELP)]
     List {
-        /// Only runs in this state (repeatable).
+        /// Only runs in this state (repeatable): active (pending, running), waiting
+        /// (waiting-input, waiting-approval) or final (the others).
         #[arg(long = "state", value_enum)]
         states: Vec<RunStateArg>,
         /// How many runs to show.
@@ -196,14 +219,74 @@ enum RunsCommand {
         #[command(flatten)]
         client: ClientArgs,
     },
-    /// Cancel a run; its in-flight delegations are cancelled and late results never
-    /// reopen it.
+    /// Cancel a run, a waiting one included: its in-flight delegations, task tokens and
+    /// pending approval requests are cancelled, and late results never reopen it. Says
+    /// whether the run is cancelled, the cancellation is pending with the replica that
+    /// owns the run, or the run had already ended.
     Cancel {
         /// The run id.
         run_id: String,
         /// Why (recorded as the run's terminal reason).
         #[arg(long, default_value = "")]
         reason: String,
+        /// Print the CancelRunResponse as JSON (protobuf JSON mapping).
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+    /// Continue a waiting run with your decision: settle a conflict by choosing one side
+    /// (--choose), ask for a follow-up delegation (--follow-up-profile with --goal), or
+    /// close the run as it stands (--close). Your principal needs the `runs:resolve`
+    /// role; the decision is recorded with it and your rationale, apart from the
+    /// evidence-backed claims.
+    ///
+    /// The decision applies to one wait of the run, named by its ticket: without
+    /// --ticket the run's current ticket is read and used (and printed). A ticket that
+    /// is no longer current (someone acted first, or the run moved on) is refused.
+    #[command(group(
+        ArgGroup::new("input")
+            .required(true)
+            .args(["choose", "follow_up_profile", "close"]),
+    ))]
+    Resolve {
+        /// The run id.
+        run_id: String,
+        /// The conflict's topic, e.g. primary_cause. Required with --choose. With
+        /// --follow-up-profile or --close it is optional: when given, the command
+        /// checks that the run has an open conflict on it and refuses otherwise (it is
+        /// not sent; the rationale says what the decision is about).
+        #[arg(long, value_name = "TOPIC")]
+        topic: Option<String>,
+        /// Settle the conflict on --topic by choosing this side: a delegation id, or
+        /// the delegation's name in the run spec (e.g. changes).
+        #[arg(long, value_name = "DELEGATION", requires = "topic")]
+        choose: Option<String>,
+        /// Ask this worker profile for a follow-up delegation (with --goal); it runs
+        /// as a new round under the run's limits and the join decides again.
+        #[arg(long, value_name = "PROFILE", requires = "goal")]
+        follow_up_profile: Option<String>,
+        /// With --follow-up-profile: what the follow-up must establish.
+        #[arg(long, value_name = "TEXT", requires = "follow_up_profile")]
+        goal: Option<String>,
+        /// End the run as it stands: open conflicts stay unresolved, pending approval
+        /// requests are cancelled.
+        #[arg(long)]
+        close: bool,
+        /// Why, in your words (recorded with your principal).
+        #[arg(long, value_name = "TEXT")]
+        rationale: String,
+        /// With --choose: an evidence id you relied on (repeatable); each must be cited
+        /// by a claim of the conflict.
+        #[arg(long = "evidence", value_name = "EVIDENCE_ID", requires = "choose")]
+        evidence: Vec<String>,
+        /// The ticket of the wait you decide on (as `convene run` or `convene runs get`
+        /// printed it). Default: the run's current ticket.
+        #[arg(long, value_name = "TICKET_ID")]
+        ticket: Option<String>,
+        /// Print the ResumeRunResponse as JSON (protobuf JSON mapping).
+        #[arg(long)]
+        json: bool,
         #[command(flatten)]
         client: ClientArgs,
     },
@@ -211,16 +294,28 @@ enum RunsCommand {
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
 enum RunStateArg {
+    /// Active: accepted, not dispatched yet.
     Pending,
+    /// Active: delegations dispatched, the join has not decided.
     Running,
+    /// Final: joined COMPLETE, every conflict settled.
     Succeeded,
+    /// Final: a provisional assessment with named gaps, or closed with a conflict
+    /// unresolved.
     Partial,
+    /// Waiting: an approval request the run filed is pending.
     WaitingApproval,
+    /// Waiting: a conflict is open; a person settles it (`convene runs resolve`).
     WaitingInput,
+    /// Final: insufficient evidence, or the run could not run.
     Failed,
+    /// Final: refused by limits or policy.
     Rejected,
+    /// Final: stopped by a budget.
     BudgetExhausted,
+    /// Final: stopped because it made no progress.
     NoProgress,
+    /// Final: cancelled.
     Cancelled,
 }
 
@@ -249,6 +344,7 @@ enum ApprovalStateArg {
     Rejected,
     Expired,
     Executed,
+    Cancelled,
 }
 
 #[derive(Debug, Subcommand)]
@@ -267,30 +363,48 @@ enum ApprovalsCommand {
         #[command(flatten)]
         client: ClientArgs,
     },
-    /// Approve a request as it stands now (your vote binds to its parameters' hash).
+    /// Approve a request with the parameters you reviewed: your vote binds to their
+    /// hash. Pass it with --hash as `convene approvals list` shows it; a hash that is not
+    /// the request's is refused before anything is recorded. Without --hash, on a
+    /// terminal, the request is shown and you confirm; without a terminal the command
+    /// refuses.
     Approve {
         /// The approval id.
         approval_id: String,
+        /// The parameters hash you reviewed, `sha256:<hex>` (the prefix may be left
+        /// out), as `convene approvals list` shows it.
+        #[arg(long, value_name = "HASH")]
+        hash: Option<String>,
         /// A comment for the record.
         #[arg(long, default_value = "")]
         comment: String,
         #[command(flatten)]
         client: ClientArgs,
     },
-    /// Reject a request.
+    /// Reject a request with the parameters you reviewed (--hash, or confirm on a
+    /// terminal, as for approve).
     Reject {
         /// The approval id.
         approval_id: String,
+        /// The parameters hash you reviewed, `sha256:<hex>` (the prefix may be left
+        /// out), as `convene approvals list` shows it.
+        #[arg(long, value_name = "HASH")]
+        hash: Option<String>,
         /// A comment for the record.
         #[arg(long, default_value = "")]
         comment: String,
         #[command(flatten)]
         client: ClientArgs,
     },
-    /// Execute an approved request (exactly once; later calls show the first outcome).
+    /// Execute an approved request with the parameters you reviewed (--hash, or confirm
+    /// on a terminal, as for approve); exactly once: later calls show the first outcome.
     Execute {
         /// The approval id.
         approval_id: String,
+        /// The parameters hash you reviewed, `sha256:<hex>` (the prefix may be left
+        /// out), as `convene approvals list` shows it.
+        #[arg(long, value_name = "HASH")]
+        hash: Option<String>,
         #[command(flatten)]
         client: ClientArgs,
     },
@@ -524,9 +638,50 @@ async fn main_inner(cli: Cli) -> anyhow::Result<ExitCode> {
             RunsCommand::Cancel {
                 run_id,
                 reason,
+                json,
                 client: c,
             } => {
-                commands::runs_cancel(&client(&data_dir, c)?, &run_id, &reason).await?;
+                commands::runs_cancel(&client(&data_dir, c)?, &run_id, &reason, json).await?;
+                Ok(ExitCode::SUCCESS)
+            }
+            RunsCommand::Resolve {
+                run_id,
+                topic,
+                choose,
+                follow_up_profile,
+                goal,
+                close,
+                rationale,
+                evidence,
+                ticket,
+                json,
+                client: c,
+            } => {
+                let input = match (choose, follow_up_profile, goal) {
+                    (Some(delegation), _, _) => ResolveInput::Settle {
+                        // clap requires --topic with --choose.
+                        topic: topic.unwrap_or_default(),
+                        delegation,
+                        evidence_ids: evidence,
+                    },
+                    (None, Some(profile_id), goal) => ResolveInput::FollowUp {
+                        topic,
+                        profile_id,
+                        goal: goal.unwrap_or_default(),
+                    },
+                    (None, None, _) => {
+                        debug_assert!(close, "clap requires one of the three inputs");
+                        ResolveInput::Close { topic }
+                    }
+                };
+                let opts = ResolveOptions {
+                    run_id,
+                    input,
+                    rationale,
+                    ticket,
+                    json,
+                };
+                commands::runs_resolve(&client(&data_dir, c)?, &opts).await?;
                 Ok(ExitCode::SUCCESS)
             }
         },
@@ -546,6 +701,7 @@ async fn main_inner(cli: Cli) -> anyhow::Result<ExitCode> {
                             ApprovalStateArg::Rejected => v1::ApprovalState::Rejected,
                             ApprovalStateArg::Expired => v1::ApprovalState::Expired,
                             ApprovalStateArg::Executed => v1::ApprovalState::Executed,
+                            ApprovalStateArg::Cancelled => v1::ApprovalState::Cancelled,
                         }) as i32
                     })
                     .collect();
@@ -554,27 +710,43 @@ async fn main_inner(cli: Cli) -> anyhow::Result<ExitCode> {
             }
             ApprovalsCommand::Approve {
                 approval_id,
+                hash,
                 comment,
                 client: c,
             } => {
-                commands::approvals_decide(&client(&data_dir, c)?, &approval_id, true, &comment)
-                    .await?;
+                commands::approvals_decide(
+                    &client(&data_dir, c)?,
+                    &approval_id,
+                    ApprovalVerb::Approve,
+                    hash.as_deref(),
+                    &comment,
+                )
+                .await?;
                 Ok(ExitCode::SUCCESS)
             }
             ApprovalsCommand::Reject {
                 approval_id,
+                hash,
                 comment,
                 client: c,
             } => {
-                commands::approvals_decide(&client(&data_dir, c)?, &approval_id, false, &comment)
-                    .await?;
+                commands::approvals_decide(
+                    &client(&data_dir, c)?,
+                    &approval_id,
+                    ApprovalVerb::Reject,
+                    hash.as_deref(),
+                    &comment,
+                )
+                .await?;
                 Ok(ExitCode::SUCCESS)
             }
             ApprovalsCommand::Execute {
                 approval_id,
+                hash,
                 client: c,
             } => {
-                commands::approvals_execute(&client(&data_dir, c)?, &approval_id).await?;
+                commands::approvals_execute(&client(&data_dir, c)?, &approval_id, hash.as_deref())
+                    .await?;
                 Ok(ExitCode::SUCCESS)
             }
         },

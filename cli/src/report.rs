@@ -1,10 +1,12 @@
-//! Rendering a finished run as the assessment a person reads.
+//! Rendering runs and approval requests as what a person reads: the assessment, what
+//! a waiting run waits for, the actions and their approvals.
 
 use std::fmt::Write as _;
 
 use convene_proto::v1;
 
-/// Whether a run state is terminal (the run has ended).
+/// Whether the run has stopped: it ended (a final state) or waits for people
+/// (WAITING_INPUT, WAITING_APPROVAL).
 pub fn is_terminal(state: i32) -> bool {
     !matches!(
         v1::RunState::try_from(state),
@@ -12,18 +14,67 @@ pub fn is_terminal(state: i32) -> bool {
     )
 }
 
-/// Whether a run state counts as success for the exit status.
-pub fn is_success(state: i32) -> bool {
+/// Whether the run waits for people: not final, it resumes when they act.
+pub fn is_waiting(state: i32) -> bool {
     matches!(
         v1::RunState::try_from(state),
-        Ok(v1::RunState::Succeeded | v1::RunState::Partial | v1::RunState::WaitingApproval)
+        Ok(v1::RunState::WaitingInput | v1::RunState::WaitingApproval)
     )
 }
 
-fn state_name(state: i32) -> &'static str {
+/// Whether the run has ended for good (a final state).
+pub fn is_final(state: i32) -> bool {
+    is_terminal(state) && !is_waiting(state)
+}
+
+/// Whether a run state counts as success for the exit status: SUCCEEDED, PARTIAL, or
+/// waiting for people.
+pub fn is_success(state: i32) -> bool {
+    is_waiting(state)
+        || matches!(
+            v1::RunState::try_from(state),
+            Ok(v1::RunState::Succeeded | v1::RunState::Partial)
+        )
+}
+
+/// The state's name without its prefix, e.g. `WAITING_INPUT`.
+pub fn state_name(state: i32) -> &'static str {
     v1::RunState::try_from(state).map_or("UNKNOWN", |s| {
         s.as_str_name().trim_start_matches("RUN_STATE_")
     })
+}
+
+/// A command's outcome without its prefix, e.g. `APPLIED`.
+pub fn command_outcome_name(outcome: i32) -> &'static str {
+    v1::CommandOutcome::try_from(outcome).map_or("UNKNOWN", |o| {
+        o.as_str_name().trim_start_matches("COMMAND_OUTCOME_")
+    })
+}
+
+fn approval_state_name(state: i32) -> &'static str {
+    v1::ApprovalState::try_from(state).map_or("UNKNOWN", |s| {
+        s.as_str_name().trim_start_matches("APPROVAL_STATE_")
+    })
+}
+
+fn action_state_name(state: i32) -> &'static str {
+    v1::ActionState::try_from(state).map_or("UNKNOWN", |s| {
+        s.as_str_name().trim_start_matches("ACTION_STATE_")
+    })
+}
+
+fn risk_name(risk: i32) -> &'static str {
+    v1::RiskLevel::try_from(risk)
+        .map_or("R?", |r| r.as_str_name().trim_start_matches("RISK_LEVEL_"))
+}
+
+/// A timestamp in RFC 3339 (seconds), or `?` when unset or out of range.
+fn when(ts: Option<&prost_types::Timestamp>) -> String {
+    ts.and_then(|t| convene_core::time::from_timestamp(t, "timestamp").ok())
+        .map_or_else(
+            || "?".to_owned(),
+            |t| humantime::format_rfc3339_seconds(t).to_string(),
+        )
 }
 
 fn outcome_name(outcome: i32) -> &'static str {
@@ -173,11 +224,13 @@ pub fn assessment(
         }
     }
 
-    let conflicted: std::collections::BTreeSet<&str> = decision
-        .conflicts
-        .iter()
-        .map(|c| c.topic.as_str())
-        .collect();
+    let settled = |topic: &str| {
+        decision
+            .conflicts
+            .iter()
+            .any(|c| c.topic == topic && is_settled(c))
+    };
+    let contested = |topic: &str| decision.conflicts.iter().any(|c| c.topic == topic);
     let causes: Vec<_> = claims
         .iter()
         .filter(|(_, c)| c.topic == "primary_cause" || c.topic.ends_with("cause"))
@@ -200,23 +253,19 @@ pub fn assessment(
             "  - from {who}; evidence: {}",
             c.evidence_refs.join(", ")
         );
-        if conflicted.contains(c.topic.as_str()) {
+        if settled(&c.topic) {
+            let _ = writeln!(
+                w,
+                "  - contested; a person settled it: see Human judgement below"
+            );
+        } else if contested(&c.topic) {
             let _ = writeln!(w, "  - contested: see the unresolved conflict below");
         }
     }
 
-    for conflict in &decision.conflicts {
+    for conflict in decision.conflicts.iter().filter(|c| !is_settled(c)) {
         let _ = writeln!(w, "\nUnresolved conflict on {}:", conflict.topic);
-        for c in &conflict.claims {
-            let _ = writeln!(
-                w,
-                "  - {} ({}): {} [evidence: {}]",
-                c.value.replace('_', " "),
-                name_of(run, &c.delegation_id),
-                c.statement,
-                c.evidence_refs.join(", ")
-            );
-        }
+        write_sides(w, run, &conflict.claims, None);
         if !conflict.next_query.is_empty() {
             let _ = writeln!(w, "  next: {}", conflict.next_query);
         }
@@ -225,6 +274,8 @@ pub fn assessment(
             "  The evidence does not establish which is the cause; a person decides."
         );
     }
+
+    human_judgement(w, run, &decision);
 
     let missing: Vec<String> = decision
         .missing_required
@@ -260,42 +311,439 @@ pub fn assessment(
         );
     }
 
-    if !approvals.is_empty() || !run.approval_ids.is_empty() {
-        let _ = writeln!(w, "\nActions waiting for approval (nothing was executed):");
-        for a in approvals {
-            let risk = v1::RiskLevel::try_from(a.risk_level)
-                .map_or("R?", |r| r.as_str_name().trim_start_matches("RISK_LEVEL_"));
-            let _ = writeln!(
-                w,
-                "  - {} {} {} — {} approval(s) needed, {} given; approval id {}",
-                risk,
-                a.action,
-                params(a.parameters.as_ref()),
-                a.approvals_required,
-                a.votes
-                    .iter()
-                    .filter(|v| v.decision == v1::VoteDecision::Approve as i32)
-                    .count(),
-                a.approval_id
-            );
+    actions(w, run, approvals);
+
+    let _ = writeln!(w, "\nTrace: {}", run.trace_id);
+    if let Some(base) = jaeger {
+        let _ = writeln!(w, "  {}/trace/{}", base.trim_end_matches('/'), run.trace_id);
+    }
+    out
+}
+
+fn is_settled(conflict: &v1::Conflict) -> bool {
+    conflict.resolution == v1::ConflictResolution::Settled as i32
+}
+
+/// The sides of a conflict, one line each; the chosen one (a delegation id) marked.
+fn write_sides(
+    w: &mut String,
+    run: &v1::Run,
+    claims: &[v1::ConflictingClaim],
+    chosen: Option<&str>,
+) {
+    for c in claims {
+        let mark = match chosen {
+            Some(id) if id == c.delegation_id => "chosen: ",
+            Some(_) => "not chosen: ",
+            None => "",
+        };
+        let _ = writeln!(
+            w,
+            "  - {mark}{} ({}): {} [evidence: {}]",
+            c.value.replace('_', " "),
+            name_of(run, &c.delegation_id),
+            c.statement,
+            c.evidence_refs.join(", ")
+        );
+    }
+}
+
+/// What people decided on the run (settled conflicts, follow-ups, closing), kept apart
+/// from the evidence-backed claims above.
+fn human_judgement(w: &mut String, run: &v1::Run, decision: &v1::JoinDecision) {
+    let settled: Vec<&v1::Conflict> = decision
+        .conflicts
+        .iter()
+        .filter(|c| is_settled(c))
+        .collect();
+    if settled.is_empty() && run.human_decisions.is_empty() {
+        return;
+    }
+    let _ = writeln!(
+        w,
+        "\nHuman judgement (people's decisions, not evidence-backed claims):"
+    );
+    let mut shown: Vec<&str> = Vec::new();
+    for d in &run.human_decisions {
+        let by = format!("{} at {}", d.decided_by, when(d.decided_at.as_ref()));
+        match v1::HumanDecisionKind::try_from(d.kind) {
+            Ok(v1::HumanDecisionKind::Settle) => {
+                if let Some(c) = settled.iter().find(|c| c.topic == d.topic) {
+                    write_settlement(w, run, c);
+                    shown.push(c.topic.as_str());
+                    continue;
+                }
+                let _ = writeln!(
+                    w,
+                    "  {}: settled by {by}: {} ({})",
+                    d.topic,
+                    d.value.replace('_', " "),
+                    name_of(run, &d.delegation_id)
+                );
+                write_reasons(w, &d.rationale, &d.evidence_ids);
+            }
+            Ok(v1::HumanDecisionKind::FollowUp) => {
+                let created = if d.follow_up_delegation_id.is_empty() {
+                    String::new()
+                } else {
+                    format!(" -> delegation {}", d.follow_up_delegation_id)
+                };
+                let _ = writeln!(
+                    w,
+                    "  follow-up asked by {by}: {} to establish {:?}{created}",
+                    d.profile_id, d.goal
+                );
+                write_reasons(w, &d.rationale, &[]);
+            }
+            Ok(v1::HumanDecisionKind::Close) => {
+                let _ = writeln!(w, "  run closed as it stood by {by}");
+                write_reasons(w, &d.rationale, &[]);
+            }
+            _ => {
+                let _ = writeln!(w, "  decision by {by}");
+                write_reasons(w, &d.rationale, &[]);
+            }
         }
-        for id in run
-            .approval_ids
+    }
+    for c in settled
+        .iter()
+        .filter(|c| !shown.contains(&c.topic.as_str()))
+    {
+        write_settlement(w, run, c);
+    }
+}
+
+fn write_settlement(w: &mut String, run: &v1::Run, conflict: &v1::Conflict) {
+    let s = conflict.settlement.clone().unwrap_or_default();
+    let _ = writeln!(
+        w,
+        "  {}: settled by {} at {}: {} ({})",
+        conflict.topic,
+        s.decided_by,
+        when(s.decided_at.as_ref()),
+        s.value.replace('_', " "),
+        name_of(run, &s.delegation_id)
+    );
+    write_reasons(w, &s.rationale, &s.evidence_ids);
+    write_sides(w, run, &conflict.claims, Some(&s.delegation_id));
+}
+
+fn write_reasons(w: &mut String, rationale: &str, evidence_ids: &[String]) {
+    if !rationale.is_empty() {
+        let _ = writeln!(w, "    rationale: {rationale}");
+    }
+    if !evidence_ids.is_empty() {
+        let _ = writeln!(w, "    evidence relied on: {}", evidence_ids.join(", "));
+    }
+}
+
+/// An approval request as the run's action, for runs whose supervisor does not list
+/// `Run.actions`.
+fn action_of(a: &v1::ApprovalRequest) -> v1::RunAction {
+    let state = match v1::ApprovalState::try_from(a.state) {
+        Ok(v1::ApprovalState::Pending) => v1::ActionState::Pending,
+        Ok(v1::ApprovalState::Approved) => v1::ActionState::Approved,
+        Ok(v1::ApprovalState::Executed) => v1::ActionState::Executed,
+        Ok(v1::ApprovalState::Rejected) => v1::ActionState::Rejected,
+        Ok(v1::ApprovalState::Expired) => v1::ActionState::Expired,
+        Ok(v1::ApprovalState::Cancelled) => v1::ActionState::Cancelled,
+        _ => v1::ActionState::Unspecified,
+    };
+    let decision = if state == v1::ActionState::Rejected {
+        v1::VoteDecision::Reject
+    } else {
+        v1::VoteDecision::Approve
+    };
+    v1::RunAction {
+        approval_id: a.approval_id.clone(),
+        action: a.action.clone(),
+        parameters: a.parameters.clone(),
+        parameters_hash: a.parameters_hash.clone(),
+        risk_level: a.risk_level,
+        state: state as i32,
+        decided_by: a
+            .votes
             .iter()
-            .filter(|id| !approvals.iter().any(|a| &a.approval_id == *id))
-        {
-            let _ = writeln!(w, "  - approval id {id}");
+            .filter(|v| v.decision == decision as i32)
+            .map(|v| v.approver.clone())
+            .collect(),
+        execution: a.execution.clone(),
+        updated_at: None,
+    }
+}
+
+/// The run's recommended actions, each with where it stands, who decided and its
+/// execution.
+fn actions(w: &mut String, run: &v1::Run, approvals: &[v1::ApprovalRequest]) {
+    let listed: Vec<v1::RunAction> = if run.actions.is_empty() {
+        approvals.iter().map(action_of).collect()
+    } else {
+        run.actions.clone()
+    };
+    let unknown: Vec<&String> = run
+        .approval_ids
+        .iter()
+        .filter(|id| !listed.iter().any(|a| &a.approval_id == *id))
+        .collect();
+    if listed.is_empty() && unknown.is_empty() {
+        return;
+    }
+    let executed = listed
+        .iter()
+        .any(|a| a.state == v1::ActionState::Executed as i32);
+    let _ = writeln!(
+        w,
+        "\nRecommended actions{}:",
+        if executed {
+            ""
+        } else {
+            " (nothing was executed)"
         }
+    );
+    let mut open = !unknown.is_empty();
+    for a in &listed {
+        let request = approvals.iter().find(|r| r.approval_id == a.approval_id);
+        let decided = a.decided_by.join(", ");
+        let detail = match v1::ActionState::try_from(a.state) {
+            Ok(v1::ActionState::Pending) => {
+                open = true;
+                let given = request.map_or(a.decided_by.len(), |r| {
+                    r.votes
+                        .iter()
+                        .filter(|v| v.decision == v1::VoteDecision::Approve as i32)
+                        .count()
+                });
+                match request {
+                    Some(r) => {
+                        format!("{} approval(s) needed, {given} given", r.approvals_required)
+                    }
+                    None => format!("{given} approval(s) given"),
+                }
+            }
+            Ok(v1::ActionState::Approved) => {
+                open = true;
+                format!("approved by {decided}; not executed yet")
+            }
+            Ok(v1::ActionState::Executed) => {
+                let e = a.execution.clone().unwrap_or_default();
+                format!(
+                    "approved by {decided}; executed by {} with executor {} at {} ({})",
+                    e.executed_by,
+                    e.executor,
+                    when(e.executed_at.as_ref()),
+                    if e.success { "success" } else { "failed" }
+                )
+            }
+            Ok(v1::ActionState::Rejected) => format!("rejected by {decided}"),
+            Ok(v1::ActionState::Cancelled) => match request.and_then(|r| r.cancellation.as_ref()) {
+                Some(c) if !c.reason.is_empty() => {
+                    format!("withdrawn by {}: {}", c.cancelled_by, c.reason)
+                }
+                Some(c) => format!("withdrawn by {}", c.cancelled_by),
+                None => "withdrawn".to_owned(),
+            },
+            _ => String::new(),
+        };
+        let _ = writeln!(
+            w,
+            "  - {} {} {} — {}{}{detail}; approval id {}",
+            risk_name(a.risk_level),
+            a.action,
+            params(a.parameters.as_ref()),
+            action_state_name(a.state),
+            if detail.is_empty() { "" } else { ": " },
+            a.approval_id
+        );
+    }
+    for id in unknown {
+        let _ = writeln!(w, "  - approval id {id}");
+    }
+    if open {
         let _ = writeln!(
             w,
             "  Review with: convene approvals list --run {}",
             run.run_id
         );
     }
+}
 
-    let _ = writeln!(w, "\nTrace: {}", run.trace_id);
-    if let Some(base) = jaeger {
-        let _ = writeln!(w, "  {}/trace/{}", base.trim_end_matches('/'), run.trace_id);
+/// The parameters' canonical JSON, the text their hash is computed over (`{}` when
+/// there are none).
+pub fn canonical_parameters(p: Option<&prost_types::Struct>) -> String {
+    let empty = prost_types::Struct::default();
+    convene_approval::canonical::canonical_json(p.unwrap_or(&empty))
+        .unwrap_or_else(|e| format!("(parameters have no canonical form: {e})"))
+}
+
+/// One approval request as `convene approvals list` shows it: id, state, risk, action,
+/// approvals; then the parameters (canonical JSON) and the hash votes bind to, the
+/// votes, and the execution or withdrawal.
+pub fn approval(a: &v1::ApprovalRequest) -> String {
+    let mut out = String::new();
+    let w = &mut out;
+    let approved = a
+        .votes
+        .iter()
+        .filter(|v| v.decision == v1::VoteDecision::Approve as i32)
+        .count();
+    let _ = writeln!(
+        w,
+        "{}  {:<9} {} {}  {approved}/{} approvals  run {}  requested by {}",
+        a.approval_id,
+        approval_state_name(a.state),
+        risk_name(a.risk_level),
+        a.action,
+        a.approvals_required,
+        if a.run_id.is_empty() { "-" } else { &a.run_id },
+        a.requester
+    );
+    let _ = writeln!(
+        w,
+        "  parameters: {}",
+        canonical_parameters(a.parameters.as_ref())
+    );
+    let _ = writeln!(w, "  hash:       {}", a.parameters_hash);
+    if !a.rationale.is_empty() {
+        let _ = writeln!(w, "  why:        {}", a.rationale);
+    }
+    if !a.votes.is_empty() {
+        let votes: Vec<String> = a
+            .votes
+            .iter()
+            .map(|v| {
+                let decision = if v.decision == v1::VoteDecision::Approve as i32 {
+                    "approved"
+                } else {
+                    "rejected"
+                };
+                if v.comment.is_empty() {
+                    format!("{} {decision}", v.approver)
+                } else {
+                    format!("{} {decision} ({:?})", v.approver, v.comment)
+                }
+            })
+            .collect();
+        let _ = writeln!(w, "  votes:      {}", votes.join(", "));
+    }
+    if let Some(e) = &a.execution {
+        let _ = writeln!(
+            w,
+            "  executed:   by {} with executor {} at {} ({})",
+            e.executed_by,
+            e.executor,
+            when(e.executed_at.as_ref()),
+            if e.success { "success" } else { "failed" }
+        );
+    }
+    if let Some(c) = &a.cancellation {
+        let _ = writeln!(
+            w,
+            "  withdrawn:  by {} at {}{}",
+            c.cancelled_by,
+            when(c.cancelled_at.as_ref()),
+            if c.reason.is_empty() {
+                String::new()
+            } else {
+                format!(": {}", c.reason)
+            }
+        );
+    }
+    if a.state == v1::ApprovalState::Pending as i32 {
+        let _ = writeln!(w, "  expires:    {}", when(a.expires_at.as_ref()));
+    }
+    out
+}
+
+/// For a waiting run: what it waits for and the commands that continue it (empty for
+/// a run that does not wait). `reason` is the `waiting` event's, when known.
+pub fn waiting(run: &v1::Run, reason: Option<&str>) -> String {
+    if !is_waiting(run.state) {
+        return String::new();
+    }
+    let mut out = String::new();
+    let w = &mut out;
+    let id = &run.run_id;
+    let _ = writeln!(
+        w,
+        "The run waits for people ({}): it is not over, and resumes when they act.",
+        state_name(run.state)
+    );
+    if let Some(reason) = reason.filter(|r| !r.is_empty()) {
+        let _ = writeln!(w, "  {reason}");
+    }
+    let decision = run.decision.clone().unwrap_or_default();
+    let open: Vec<&v1::Conflict> = decision
+        .conflicts
+        .iter()
+        .filter(|c| !is_settled(c))
+        .collect();
+    for c in &open {
+        let mut sides: Vec<String> = c
+            .claims
+            .iter()
+            .map(|claim| name_of(run, &claim.delegation_id))
+            .collect();
+        sides.dedup();
+        let _ = writeln!(
+            w,
+            "  Open conflict on {}: settle it by choosing one side ({}):",
+            c.topic,
+            sides.join(" or ")
+        );
+        let _ = writeln!(
+            w,
+            "    convene runs resolve {id} --topic {} --choose <{}> --rationale \"<why>\" [--evidence <evidence-id>]...",
+            c.topic,
+            sides.join("|")
+        );
+    }
+    let pending: Vec<String> = if run.actions.is_empty() {
+        run.approval_ids.clone()
+    } else {
+        run.actions
+            .iter()
+            .filter(|a| {
+                a.state == v1::ActionState::Pending as i32
+                    || a.state == v1::ActionState::Approved as i32
+            })
+            .map(|a| {
+                format!(
+                    "{} ({} {}, {})",
+                    a.approval_id,
+                    risk_name(a.risk_level),
+                    a.action,
+                    action_state_name(a.state)
+                )
+            })
+            .collect()
+    };
+    if !pending.is_empty() {
+        let _ = writeln!(w, "  Approval requests: {}", pending.join(", "));
+        let _ = writeln!(
+            w,
+            "    convene approvals list --run {id}    # then approve or reject with --hash as listed"
+        );
+    }
+    if !open.is_empty() {
+        let _ = writeln!(
+            w,
+            "  Or ask for a follow-up, or close the run as it stands:"
+        );
+        let _ = writeln!(
+            w,
+            "    convene runs resolve {id} --follow-up-profile <profile> --goal \"<what to establish>\" --rationale \"<why>\""
+        );
+        let _ = writeln!(
+            w,
+            "    convene runs resolve {id} --close --rationale \"<why>\""
+        );
+    }
+    if let Some(t) = &run.ticket {
+        let _ = writeln!(
+            w,
+            "  Ticket {} (wait {}): `convene runs resolve` uses the current one, or the one given with --ticket.",
+            t.id, t.version
+        );
     }
     out
 }
@@ -322,6 +770,247 @@ fn params(p: Option<&prost_types::Struct>) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn task(id: &str, name: &str) -> v1::Delegation {
+        v1::Delegation {
+            task: Some(v1::DelegationTask {
+                delegation_id: id.to_owned(),
+                name: name.to_owned(),
+                ..v1::DelegationTask::default()
+            }),
+            ..v1::Delegation::default()
+        }
+    }
+
+    fn side(delegation_id: &str, value: &str, evidence: &str) -> v1::ConflictingClaim {
+        v1::ConflictingClaim {
+            delegation_id: delegation_id.to_owned(),
+            claim_id: "c1".to_owned(),
+            value: value.to_owned(),
+            statement: format!("{value} caused it"),
+            evidence_refs: vec![evidence.to_owned()],
+        }
+    }
+
+    fn rollback(state: v1::ActionState) -> v1::RunAction {
+        v1::RunAction {
+            approval_id: "apr-1".to_owned(),
+            action: "rule:rollback".to_owned(),
+            parameters: Some(convene_proto::json::to_struct(
+                &serde_json::json!({ "rule_id": "RC-4711" }),
+            )),
+            parameters_hash: "sha256:ab".to_owned(),
+            risk_level: v1::RiskLevel::R3 as i32,
+            state: state as i32,
+            ..v1::RunAction::default()
+        }
+    }
+
+    /// The payment incident waiting for input: a conflict on primary_cause between
+    /// logs and changes, the rollback pending.
+    fn waiting_run() -> v1::Run {
+        v1::Run {
+            run_id: "run-1".to_owned(),
+            state: v1::RunState::WaitingInput as i32,
+            outcome: v1::JoinOutcome::ConflictRequiresHuman as i32,
+            delegations: vec![task("d-logs", "logs"), task("d-changes", "changes")],
+            decision: Some(v1::JoinDecision {
+                revision: 1,
+                outcome: v1::JoinOutcome::ConflictRequiresHuman as i32,
+                accepted: vec!["d-logs".to_owned(), "d-changes".to_owned()],
+                conflicts: vec![v1::Conflict {
+                    topic: "primary_cause".to_owned(),
+                    claims: vec![
+                        side("d-logs", "pool_exhaustion", "ev-logs"),
+                        side("d-changes", "risk_rule_change", "ev-changes"),
+                    ],
+                    resolution: v1::ConflictResolution::Unresolved as i32,
+                    ..v1::Conflict::default()
+                }],
+                ..v1::JoinDecision::default()
+            }),
+            approval_ids: vec!["apr-1".to_owned()],
+            actions: vec![rollback(v1::ActionState::Pending)],
+            ticket: Some(v1::RunTicket {
+                id: "tk-1".to_owned(),
+                version: 1,
+                issued_at: None,
+            }),
+            ..v1::Run::default()
+        }
+    }
+
+    #[test]
+    fn states_are_active_waiting_or_final() {
+        for (state, waiting, fin, success) in [
+            (v1::RunState::Running, false, false, false),
+            (v1::RunState::WaitingInput, true, false, true),
+            (v1::RunState::WaitingApproval, true, false, true),
+            (v1::RunState::Succeeded, false, true, true),
+            (v1::RunState::Partial, false, true, true),
+            (v1::RunState::Failed, false, true, false),
+            (v1::RunState::Cancelled, false, true, false),
+        ] {
+            let s = state as i32;
+            assert_eq!(is_waiting(s), waiting, "{state:?}");
+            assert_eq!(is_final(s), fin, "{state:?}");
+            assert_eq!(is_terminal(s), waiting || fin, "{state:?}");
+            assert_eq!(is_success(s), success, "{state:?}");
+        }
+    }
+
+    #[test]
+    fn a_waiting_run_says_what_it_waits_for_and_what_continues_it() {
+        let run = waiting_run();
+        let text = waiting(&run, Some("a conflict on primary_cause is open"));
+        for needle in [
+            "The run waits for people (WAITING_INPUT)",
+            "  a conflict on primary_cause is open\n",
+            "Open conflict on primary_cause: settle it by choosing one side (logs or changes)",
+            "convene runs resolve run-1 --topic primary_cause --choose <logs|changes> --rationale",
+            "Approval requests: apr-1 (R3 rule:rollback, PENDING)",
+            "convene approvals list --run run-1",
+            "convene runs resolve run-1 --close --rationale",
+            "Ticket tk-1 (wait 1)",
+        ] {
+            assert!(text.contains(needle), "{needle:?} missing in:\n{text}");
+        }
+
+        let ended = v1::Run {
+            state: v1::RunState::Succeeded as i32,
+            ticket: None,
+            ..run
+        };
+        assert_eq!(waiting(&ended, None), "");
+    }
+
+    #[test]
+    fn a_settled_conflict_is_human_judgement_not_an_unresolved_conflict() {
+        let mut run = waiting_run();
+        run.state = v1::RunState::WaitingApproval as i32;
+        let conflict = &mut run.decision.as_mut().expect("decision").conflicts[0];
+        conflict.resolution = v1::ConflictResolution::Settled as i32;
+        conflict.settlement = Some(v1::ConflictSettlement {
+            delegation_id: "d-changes".to_owned(),
+            value: "risk_rule_change".to_owned(),
+            decided_by: "oncall@acme".to_owned(),
+            rationale: "the rule went live first".to_owned(),
+            evidence_ids: vec!["ev-changes".to_owned()],
+            decided_at: Some(prost_types::Timestamp {
+                seconds: 1_784_772_000,
+                nanos: 0,
+            }),
+        });
+        run.human_decisions = vec![v1::HumanDecision {
+            kind: v1::HumanDecisionKind::Settle as i32,
+            decided_by: "oncall@acme".to_owned(),
+            topic: "primary_cause".to_owned(),
+            delegation_id: "d-changes".to_owned(),
+            value: "risk_rule_change".to_owned(),
+            rationale: "the rule went live first".to_owned(),
+            ..v1::HumanDecision::default()
+        }];
+
+        let text = assessment(&run, &[], None);
+        assert!(!text.contains("Unresolved conflict"), "{text}");
+        let judgement = text
+            .split_once("Human judgement")
+            .map(|(_, rest)| rest)
+            .unwrap_or_else(|| panic!("no Human judgement section in:\n{text}"));
+        for needle in [
+            "primary_cause: settled by oncall@acme at 2026-07-23T02:00:00Z: risk rule change (changes)",
+            "rationale: the rule went live first",
+            "evidence relied on: ev-changes",
+            "- chosen: risk rule change (changes)",
+            "- not chosen: pool exhaustion (logs)",
+        ] {
+            assert!(judgement.contains(needle), "{needle:?} missing in:\n{text}");
+        }
+        // Shown once, though both the conflict and the decision record it.
+        assert_eq!(text.matches("settled by oncall@acme").count(), 1, "{text}");
+        let waits = waiting(&run, None);
+        assert!(!waits.contains("Open conflict"), "{waits}");
+        assert!(waits.contains("apr-1"), "{waits}");
+    }
+
+    #[test]
+    fn actions_show_their_state_who_decided_and_the_execution() {
+        let mut run = waiting_run();
+        assert!(
+            assessment(&run, &[], None).contains(
+                "Recommended actions (nothing was executed):\n  - R3 rule:rollback (rule_id=RC-4711) — PENDING: 0 approval(s) given; approval id apr-1"
+            ),
+            "{}",
+            assessment(&run, &[], None)
+        );
+
+        run.state = v1::RunState::Succeeded as i32;
+        run.actions = vec![v1::RunAction {
+            decided_by: vec!["alice@acme".to_owned(), "bob@acme".to_owned()],
+            execution: Some(v1::ExecutionRecord {
+                executor: "record-only".to_owned(),
+                success: true,
+                executed_by: "alice@acme".to_owned(),
+                executed_at: Some(prost_types::Timestamp {
+                    seconds: 1_784_772_000,
+                    nanos: 0,
+                }),
+                ..v1::ExecutionRecord::default()
+            }),
+            ..rollback(v1::ActionState::Executed)
+        }];
+        let text = assessment(&run, &[], None);
+        assert!(
+            text.contains(
+                "Recommended actions:\n  - R3 rule:rollback (rule_id=RC-4711) — EXECUTED: approved by alice@acme, bob@acme; executed by alice@acme with executor record-only at 2026-07-23T02:00:00Z (success); approval id apr-1"
+            ),
+            "{text}"
+        );
+        assert!(!text.contains("Review with"), "{text}");
+    }
+
+    #[test]
+    fn an_approval_request_is_listed_with_its_canonical_parameters_and_hash() {
+        let parameters = convene_proto::json::to_struct(
+            &serde_json::json!({ "to_version": 3, "rule_id": "RC-4711" }),
+        );
+        let hash = convene_approval::canonical::parameters_hash(&parameters).expect("a hash");
+        let request = v1::ApprovalRequest {
+            approval_id: "apr-1".to_owned(),
+            action: "rule:rollback".to_owned(),
+            parameters: Some(parameters),
+            parameters_hash: hash.clone(),
+            risk_level: v1::RiskLevel::R3 as i32,
+            requester: "oncall@acme".to_owned(),
+            state: v1::ApprovalState::Approved as i32,
+            run_id: "run-1".to_owned(),
+            approvals_required: 2,
+            votes: vec![
+                v1::Vote {
+                    approver: "alice@acme".to_owned(),
+                    decision: v1::VoteDecision::Approve as i32,
+                    ..v1::Vote::default()
+                },
+                v1::Vote {
+                    approver: "bob@acme".to_owned(),
+                    decision: v1::VoteDecision::Approve as i32,
+                    comment: "ok".to_owned(),
+                    ..v1::Vote::default()
+                },
+            ],
+            ..v1::ApprovalRequest::default()
+        };
+        let text = approval(&request);
+        assert_eq!(
+            text,
+            format!(
+                "apr-1  APPROVED  R3 rule:rollback  2/2 approvals  run run-1  requested by oncall@acme\n  \
+                 parameters: {{\"rule_id\":\"RC-4711\",\"to_version\":3}}\n  \
+                 hash:       {hash}\n  \
+                 votes:      alice@acme approved, bob@acme approved (\"ok\")\n"
+            )
+        );
+    }
 
     fn run_with_trace(trace_id: &str) -> v1::Run {
         v1::Run {

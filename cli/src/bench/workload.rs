@@ -177,7 +177,7 @@ pub fn prepare(
         Workload::PaymentIncident => (
             example.join("data"),
             read(&example.join("run.yaml"))?,
-            v1::RunState::WaitingApproval,
+            v1::RunState::WaitingInput,
         ),
         Workload::Model => {
             let base_url = model_base_url
@@ -189,7 +189,7 @@ pub fn prepare(
             (
                 example.join("data"),
                 read(&example.join("run-model.yaml"))?,
-                v1::RunState::WaitingApproval,
+                v1::RunState::WaitingInput,
             )
         }
         Workload::Noop => {
@@ -261,7 +261,7 @@ mod tests {
         assert_eq!(ids(&prepared.spec).len(), ids(&baseline).len());
         assert!(prepared.spec.idempotency_key.is_empty());
         assert!(baseline.idempotency_key.is_empty());
-        assert_eq!(prepared.expected, v1::RunState::WaitingApproval);
+        assert_eq!(prepared.expected, v1::RunState::WaitingInput);
 
         let err = prepare(Workload::Model, dir.path(), &example(), None)
             .err()

@@ -1,10 +1,14 @@
 //! The `convene` binary's integration tests, one binary, black-box: the README's
-//! commands, runs that outlive a command, the bench, and tracing of `run --local`.
+//! commands, runs that outlive a command, people acting on waiting runs (approvals,
+//! resolving, cancelling), the bench, and tracing of `run --local`.
 
+mod approvals;
 mod bench;
 mod cli;
 mod durable;
+mod mesh;
 mod model;
 mod planner;
+mod resolve;
 mod support;
 mod trace;
