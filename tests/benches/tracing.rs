@@ -162,11 +162,11 @@ impl Setup {
             .into_inner();
         while let Some(event) = events.next().await {
             let event = event.expect("an event").event.expect("event set");
-            if let Some(Kind::Terminal(t)) = event.kind {
+            if let Some(Kind::Waiting(w)) = event.kind {
                 assert_eq!(
-                    t.state,
-                    v1::RunState::WaitingApproval as i32,
-                    "the payment incident ends waiting for the rollback's approval"
+                    w.state,
+                    v1::RunState::WaitingInput as i32,
+                    "the payment incident stops waiting for a person to settle its conflict"
                 );
                 break;
             }

@@ -248,7 +248,7 @@ fn check_model_section(report: &Value, runs: u64) {
 }
 
 /// `--workload model`: the payment incident with model-driven specialists against the
-/// bench's scripted model server reaches the playbook outcome (WAITING_APPROVAL, no
+/// bench's scripted model server reaches the playbook outcome (WAITING_INPUT, no
 /// errors) in both phases, in one process and as processes, and reports the turns and
 /// CPU figures; `--endpoint` is refused, saying why.
 #[test]

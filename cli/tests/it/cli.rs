@@ -132,7 +132,7 @@ fn up_then_run_prints_the_assessment_and_evidence_verifies() {
         String::from_utf8_lossy(&out.stderr)
     );
     for needle in [
-        "WAITING_APPROVAL",
+        "WAITING_INPUT",
         "Impact:",
         "Strongest root-cause candidate",
         "Unresolved conflict on primary_cause",
@@ -160,7 +160,7 @@ fn up_then_run_prints_the_assessment_and_evidence_verifies() {
         .expect("convene run --json");
     assert!(out.status.success());
     let run: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
-    assert_eq!(run["state"], "RUN_STATE_WAITING_APPROVAL");
+    assert_eq!(run["state"], "RUN_STATE_WAITING_INPUT");
     assert_eq!(run["outcome"], "JOIN_OUTCOME_CONFLICT_REQUIRES_HUMAN");
     let run_id = run["runId"].as_str().expect("runId").to_owned();
     assert_eq!(run["traceId"].as_str().map(str::len), Some(32));

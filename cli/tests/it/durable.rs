@@ -211,7 +211,7 @@ fn a_detached_run_survives_convene_up_being_killed_and_its_events_print_once() {
             Err(run.to_string())
         }
     });
-    assert_eq!(run["state"], "RUN_STATE_WAITING_APPROVAL", "{run:#}");
+    assert_eq!(run["state"], "RUN_STATE_WAITING_INPUT", "{run:#}");
     assert_eq!(run["outcome"], "JOIN_OUTCOME_CONFLICT_REQUIRES_HUMAN");
     assert_eq!(
         run["decision"]["accepted"].as_array().map(Vec::len),
@@ -219,17 +219,26 @@ fn a_detached_run_survives_convene_up_being_killed_and_its_events_print_once() {
         "{run:#}"
     );
 
-    // The outbox as CloudEvents JSON lines: one event per transition, across the kill.
-    let all = events(&dir, &endpoint, &[]);
+    // The outbox as CloudEvents JSON lines: one event per transition, across the kill
+    // (the approval service's event joins it as the supervisor follows that service).
+    let all = wait_for("the approval service's event in the outbox", LIMIT, || {
+        let all = events(&dir, &endpoint, &[]);
+        if all
+            .iter()
+            .any(|e| e["type"] == "dev.convene.approval.requested.v1")
+        {
+            Ok(all)
+        } else {
+            Err(format!("{all:#?}"))
+        }
+    });
     for e in &all {
         assert_eq!(e["specversion"], "1.0", "{e}");
         assert_eq!(e["correlationid"], run_id.as_str(), "{e}");
         assert_eq!(e["tenantid"], "acme-payments", "{e}");
-        assert!(
-            e["subject"]
-                .as_str()
-                .is_some_and(|s| s.starts_with(&format!("runs/{run_id}")))
-        );
+        assert!(e["subject"].as_str().is_some_and(
+            |s| s.starts_with(&format!("runs/{run_id}")) || s.starts_with("approvals/")
+        ));
         assert!(e["time"].as_str().is_some_and(|t| t.ends_with('Z')), "{e}");
         assert!(e["data"].is_object(), "{e}");
         assert!(e["id"].as_str().is_some_and(|id| !id.is_empty()), "{e}");
@@ -246,8 +255,8 @@ fn a_detached_run_survives_convene_up_being_killed_and_its_events_print_once() {
             ("dev.convene.approval.requested.v1", 1),
             ("dev.convene.delegation.completed.v1", 3),
             ("dev.convene.join.decided.v1", 1),
-            ("dev.convene.run.completed.v1", 1),
             ("dev.convene.run.started.v1", 1),
+            ("dev.convene.run.waiting.v1", 1),
         ]
         .into_iter()
         .map(|(t, n)| (t.to_owned(), n))
@@ -269,8 +278,8 @@ fn a_detached_run_survives_convene_up_being_killed_and_its_events_print_once() {
     let completed = events(
         &dir,
         &endpoint,
-        &["--run", &run_id, "--type", "run.completed"],
+        &["--run", &run_id, "--type", "run.waiting"],
     );
     assert_eq!(completed.len(), 1, "{completed:#?}");
-    assert_eq!(completed[0]["data"]["state"], "RUN_STATE_WAITING_APPROVAL");
+    assert_eq!(completed[0]["data"]["state"], "RUN_STATE_WAITING_INPUT");
 }

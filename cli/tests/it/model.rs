@@ -55,7 +55,7 @@ async fn the_readme_command_runs_the_incident_with_a_model() {
         String::from_utf8_lossy(&out.stderr)
     );
     let run: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
-    assert_eq!(run["state"], "RUN_STATE_WAITING_APPROVAL", "{run}");
+    assert_eq!(run["state"], "RUN_STATE_WAITING_INPUT", "{run}");
     assert_eq!(run["outcome"], "JOIN_OUTCOME_CONFLICT_REQUIRES_HUMAN");
     let profiles: Vec<&str> = run["delegations"]
         .as_array()
@@ -157,7 +157,7 @@ async fn run_mcp_adds_a_specialist_that_reads_the_runbook_over_mcp() {
         String::from_utf8_lossy(&out.stderr)
     );
     let run: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
-    assert_eq!(run["state"], "RUN_STATE_WAITING_APPROVAL", "{run}");
+    assert_eq!(run["state"], "RUN_STATE_WAITING_INPUT", "{run}");
     let runbook = run["delegations"]
         .as_array()
         .unwrap()

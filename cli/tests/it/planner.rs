@@ -74,7 +74,7 @@ fn profiles_of_round(run: &serde_json::Value, round: u64) -> Vec<String> {
 async fn the_planner_example_runs_offline_in_two_rounds() {
     let out = run_local(&repo_root().join(SPEC), &["--json"], &[]).await;
     let run = run_json(&out);
-    assert_eq!(run["state"], "RUN_STATE_WAITING_APPROVAL", "{run}");
+    assert_eq!(run["state"], "RUN_STATE_WAITING_INPUT", "{run}");
     assert_eq!(
         run["outcome"], "JOIN_OUTCOME_CONFLICT_REQUIRES_HUMAN",
         "{run}"
@@ -350,7 +350,7 @@ async fn run_prints_each_round_and_reports_the_planner() {
         text.contains("\n  Planner's summary: Payment incident of 02:02 UTC:"),
         "{text}"
     );
-    assert!(text.contains(": WAITING_APPROVAL — "), "{text}");
+    assert!(text.contains(": WAITING_INPUT — "), "{text}");
 }
 
 /// The example spec with `from` replaced by `to`, written into `dir`.

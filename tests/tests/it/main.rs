@@ -13,3 +13,4 @@ mod planner;
 mod planner_delivery;
 mod runs;
 mod trace;
+mod waiting;

@@ -72,7 +72,7 @@ async fn model_driven_specialists_reach_the_playbook_outcome_in_one_trace() {
 
     // The playbook version's outcome: the join preserves the primary_cause conflict
     // between the logs and the change audit, and waits for people.
-    assert_eq!(run.state, v1::RunState::WaitingApproval as i32, "{run:#?}");
+    assert_eq!(run.state, v1::RunState::WaitingInput as i32, "{run:#?}");
     assert_eq!(run.outcome, v1::JoinOutcome::ConflictRequiresHuman as i32);
     let decision = run.decision.clone().expect("decision");
     assert_eq!(decision.accepted.len(), 3, "{decision:#?}");

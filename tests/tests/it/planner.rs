@@ -1335,13 +1335,13 @@ async fn the_example_model_planner_ends_as_the_playbook_planner_and_never_shows_
         assert!(!text.contains(KEY), "the key leaked into {what}");
     }
 
-    // Both runs end alike: the conflict between the logs and the change audit is
-    // preserved, the R3 rollback waits for approvers.
+    // Both runs stop alike: the conflict between the logs and the change audit is
+    // preserved and waits for a person; the R3 rollback waits for approvers.
     for run in [&played, &modelled] {
         assert_eq!(
             run.state,
-            v1::RunState::WaitingApproval as i32,
-            "{} ends WAITING_APPROVAL, not {}: {} {run:#?}",
+            v1::RunState::WaitingInput as i32,
+            "{} stops WAITING_INPUT, not {}: {} {run:#?}",
             run.spec.as_ref().map_or("", |s| s.idempotency_key.as_str()),
             state_name(run.state),
             run.terminal_reason

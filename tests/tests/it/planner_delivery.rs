@@ -148,11 +148,7 @@ async fn an_identical_duplicate_of_a_planner_child_counts_once() {
 
     // The run as it ends without a duplicate.
     let plain = run_to_end(&mesh, planner_spec("planner-delivery-plain")).await;
-    assert_eq!(
-        plain.state,
-        v1::RunState::WaitingApproval as i32,
-        "{plain:#?}"
-    );
+    assert_eq!(plain.state, v1::RunState::WaitingInput as i32, "{plain:#?}");
 
     // The same run, with the logs result of round 1 delivered a second time, unchanged,
     // before round 1's join decides.
@@ -217,11 +213,7 @@ async fn a_redelivered_child_result_is_not_charged_to_the_budget_twice() {
         spec
     };
     let plain = run_to_end(&mesh, budgeted("planner-delivery-budget-plain")).await;
-    assert_eq!(
-        plain.state,
-        v1::RunState::WaitingApproval as i32,
-        "{plain:#?}"
-    );
+    assert_eq!(plain.state, v1::RunState::WaitingInput as i32, "{plain:#?}");
     assert_eq!(tool_calls(&plain), 8, "{:#?}", plain.usage);
 
     let run_id = mesh
@@ -318,11 +310,7 @@ async fn a_child_result_after_the_planner_run_ended_is_recorded_and_never_applie
     let mesh = mesh().await;
     let ended = run_to_end(&mesh, planner_spec("planner-delivery-after-end")).await;
     let run_id = ended.run_id.clone();
-    assert_eq!(
-        ended.state,
-        v1::RunState::WaitingApproval as i32,
-        "{ended:#?}"
-    );
+    assert_eq!(ended.state, v1::RunState::WaitingInput as i32, "{ended:#?}");
     assert_eq!(
         ended
             .spec

@@ -172,7 +172,7 @@ fn check_incident(trace: &Trace, run: &v1::Run) {
         root.attr("convene.goal.hash"),
         Some(convene_core::ids::content_hash(goal.as_bytes()).as_str())
     );
-    assert_eq!(root.attr("convene.run.state"), Some("WAITING_APPROVAL"));
+    assert_eq!(root.attr("convene.run.state"), Some("WAITING_INPUT"));
     // Every process of the mesh took part, each under its own service name.
     let services: BTreeSet<&str> = trace.spans.iter().map(|s| s.service.as_str()).collect();
     assert_eq!(

@@ -49,7 +49,7 @@ async fn a_supervisor_killed_at_any_crash_point_finishes_every_run_like_an_uncra
         assert_eq!(shapes[0], shapes[1], "uncrashed runs of one spec end alike");
         assert_eq!(
             shapes[0].state,
-            "RUN_STATE_WAITING_APPROVAL JOIN_OUTCOME_CONFLICT_REQUIRES_HUMAN"
+            "RUN_STATE_WAITING_INPUT JOIN_OUTCOME_CONFLICT_REQUIRES_HUMAN"
         );
         expected.push(shapes.swap_remove(0));
     }

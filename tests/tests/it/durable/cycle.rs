@@ -271,12 +271,12 @@ async fn unfinished(db: &Database) -> BTreeSet<String> {
         .collect()
 }
 
-/// The runs not in the state an uncrashed run ends in (WAITING_APPROVAL), with their
+/// The runs not in the state an uncrashed run stops in (WAITING_INPUT), with their
 /// states, straight from the database: what a stalled cycle shows.
 async fn unexpected_states(db: &Database) -> BTreeMap<String, String> {
     db.fetch_all(
         sql("SELECT run_id, state FROM runs WHERE state <> $1")
-            .bind(i64::from(v1::RunState::WaitingApproval as i32)),
+            .bind(i64::from(v1::RunState::WaitingInput as i32)),
     )
     .await
     .expect("the runs read")

@@ -17,8 +17,10 @@ mod crash;
 mod cycle;
 mod events;
 mod planner_crash;
+mod replica_commands;
 mod replicas;
 mod shape;
+mod waiting_crash;
 
 use std::os::unix::process::ExitStatusExt as _;
 use std::time::{Duration, Instant, SystemTime};

@@ -373,7 +373,7 @@ async fn a_supervisor_killed_at_any_crash_point_finishes_every_planner_run_like_
         let (run, planner) = shapes.swap_remove(0);
         assert_eq!(
             run.state,
-            "RUN_STATE_WAITING_APPROVAL JOIN_OUTCOME_CONFLICT_REQUIRES_HUMAN"
+            "RUN_STATE_WAITING_INPUT JOIN_OUTCOME_CONFLICT_REQUIRES_HUMAN"
         );
         // The example's plan: three specialists in round 1, the change auditor's
         // follow-up in round 2, then finish.

@@ -7,6 +7,7 @@ use std::time::Instant;
 
 use crate::harness::{MeshOptions, Mode, TestMesh, Workers, wait_until};
 use convene_mesh::handles::SupervisorHandle;
+use convene_proto::v1::run_event::Kind;
 use convene_store::test_util::POSTGRES;
 use convene_store::{Database, sql};
 
@@ -25,7 +26,7 @@ const DEFAULT_POSTGRES: &str = "postgres://postgres@127.0.0.1:5432/postgres";
 /// local default. Replicas share their runs through PostgreSQL, so without a server
 /// that answers the test cannot run: it is skipped, saying so, unless services are
 /// required. A server the variable names must answer.
-async fn postgres_server() -> Option<String> {
+pub(super) async fn postgres_server() -> Option<String> {
     let named = convene_store::test_util::postgres_server();
     let url = named.clone().unwrap_or_else(|| DEFAULT_POSTGRES.to_owned());
     match convene_store::test_util::TestPostgres::create(&url).await {
@@ -165,15 +166,20 @@ impl Replicas {
             .expect("owner")
     }
 
-    /// The runs among `ids` that `replica` holds now.
-    async fn owned_by(&self, ids: &[String], replica: &str) -> Vec<String> {
-        let mut held = Vec::new();
+    /// The runs among `ids` that replica B dispatched to its worker.
+    async fn dispatched_by_b(&self, ids: &[String]) -> Vec<String> {
+        let mut by_b = Vec::new();
         for id in ids {
-            if self.owner(id).await.as_deref() == Some(replica) {
-                held.push(id.clone());
+            let f = inspect(&self.b, &self.credential, &self.db, id).await;
+            let to_b = f
+                .events
+                .iter()
+                .any(|e| matches!(&e.kind, Some(Kind::Dispatched(d)) if d.worker_id == "worker-b"));
+            if to_b {
+                by_b.push(id.clone());
             }
         }
-        held
+        by_b
     }
 
     /// Every run in `ids` ends as an uncrashed one, decided once, every delegation
@@ -220,10 +226,11 @@ async fn two_replicas_share_the_load_and_one_finishes_the_runs_of_the_other_when
 
     let all: Vec<String> = on_a.iter().chain(&on_b).chain(&more).cloned().collect();
     r.assert_finished_alike(&b, &all).await;
-    // A's unfinished runs are B's now: B claimed them once A's leases ran out. (A commit
-    // A had sent just before it died may still land after `orphans` was read: that run
-    // ends as A's, finished alike all the same.)
-    let taken = r.owned_by(&orphans, "replica-b").await;
+    // A's unfinished runs were B's next: B claimed them once A's leases ran out and
+    // dispatched them to its own worker (a waiting run is nobody's, so the lease does
+    // not say it). (A commit A had sent just before it died may still land after
+    // `orphans` was read: that run ends as A's, finished alike all the same.)
+    let taken = r.dispatched_by_b(&orphans).await;
     assert!(
         !taken.is_empty(),
         "replica B finished none of the runs replica A left unfinished: {orphans:?}"
@@ -265,7 +272,7 @@ async fn a_replica_stalled_past_its_leases_never_writes_over_the_one_that_took_i
         true
     })
     .await;
-    let taken = r.owned_by(&stalled, "replica-b").await;
+    let taken = r.dispatched_by_b(&stalled).await;
     assert!(
         !taken.is_empty(),
         "replica B took none of the runs replica A stalled on: {stalled:?}"

@@ -174,6 +174,8 @@ pub(super) fn shape(f: &Finished) -> Shape {
             Some(Kind::Decision(_)) => "decision",
             Some(Kind::Terminal(_)) => "terminal",
             Some(Kind::Planned(_)) => "planned",
+            Some(Kind::Waiting(_)) => "waiting",
+            Some(Kind::Resumed(_)) => "resumed",
             None => "none",
         };
         *run_events.entry(kind).or_insert(0) += 1;

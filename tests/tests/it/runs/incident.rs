@@ -52,7 +52,7 @@ async fn payment_incident(mode: Mode) {
     );
 
     // Outcome and the preserved conflict.
-    assert_eq!(run.state, v1::RunState::WaitingApproval as i32, "{run:#?}");
+    assert_eq!(run.state, v1::RunState::WaitingInput as i32, "{run:#?}");
     assert_eq!(run.outcome, v1::JoinOutcome::ConflictRequiresHuman as i32);
     let decision = run.decision.clone().expect("decision");
     assert_eq!(decision.accepted.len(), 3);
@@ -136,39 +136,47 @@ async fn payment_incident(mode: Mode) {
     assert!(approval.execution.is_none(), "nothing was executed");
     assert_eq!(approval.run_id, run_id);
 
-    // One CloudEvent per state transition.
-    let mut stream = mesh
-        .supervisor()
-        .watch_events(request(
-            v1::WatchEventsRequest {
-                run_id: run_id.clone(),
-                follow: false,
-                ..Default::default()
-            },
-            &mesh.credential(ONCALL),
-        ))
-        .await
-        .expect("WatchEvents")
-        .into_inner();
-    let mut counts: BTreeMap<String, usize> = BTreeMap::new();
-    while let Some(e) = stream.next().await {
-        let e = e.expect("event").event.expect("event");
-        assert_eq!(e.correlation_id, run_id);
-        assert_eq!(e.tenant_id, "acme-payments");
-        assert_eq!(e.spec_version, "1.0");
-        *counts.entry(e.r#type).or_default() += 1;
-    }
+    // One CloudEvent per state transition; the approval service's own event reaches
+    // the run's feed as the supervisor follows it.
     let expected: BTreeMap<String, usize> = [
         ("dev.convene.run.started.v1", 1),
         ("dev.convene.delegation.completed.v1", 3),
         ("dev.convene.join.decided.v1", 1),
         ("dev.convene.approval.requested.v1", 1),
-        ("dev.convene.run.completed.v1", 1),
+        ("dev.convene.run.waiting.v1", 1),
     ]
     .into_iter()
     .map(|(k, v)| (k.to_owned(), v))
     .collect();
-    assert_eq!(counts, expected);
+    wait_for("the run's events", LIMIT, async || {
+        let mut stream = mesh
+            .supervisor()
+            .watch_events(request(
+                v1::WatchEventsRequest {
+                    run_id: run_id.clone(),
+                    follow: false,
+                    ..Default::default()
+                },
+                &mesh.credential(ONCALL),
+            ))
+            .await
+            .expect("WatchEvents")
+            .into_inner();
+        let mut counts: BTreeMap<String, usize> = BTreeMap::new();
+        while let Some(e) = stream.next().await {
+            let e = e.expect("event").event.expect("event");
+            assert_eq!(e.correlation_id, run_id);
+            assert_eq!(e.tenant_id, "acme-payments");
+            assert_eq!(e.spec_version, "1.0");
+            *counts.entry(e.r#type).or_default() += 1;
+        }
+        if counts == expected {
+            Ok(())
+        } else {
+            Err(counts)
+        }
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -197,7 +205,8 @@ async fn slow_metrics(mode: Mode) {
     );
     let run_id = mesh.start_run_id(ONCALL, spec).await;
     let run = mesh.wait_terminal(ONCALL, &run_id, LIMIT).await;
-    assert_eq!(run.state, v1::RunState::Partial as i32, "{run:#?}");
+    // Partial evidence, and the change auditor's rollback waits for approvers.
+    assert_eq!(run.state, v1::RunState::WaitingApproval as i32, "{run:#?}");
     let decision = run.decision.clone().expect("decision");
     assert_eq!(decision.outcome, v1::JoinOutcome::PartialEvidence as i32);
     assert_eq!(decision.revision, 1);
@@ -212,7 +221,7 @@ async fn slow_metrics(mode: Mode) {
         "{:?}",
         decision.reasons
     );
-    // The late result arrives, becomes revision 2, and the run stays PARTIAL.
+    // The late result arrives, becomes revision 2, and the run stays as it stopped.
     let run = wait_for("the late revision", LIMIT, async || {
         let run = mesh.get_run(ONCALL, &run_id).await;
         if run.revisions.len() >= 2 {
@@ -224,7 +233,7 @@ async fn slow_metrics(mode: Mode) {
     .await;
     assert_eq!(
         run.state,
-        v1::RunState::Partial as i32,
+        v1::RunState::WaitingApproval as i32,
         "a late result never reopens the run"
     );
     let revised = run.decision.clone().expect("decision");
@@ -279,7 +288,7 @@ async fn hung_worker_is_cancelled_and_its_result_discarded() {
             .expect("metrics");
         if d.state != v1::DelegationState::TimedOut as i32 || d.completed_at.is_some() {
             assert_eq!(now.revisions.len(), 1, "DISCARD never adds a revision");
-            assert_eq!(now.state, v1::RunState::Partial as i32);
+            assert_eq!(now.state, v1::RunState::WaitingApproval as i32);
             return true;
         }
         false

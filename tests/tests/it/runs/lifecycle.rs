@@ -57,10 +57,33 @@ async fn finished_runs_revoked(mode: Mode) {
     // Every held delegation goes on at once, so the runs finish together.
     std::fs::write(&release, b"").unwrap();
     let mut states = BTreeSet::new();
+    let mut waiting = Vec::new();
     for id in &ids {
-        states.insert(mesh.wait_terminal(ONCALL, id, LIMIT).await.state);
+        let run = mesh.wait_terminal(ONCALL, id, LIMIT).await;
+        states.insert(run.state);
+        waiting.push(run);
     }
-    assert_eq!(states.len(), 1, "runs alike end alike: {states:?}");
+    assert_eq!(states.len(), 1, "runs alike stop alike: {states:?}");
+    // A waiting run keeps its tokens: it may need them again.
+    assert!(revoked_runs().await.is_empty(), "revoked while waiting");
+    // Closed together, they end together.
+    let closes = waiting.iter().map(async |run| {
+        mesh.supervisor()
+            .resume_run(request(
+                v1::ResumeRunRequest {
+                    run_id: run.run_id.clone(),
+                    ticket: run.ticket.clone(),
+                    rationale: "closed as it stands".to_owned(),
+                    input: Some(v1::resume_run_request::Input::Close(v1::CloseRun {})),
+                },
+                &mesh.credential(ONCALL),
+            ))
+            .await
+    });
+    for closed in futures::future::join_all(closes).await {
+        let run = closed.expect("ResumeRun").into_inner().run.expect("run");
+        assert!(convene_supervisor::store::is_final(run.state), "{run:#?}");
+    }
     // The revocation follows the terminal state; wait for the last of them.
     let revoked = wait_for("every finished run to be revoked", LIMIT, async || {
         let revoked = revoked_runs().await;
@@ -118,6 +141,7 @@ fn kinds(events: &[v1::RunEvent]) -> Vec<&'static str> {
             Some(Kind::Completed(_)) => "completed",
             Some(Kind::Decision(_)) => "decision",
             Some(Kind::Terminal(_)) => "terminal",
+            Some(Kind::Waiting(_)) => "waiting",
             _ => "other",
         })
         .collect()
@@ -161,7 +185,7 @@ async fn progress_that_decides_nothing_commits_with_the_decision() {
         let gapless: Vec<u64> = (1..=events.len() as u64).collect();
         assert_eq!(sequences, gapless, "{events:#?}");
         let kinds = kinds(events);
-        for (kind, n) in [("dispatched", 3), ("completed", 3), ("terminal", 1)] {
+        for (kind, n) in [("dispatched", 3), ("completed", 3), ("waiting", 1)] {
             assert_eq!(kinds.iter().filter(|k| **k == kind).count(), n, "{kinds:?}");
         }
     }
@@ -307,12 +331,8 @@ async fn start_run_waits(mode: Mode) {
     assert!(first.created && !second.created);
     let ended = first.run.expect("run");
     assert_eq!(ended.run_id, accepted.run_id);
-    // The example ends waiting for a human (its specialists conflict).
-    assert_eq!(
-        ended.state,
-        v1::RunState::WaitingApproval as i32,
-        "{ended:#?}"
-    );
+    // The example stops waiting for a human (its specialists conflict).
+    assert_eq!(ended.state, v1::RunState::WaitingInput as i32, "{ended:#?}");
     assert_ne!(
         ended.outcome,
         v1::JoinOutcome::Unspecified as i32,
