@@ -161,8 +161,14 @@ pub(super) fn shape(f: &Finished) -> Shape {
             (name, norm(&format!("{state} {:?} {result:?}", d.detail)))
         })
         .collect();
+    // The supervisor's own events: the approval service's reach the outbox as the
+    // supervisor follows them, a moment after the run stopped.
     let mut outbox = BTreeMap::new();
-    for e in &f.outbox {
+    for e in f
+        .outbox
+        .iter()
+        .filter(|e| e.source == convene_supervisor::events::SOURCE)
+    {
         *outbox.entry(e.r#type.clone()).or_insert(0) += 1;
     }
     let mut run_events = BTreeMap::new();
