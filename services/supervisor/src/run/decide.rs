@@ -319,7 +319,9 @@ impl RunActor {
             }
         } else {
             // Nothing to resume any more.
-            Arc::make_mut(&mut self.run).ticket = None;
+            if self.run.ticket.is_some() {
+                Arc::make_mut(&mut self.run).ticket = None;
+            }
             let e = self.event(Kind::Terminal(v1::RunTerminal {
                 state: state as i32,
                 outcome: self.run.outcome,

@@ -186,3 +186,53 @@ async fn an_expired_action_ends_the_run_with_the_action_expired() {
         "{counts:?}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn approvals_reach_the_run_when_the_approval_service_keeps_its_own_database() {
+    let mut mesh = TestMesh::start(Mode::Processes, MeshOptions::default()).await;
+    // The approval service alone moves to a database of its own: the supervisor hears
+    // of its requests' changes only through Approval.WatchEvents.
+    let own = mesh.data_dir().join("approval-only.db");
+    assert!(
+        mesh.restart(
+            "approval",
+            vec![(
+                "CONVENE_DATABASE_URL".to_owned(),
+                convene_store::sqlite_url(&own)
+            )],
+        )
+        .await,
+        "the approval service restarts"
+    );
+    let (run, id) = settled(&mesh).await;
+    vote(&mesh, ALICE, &id, v1::VoteDecision::Approve).await;
+    vote(&mesh, BOB, &id, v1::VoteDecision::Approve).await;
+    let hash = approval(&mesh, &id).await.parameters_hash;
+    mesh.approval()
+        .execute(request(
+            v1::ApprovalExecuteRequest {
+                approval_id: id.clone(),
+                parameters_hash: hash,
+            },
+            &mesh.credential(ALICE),
+        ))
+        .await
+        .expect("Execute");
+    let run = wait_state(&mesh, &run.run_id, v1::RunState::Succeeded).await;
+    assert_eq!(run.actions[0].state, v1::ActionState::Executed as i32);
+    // The request lives in the approval service's file, not the shared one.
+    let db = convene_store::Database::connect(&convene_store::sqlite_url(&own))
+        .await
+        .expect("the approval service's database");
+    let rows = db
+        .fetch_all(convene_store::sql("SELECT approval_id FROM approvals"))
+        .await
+        .expect("approvals read");
+    assert_eq!(rows.len(), 1);
+    let shared = mesh.open_database().await;
+    let none = shared
+        .fetch_all(convene_store::sql("SELECT approval_id FROM approvals"))
+        .await
+        .expect("approvals read");
+    assert!(none.is_empty(), "the shared database holds no request");
+}
