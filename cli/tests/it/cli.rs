@@ -175,3 +175,46 @@ fn up_then_run_prints_the_assessment_and_evidence_verifies() {
     assert!(out.status.success(), "{text}");
     assert!(text.contains("intact"), "{text}");
 }
+
+/// Log lines on a stream that is not a terminal carry no ANSI colour codes, in either
+/// format: a log collector reading a pipe gets them plain.
+#[test]
+fn logs_to_a_pipe_carry_no_colour_codes() {
+    use std::io::{BufRead as _, BufReader};
+    for format in ["text", "json"] {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut child = convene()
+            .args(["serve", "policy", "--log-format", format, "--data-dir"])
+            .arg(dir.path())
+            .env(
+                "CONVENE_SERVER__LISTEN",
+                format!("127.0.0.1:{}", free_port()),
+            )
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("convene serve policy");
+        let stderr = child.stderr.take().expect("stderr");
+        let mut lines = Vec::new();
+        for line in BufReader::new(stderr).lines() {
+            let line = line.expect("a log line");
+            let started = line.contains("starting");
+            lines.push(line);
+            if started {
+                break;
+            }
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+        assert!(
+            lines.iter().any(|l| l.contains("starting")),
+            "{format}: no start line in {lines:#?}"
+        );
+        for line in &lines {
+            assert!(
+                !line.contains('\u{1b}'),
+                "{format}: a colour code in {line:?}"
+            );
+        }
+    }
+}

@@ -256,7 +256,11 @@ fn fmt_layer<S>(format: LogFormat) -> Box<dyn Layer<S> + Send + Sync>
 where
     S: tracing::Subscriber + for<'a> LookupSpan<'a>,
 {
-    let layer = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
+    // Colour only on a terminal: a log collector reading a pipe or a file gets the plain
+    // lines, whatever the format.
+    let layer = tracing_subscriber::fmt::layer()
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
     match format {
         LogFormat::Text => layer.boxed(),
         LogFormat::Json => layer.json().boxed(),
