@@ -5,6 +5,7 @@
 #[path = "../../harness/mod.rs"]
 mod harness;
 
+mod deploy;
 mod durable;
 mod failover;
 mod model;
