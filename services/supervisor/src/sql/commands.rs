@@ -11,7 +11,7 @@ use prost::Message as _;
 
 use super::SqlRunStore;
 use super::commit::command_done;
-use super::rows::{decode, ts_micros};
+use super::rows::{decode, narrow, ts_micros};
 use crate::store::{CommandDone, Committed, RunCommand, StoreError};
 
 impl SqlRunStore {
@@ -87,7 +87,10 @@ impl SqlRunStore {
         }
         Ok(Some(CommandDone {
             command_id: command_id.to_owned(),
-            code: i32::try_from(row.get::<Option<i64>>("outcome_code")?.unwrap_or(0)).unwrap_or(2),
+            code: narrow(
+                row.get::<Option<i64>>("outcome_code")?.unwrap_or(0),
+                "outcome_code",
+            )?,
             message: row
                 .get::<Option<String>>("outcome_message")?
                 .unwrap_or_default(),
