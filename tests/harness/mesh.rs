@@ -11,6 +11,20 @@ use tempfile::TempDir;
 use super::processes::{Proc, SupervisorEnv};
 use super::{DATABASE_ENV, MeshOptions, Mode, Workers, example_data, example_profiles};
 
+/// Connections each service process of a mesh on PostgreSQL may open: a replica mesh
+/// runs five such processes, and two meshes at once (the suite's default of two test
+/// threads) must stay well within a stock server's `max_connections` of 100.
+const MESH_POOL_SIZE: u32 = 6;
+
+/// `url` with the pool size capped at [`MESH_POOL_SIZE`].
+fn pool_capped(url: &str) -> String {
+    let sep = if url.contains('?') { '&' } else { '?' };
+    format!(
+        "{url}{sep}{}={MESH_POOL_SIZE}",
+        convene_store::POOL_SIZE_PARAM
+    )
+}
+
 /// The database URL a mesh uses (None: the default SQLite file in its data directory)
 /// and, for a PostgreSQL server, the fresh database created for it.
 async fn mesh_database(
@@ -38,7 +52,7 @@ async fn mesh_database(
             let database = convene_store::test_util::TestPostgres::create(url)
                 .await
                 .unwrap_or_else(|e| panic!("{DATABASE_ENV}: cannot create a test database: {e}"));
-            (Some(database.url().to_owned()), Some(database))
+            (Some(pool_capped(database.url())), Some(database))
         }
         Some(url) => (Some(url.to_owned()), None),
     }
