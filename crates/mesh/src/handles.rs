@@ -10,6 +10,8 @@
 //! the caller's trace. An in-process call needs nothing: the callee runs inside the
 //! caller's span.
 
+use std::collections::BTreeSet;
+use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
@@ -23,7 +25,11 @@ use convene_proto::v1::{
     worker_server::Worker,
 };
 use futures::Stream;
+use tokio::sync::mpsc::Sender;
+use tonic::transport::channel::Change;
 use tonic::transport::{Channel, Endpoint};
+
+use crate::resolve::{self, Named, Resolver};
 use tonic::{Request, Response, Status};
 
 /// A boxed stream of messages, the stream type of every streaming RPC in the mesh.
@@ -62,23 +68,95 @@ pub struct EndpointError {
 }
 
 /// A lazily connecting channel to `endpoint` (`http://host:port`). It connects on the
-/// first call and reconnects after failures, so services may start in any order.
+/// first call and reconnects after failures, so services may start in any order. A host
+/// name (not an IP literal or `localhost`) is resolved to every address and calls are
+/// balanced over them ([`crate::resolve`]).
 pub fn channel(endpoint: &str) -> Result<Channel, EndpointError> {
+    channel_with(endpoint, &resolve::dns(), resolve::RESOLVE_INTERVAL)
+}
+
+/// [`channel`] with `resolver` resolving host names, again every `every`.
+pub fn channel_with(
+    endpoint: &str,
+    resolver: &Resolver,
+    every: Duration,
+) -> Result<Channel, EndpointError> {
     let endpoint = if endpoint.contains("://") {
         endpoint.to_owned()
     } else {
         format!("http://{endpoint}")
     };
-    let ep = Endpoint::from_shared(endpoint.clone()).map_err(|e| EndpointError {
-        endpoint: endpoint.clone(),
+    let ep = configured(&endpoint)?;
+    let Some(name) = resolve::named(&endpoint) else {
+        return Ok(ep.connect_lazy());
+    };
+    let (channel, changes) = Channel::balance_channel::<SocketAddr>(16);
+    tokio::spawn(follow(name, resolver.clone(), every, changes));
+    Ok(channel)
+}
+
+/// An endpoint with the mesh's connection settings.
+fn configured(url: &str) -> Result<Endpoint, EndpointError> {
+    let ep = Endpoint::from_shared(url.to_owned()).map_err(|e| EndpointError {
+        endpoint: url.to_owned(),
         detail: e.to_string(),
     })?;
     Ok(ep
         .connect_timeout(Duration::from_secs(5))
         .tcp_nodelay(true)
         .http2_keep_alive_interval(Duration::from_secs(30))
-        .keep_alive_while_idle(true)
-        .connect_lazy())
+        .keep_alive_while_idle(true))
+}
+
+/// Keeps a balanced channel's endpoints equal to what `name` resolves to, until the
+/// channel is dropped.
+async fn follow(
+    name: Named,
+    resolver: Resolver,
+    every: Duration,
+    changes: Sender<Change<SocketAddr, Endpoint>>,
+) {
+    let mut known = BTreeSet::new();
+    let mut failing = false;
+    loop {
+        let wait = match resolve::refresh(&resolver, &name, &mut known).await {
+            Ok(diff) => {
+                if failing || !diff.added.is_empty() || !diff.removed.is_empty() {
+                    tracing::info!(host = %name.host, addresses = ?known, "endpoint addresses");
+                }
+                failing = false;
+                for addr in diff.removed {
+                    if changes.send(Change::Remove(addr)).await.is_err() {
+                        return;
+                    }
+                }
+                for addr in diff.added {
+                    let Ok(ep) = configured(&name.url_of(addr)) else {
+                        continue;
+                    };
+                    if changes.send(Change::Insert(addr, ep)).await.is_err() {
+                        return;
+                    }
+                }
+                every
+            }
+            Err(e) => {
+                if !failing {
+                    tracing::warn!(host = %name.host, error = %e, "cannot resolve the endpoint's host; trying again");
+                }
+                failing = true;
+                if known.is_empty() {
+                    resolve::RETRY_INTERVAL.min(every)
+                } else {
+                    every
+                }
+            }
+        };
+        tokio::select! {
+            () = tokio::time::sleep(wait) => {}
+            () = changes.closed() => return,
+        }
+    }
 }
 
 macro_rules! grpc_adapter {

@@ -20,5 +20,6 @@ pub mod auth;
 pub mod batch;
 pub mod handles;
 pub mod policy_file;
+pub mod resolve;
 #[cfg(feature = "test-util")]
 pub mod test_util;

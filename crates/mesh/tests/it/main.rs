@@ -1,3 +1,5 @@
-//! The mesh crate's integration tests, one binary: the example policy file.
+//! The mesh crate's integration tests, one binary: balancing over resolved addresses,
+//! and the example policy file.
 
+mod balance;
 mod example_policy;
