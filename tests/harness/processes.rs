@@ -192,6 +192,21 @@ impl TestMesh {
         capacity: u32,
         supervisor_endpoint: &str,
     ) {
+        self.spawn_worker_with(worker_id, profiles, capacity, &[supervisor_endpoint])
+            .await;
+    }
+
+    /// Starts one more worker process (Processes mode) registered as `worker_id` with
+    /// every supervisor replica in `supervisors` (their registries); the first is also the
+    /// one its `delegate@1` calls reach.
+    pub async fn spawn_worker_with(
+        &mut self,
+        worker_id: &str,
+        profiles: &Path,
+        capacity: u32,
+        supervisors: &[&str],
+    ) {
+        let supervisor_endpoint: &str = supervisors.first().copied().expect("a supervisor");
         assert_eq!(
             self.mode,
             Mode::Processes,
@@ -213,6 +228,10 @@ impl TestMesh {
                 example_data().display().to_string(),
             ),
             ("CONVENE_CAPACITY", capacity.to_string()),
+            (
+                "CONVENE_REGISTRY_ENDPOINTS",
+                format!("[{}]", supervisors.join(",")),
+            ),
             ("RUST_LOG", "warn".to_owned()),
         ]
         .into_iter()

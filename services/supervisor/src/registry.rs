@@ -3,7 +3,9 @@
 //! Workers register their profiles and capacity and renew a lease by heartbeat. The
 //! supervisor picks, for each dispatch, a live worker serving the profile with the
 //! fewest delegations in flight (ties broken round-robin), so load spreads across
-//! several. A worker whose lease lapses, or whose connection fails, stops receiving work
+//! several. Every supervisor replica keeps its own registry (workers register with each,
+//! see ARCHITECTURE.md), so a worker's load is what this replica has in flight there or
+//! what the worker last reported running, whichever is more. A worker whose lease lapses, or whose connection fails, stops receiving work
 //! until it registers again.
 
 use std::collections::HashMap;
@@ -73,8 +75,18 @@ struct Entry {
     profiles: Vec<String>,
     capacity: u32,
     in_flight: u32,
+    /// What the worker last reported running, dispatched by any supervisor replica.
+    reported: u32,
     lease_until: Instant,
     handle: WorkerHandle,
+}
+
+impl Entry {
+    /// How busy the worker is: its delegations from this replica, or what it last
+    /// reported running when that is more (other replicas dispatch to it too).
+    fn load(&self) -> u32 {
+        self.in_flight.max(self.reported)
+    }
 }
 
 /// Registry settings.
@@ -162,7 +174,9 @@ impl Registry {
     ) -> Result<(), String> {
         let handle = self.connector.connect(endpoint)?;
         let mut workers = self.workers.lock().expect("registry lock poisoned");
-        let in_flight = workers.get(worker_id).map_or(0, |e| e.in_flight);
+        let (in_flight, reported) = workers
+            .get(worker_id)
+            .map_or((0, 0), |e| (e.in_flight, e.reported));
         workers.insert(
             worker_id.to_owned(),
             Entry {
@@ -170,6 +184,7 @@ impl Registry {
                 profiles,
                 capacity: capacity.max(1),
                 in_flight,
+                reported,
                 lease_until: Instant::now() + self.settings.lease_ttl,
                 handle,
             },
@@ -197,11 +212,11 @@ impl Registry {
         if candidates.iter().any(|(id, _)| !avoid.contains(id)) {
             candidates.retain(|(id, _)| !avoid.contains(id));
         }
-        candidates.sort_by(|a, b| a.1.in_flight.cmp(&b.1.in_flight).then_with(|| a.0.cmp(b.0)));
-        let least = candidates.first()?.1.in_flight;
+        candidates.sort_by(|a, b| a.1.load().cmp(&b.1.load()).then_with(|| a.0.cmp(b.0)));
+        let least = candidates.first()?.1.load();
         let tied: Vec<&String> = candidates
             .iter()
-            .take_while(|(_, e)| e.in_flight == least)
+            .take_while(|(_, e)| e.load() == least)
             .map(|(id, _)| *id)
             .collect();
         #[allow(clippy::cast_possible_truncation)] // the modulo keeps it in range
@@ -316,6 +331,7 @@ impl WorkerRegistry for RegistryService {
             Some(e) => {
                 let was_dead = e.lease_until <= Instant::now();
                 e.lease_until = Instant::now() + self.settings.lease_ttl;
+                e.reported = r.in_flight;
                 if was_dead {
                     drop(workers);
                     self.changed.notify_waiters();

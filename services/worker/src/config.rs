@@ -61,6 +61,11 @@ pub struct Config {
     pub register: bool,
     /// The supervisor: its worker registry, and its Delegate for `delegate@1`.
     pub supervisor_endpoint: String,
+    /// The worker registries to register with, when they are not `supervisor_endpoint`
+    /// alone: every supervisor replica keeps its own. A URL whose host is a name (a
+    /// headless Service) stands for every address it resolves to, resolved again every
+    /// 10 s. Empty: `supervisor_endpoint`.
+    pub registry_endpoints: Vec<String>,
     /// The policy service.
     pub policy_endpoint: String,
     /// The evidence store.
@@ -98,6 +103,7 @@ impl Default for Config {
             capacity: DEFAULT_CAPACITY,
             register: true,
             supervisor_endpoint: "http://127.0.0.1:7400".to_owned(),
+            registry_endpoints: Vec::new(),
             policy_endpoint: "http://127.0.0.1:7401".to_owned(),
             evidence_endpoint: "http://127.0.0.1:7402".to_owned(),
             data_dir: PathBuf::from(DEFAULT_DATA_DIR),
@@ -147,7 +153,26 @@ impl Config {
                 "worker_id must not be empty; leave it unset for <hostname>-<pid>".into(),
             ));
         }
+        for url in &self.registry_endpoints {
+            let parsed: Result<tonic::transport::Uri, _> = url.parse();
+            if !parsed.is_ok_and(|u| u.scheme().is_some() && u.host().is_some()) {
+                return Err(Error::Config(format!(
+                    "registry_endpoints: `{url}` is not a URL; give each supervisor's \
+                     registry as http://host:port, e.g. http://convene-supervisor-peers:7400"
+                )));
+            }
+        }
         Ok(())
+    }
+
+    /// The registries to register with: `registry_endpoints`, else
+    /// `supervisor_endpoint`.
+    pub fn registry_urls(&self) -> Vec<String> {
+        if self.registry_endpoints.is_empty() {
+            vec![self.supervisor_endpoint.clone()]
+        } else {
+            self.registry_endpoints.clone()
+        }
     }
 
     /// The configured profiles (the embedded example when `profiles_file` is unset).

@@ -39,6 +39,7 @@ pub mod playbook;
 pub mod profiles;
 pub mod provider;
 pub mod registration;
+pub mod registries;
 pub mod report;
 mod service;
 pub mod tools;
@@ -47,8 +48,8 @@ use std::sync::Arc;
 
 use convene_mesh::batch::{BatchingEvidence, BatchingPolicy};
 use convene_mesh::handles::{
-    EvidenceHandle, GrpcEvidenceStore, GrpcPolicy, GrpcSupervisor, GrpcWorkerRegistry,
-    PolicyHandle, RegistryHandle, SupervisorHandle,
+    EvidenceHandle, GrpcEvidenceStore, GrpcPolicy, GrpcSupervisor, PolicyHandle, RegistryHandle,
+    SupervisorHandle,
 };
 use convene_server::{GrpcServer, Shutdown};
 
@@ -179,11 +180,19 @@ pub async fn run(config: Config, shutdown: Shutdown) -> Result<(), Error> {
     let endpoint = config.advertise_endpoint(bound);
 
     let registrar = if config.register {
-        let registry: RegistryHandle =
-            Arc::new(GrpcWorkerRegistry::connect(&config.supervisor_endpoint)?);
         let credential = config.credential()?;
-        let registrar = worker.registrar(registry, credential, endpoint.clone());
-        Some(tokio::spawn(registrar.run(shutdown.clone())))
+        let this = worker.clone();
+        let advertised = endpoint.clone();
+        let make: registries::MakeRegistrar = Arc::new(move |registry| {
+            this.registrar(registry, credential.clone(), advertised.clone())
+        });
+        Some(tokio::spawn(registries::register_everywhere(
+            config.registry_urls(),
+            make,
+            convene_mesh::resolve::dns(),
+            convene_mesh::resolve::RESOLVE_INTERVAL,
+            shutdown.clone(),
+        )))
     } else {
         tracing::info!("registration is off: the supervisor must be told about this worker");
         None

@@ -61,6 +61,13 @@ struct Cli {
     #[arg(long, value_name = "URL")]
     supervisor: Option<String>,
 
+    /// A supervisor's worker registry to register with, instead of --supervisor's;
+    /// repeat it for several. A host name (a headless Service) stands for every
+    /// supervisor replica it resolves to. Overrides `registry_endpoints`
+    /// (CONVENE_REGISTRY_ENDPOINTS='[http://a:7400,http://b:7400]').
+    #[arg(long = "registry", value_name = "URL")]
+    registries: Vec<String>,
+
     /// The policy service, which authorizes every tool call. Overrides
     /// `policy_endpoint`. [default: http://127.0.0.1:7401]
     #[arg(long, value_name = "URL")]
@@ -98,6 +105,11 @@ impl Cli {
             .set_some("policy_endpoint", self.policy.as_deref())
             .set_some("evidence_endpoint", self.evidence.as_deref())
             .set_some("advertise", self.advertise.as_deref());
+        let loader = if self.registries.is_empty() {
+            loader
+        } else {
+            loader.set("registry_endpoints", &self.registries)
+        };
         if self.no_register {
             loader.set("register", false)
         } else {

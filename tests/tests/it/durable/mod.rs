@@ -20,6 +20,7 @@ mod planner_crash;
 mod replica_commands;
 mod replicas;
 mod shape;
+mod shared_workers;
 mod waiting_crash;
 
 use std::os::unix::process::ExitStatusExt as _;
