@@ -4,6 +4,26 @@
 //! artifacts under `./.convene/artifacts`, the policy service on its default local port,
 //! the example policy built into the binary (its principals may read evidence with role
 //! `evidence:read`), development credentials in `./.convene/credentials`.
+//!
+//! The `[artifacts]` section ([`ArtifactsConfig`]) moves artifact bytes to an
+//! S3-compatible bucket, so that several evidence-store replicas sharing one database
+//! also share the bytes:
+//!
+//! ```toml
+//! database_url = "postgres://convene@db/convene"
+//!
+//! [artifacts]
+//! store = "s3"
+//! bucket = "convene-evidence"
+//! prefix = "prod"                      # objects at prod/<tenant>/<sha256>
+//! endpoint = "http://minio:9000"       # unset: AWS S3 in `region`
+//! region = "us-east-1"
+//! allow_http = true                    # plain HTTP, for a local MinIO
+//! ```
+//!
+//! Credentials are never configuration: the S3 client takes them from the standard AWS
+//! environment (`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_SESSION_TOKEN`, or a
+//! web-identity, container or instance role), so `--dump-config` cannot show them.
 
 use std::path::PathBuf;
 
@@ -33,10 +53,10 @@ pub const ENVELOPE_ALLOWANCE: usize = 1024 * 1024;
 /// [`common`](Self::common), which the config also derefs to: the server (listening on
 /// `127.0.0.1:7402` by default; its `max_message_bytes` does not bound this service's own
 /// messages, `max_artifact_bytes` does, plus room for the other fields); the data
-/// directory (artifact bytes in `<data_dir>/artifacts/<tenant>/<sha256>`); the policy
-/// file, whose principals may read evidence with their own credential when they hold
-/// role `evidence:read`; and `database_url`, where artifact metadata and evidence
-/// records are stored (the bytes stay in the artifacts directory either way).
+/// directory (artifact bytes in `<data_dir>/artifacts/<tenant>/<sha256>` unless
+/// [`artifacts`](Self::artifacts) names a bucket); the policy file, whose principals may
+/// read evidence with their own credential when they hold role `evidence:read`; and
+/// `database_url`, where artifact metadata and evidence records are stored.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Config {
@@ -47,6 +67,8 @@ pub struct Config {
     pub max_artifact_bytes: usize,
     /// The policy service, whose signing keys verify task tokens offline.
     pub policy_endpoint: String,
+    /// Where artifact bytes are kept: the `[artifacts]` section.
+    pub artifacts: ArtifactsConfig,
 }
 
 impl Default for Config {
@@ -55,7 +77,167 @@ impl Default for Config {
             common: ServiceCommon::new(ServerSettings::on_port(DEFAULT_PORT)),
             max_artifact_bytes: DEFAULT_MAX_ARTIFACT_BYTES,
             policy_endpoint: DEFAULT_POLICY_ENDPOINT.to_owned(),
+            artifacts: ArtifactsConfig::default(),
         }
+    }
+}
+
+/// The region of an S3 store whose `region` is not configured.
+pub const DEFAULT_S3_REGION: &str = "us-east-1";
+
+/// The kind of store that keeps artifact bytes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StoreKind {
+    /// The local file system, under `<data_dir>/artifacts`: one process owns the bytes.
+    #[default]
+    File,
+    /// An S3-compatible bucket (AWS S3, MinIO, Ceph, moto, ...), shared by replicas.
+    S3,
+}
+
+/// The `[artifacts]` section: where artifact bytes are kept. Every key has an
+/// environment override, `CONVENE_ARTIFACTS__<KEY>` (`CONVENE_ARTIFACTS__BUCKET`, ...).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ArtifactsConfig {
+    /// `file` (the default: `<data_dir>/artifacts`) or `s3`.
+    pub store: StoreKind,
+    /// The bucket, which must exist; required for `store = "s3"`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bucket: Option<String>,
+    /// A key prefix within the bucket: objects are kept at `<prefix>/<tenant>/<sha256>`
+    /// (unset: `<tenant>/<sha256>`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prefix: Option<String>,
+    /// The URL of an S3-compatible server, e.g. `http://minio:9000` (unset: AWS S3).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub endpoint: Option<String>,
+    /// The bucket's region; it takes precedence over `AWS_REGION`.
+    pub region: String,
+    /// Whether plain-HTTP endpoints are allowed (a local MinIO or moto); off, only HTTPS.
+    pub allow_http: bool,
+}
+
+impl Default for ArtifactsConfig {
+    fn default() -> Self {
+        Self {
+            store: StoreKind::File,
+            bucket: None,
+            prefix: None,
+            endpoint: None,
+            region: DEFAULT_S3_REGION.to_owned(),
+            allow_http: false,
+        }
+    }
+}
+
+/// An S3 store's settings, checked: what [`ArtifactsConfig::s3`] returns.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct S3Settings {
+    /// The bucket.
+    pub bucket: String,
+    /// The key prefix, without leading or trailing `/`; `None` when empty.
+    pub prefix: Option<String>,
+    /// The server's URL; `None` for AWS S3.
+    pub endpoint: Option<String>,
+    /// The region.
+    pub region: String,
+    /// Whether plain HTTP is allowed.
+    pub allow_http: bool,
+}
+
+impl S3Settings {
+    /// `bucket B, prefix P, endpoint E, region R` for the start-up log line (no
+    /// credentials: they are not part of the settings).
+    pub fn describe(&self) -> String {
+        format!(
+            "bucket {}, prefix {}, endpoint {}, region {}",
+            self.bucket,
+            self.prefix.as_deref().unwrap_or("(none)"),
+            self.endpoint.as_deref().unwrap_or("AWS S3"),
+            self.region
+        )
+    }
+}
+
+impl ArtifactsConfig {
+    /// The S3 settings when `store = "s3"`, `None` for the file store.
+    ///
+    /// # Errors
+    ///
+    /// What to fix, naming the key: a missing or empty `artifacts.bucket`; S3 keys set
+    /// while `store = "file"` (they would be ignored); an endpoint that is not an
+    /// `http://` or `https://` URL, or is `http://` without `allow_http`.
+    pub fn s3(&self) -> Result<Option<S3Settings>, String> {
+        let non_empty = |value: &Option<String>| {
+            value
+                .as_deref()
+                .map(str::trim)
+                .filter(|v| !v.is_empty())
+                .map(str::to_owned)
+        };
+        if self.store == StoreKind::File {
+            let s3_only = [
+                ("bucket", &self.bucket),
+                ("prefix", &self.prefix),
+                ("endpoint", &self.endpoint),
+            ];
+            if let Some((key, _)) = s3_only.iter().find(|(_, value)| value.is_some()) {
+                return Err(format!(
+                    "artifacts.{key} is set but artifacts.store is \"file\", which keeps the \
+                     bytes in <data_dir>/artifacts; set artifacts.store = \"s3\" \
+                     (CONVENE_ARTIFACTS__STORE=s3) to use a bucket, or remove artifacts.{key}"
+                ));
+            }
+            return Ok(None);
+        }
+        let bucket = non_empty(&self.bucket).ok_or_else(|| {
+            "artifacts.bucket is required when artifacts.store = \"s3\": name an existing \
+             bucket in the [artifacts] section or in CONVENE_ARTIFACTS__BUCKET"
+                .to_owned()
+        })?;
+        let prefix = self
+            .prefix
+            .as_deref()
+            .map(|p| p.trim().trim_matches('/'))
+            .filter(|p| !p.is_empty())
+            .map(str::to_owned);
+        let endpoint = non_empty(&self.endpoint);
+        if let Some(url) = &endpoint {
+            let scheme = url.split_once("://").map(|(scheme, _)| scheme);
+            match scheme {
+                Some("https") => {}
+                Some("http") if self.allow_http => {}
+                Some("http") => {
+                    return Err(format!(
+                        "artifacts.endpoint is {url}, plain HTTP, but artifacts.allow_http is \
+                         false; set allow_http = true (CONVENE_ARTIFACTS__ALLOW_HTTP=true) for a \
+                         server without TLS, or use its https:// URL"
+                    ));
+                }
+                _ => {
+                    return Err(format!(
+                        "artifacts.endpoint is {url:?}; expected an http:// or https:// URL of \
+                         the S3-compatible server, e.g. http://minio:9000"
+                    ));
+                }
+            }
+        }
+        let region = self.region.trim();
+        if region.is_empty() {
+            return Err(format!(
+                "artifacts.region is empty; name the bucket's region (default \
+                 {DEFAULT_S3_REGION})"
+            ));
+        }
+        Ok(Some(S3Settings {
+            bucket,
+            prefix,
+            endpoint,
+            region: region.to_owned(),
+            allow_http: self.allow_http,
+        }))
     }
 }
 
@@ -73,7 +255,7 @@ impl Config {
         }
     }
 
-    /// Where artifact bytes are kept.
+    /// Where artifact bytes are kept by the file store (`artifacts.store = "file"`).
     pub fn artifacts_dir(&self) -> PathBuf {
         self.data_dir.join("artifacts")
     }
@@ -187,6 +369,108 @@ mod tests {
             .unwrap_err();
         assert!(
             err.to_string().contains("CONVENE_MAX_ARTIFACT_BYTE"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn the_artifacts_section_comes_from_file_and_environment() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("evidence.toml");
+        std::fs::write(
+            &file,
+            "[artifacts]\nstore = \"s3\"\nbucket = \"from-file\"\nprefix = \"/prod/eu/\"\n",
+        )
+        .unwrap();
+        let config: Config = convene_server::ConfigLoader::new()
+            .file(&file)
+            .env([
+                ("CONVENE_ARTIFACTS__BUCKET", "evidence"),
+                ("CONVENE_ARTIFACTS__ENDPOINT", "http://127.0.0.1:9000"),
+                ("CONVENE_ARTIFACTS__REGION", "eu-west-1"),
+                ("CONVENE_ARTIFACTS__ALLOW_HTTP", "true"),
+            ])
+            .load()
+            .unwrap();
+        assert_eq!(config.artifacts.store, StoreKind::S3);
+        let s3 = config.artifacts.s3().unwrap().expect("an S3 store");
+        assert_eq!(
+            s3,
+            S3Settings {
+                bucket: "evidence".into(),
+                prefix: Some("prod/eu".into()),
+                endpoint: Some("http://127.0.0.1:9000".into()),
+                region: "eu-west-1".into(),
+                allow_http: true,
+            }
+        );
+
+        // The dump loads back as the same configuration, and the default is the file store.
+        let dumped = convene_server::dump(&config, convene_server::Format::Toml).unwrap();
+        assert!(dumped.contains("[artifacts]\nstore = \"s3\""), "{dumped}");
+        let again = dir.path().join("again.toml");
+        std::fs::write(&again, &dumped).unwrap();
+        let reloaded: Config = convene_server::ConfigLoader::new()
+            .file(&again)
+            .load()
+            .unwrap();
+        assert_eq!(reloaded, config);
+        assert_eq!(Config::default().artifacts.s3(), Ok(None));
+    }
+
+    #[test]
+    fn credentials_are_not_artifacts_keys() {
+        let err = convene_server::ConfigLoader::new()
+            .env([("CONVENE_ARTIFACTS__SECRET_ACCESS_KEY", "s3cr3t-value")])
+            .load::<Config>()
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("CONVENE_ARTIFACTS__SECRET_ACCESS_KEY") && !err.contains("s3cr3t-value"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn an_unusable_artifacts_section_names_the_key_to_fix() {
+        let s3 = |f: fn(&mut ArtifactsConfig)| {
+            let mut artifacts = ArtifactsConfig {
+                store: StoreKind::S3,
+                bucket: Some("evidence".into()),
+                ..ArtifactsConfig::default()
+            };
+            f(&mut artifacts);
+            artifacts.s3().unwrap_err()
+        };
+        let cases = [
+            (s3(|a| a.bucket = None), "artifacts.bucket is required"),
+            (
+                s3(|a| a.bucket = Some(" ".into())),
+                "CONVENE_ARTIFACTS__BUCKET",
+            ),
+            (
+                s3(|a| a.endpoint = Some("http://minio:9000".into())),
+                "artifacts.allow_http is false",
+            ),
+            (
+                s3(|a| a.endpoint = Some("minio:9000".into())),
+                "artifacts.endpoint is \"minio:9000\"",
+            ),
+            (
+                s3(|a| a.region = String::new()),
+                "artifacts.region is empty",
+            ),
+        ];
+        for (err, expected) in cases {
+            assert!(err.contains(expected), "{err}");
+        }
+        let file_with_bucket = ArtifactsConfig {
+            bucket: Some("evidence".into()),
+            ..ArtifactsConfig::default()
+        };
+        let err = file_with_bucket.s3().unwrap_err();
+        assert!(
+            err.contains("artifacts.bucket is set but artifacts.store is \"file\""),
             "{err}"
         );
     }

@@ -54,9 +54,10 @@ pub enum Error {
     /// The metadata catalog failed.
     #[error(transparent)]
     Catalog(#[from] CatalogError),
-    /// The artifact bytes could not be read or written.
+    /// The artifact bytes could not be read or written: the store's error and its
+    /// causes, with credentials cut out.
     #[error("artifact storage failed: {0}")]
-    Storage(#[from] object_store::Error),
+    Storage(String),
     /// The data directory cannot be prepared.
     #[error("cannot prepare the artifact directory {path}: {source}")]
     DataDir {

@@ -17,8 +17,9 @@
 //! person can audit a run's claims — the credential of a principal of the policy file
 //! holding role [`READER_ROLE`]. The tenant comes from the credential only. Metadata
 //! lives behind [`catalog::Catalog`] (in the database `database_url` names,
-//! [`SqlCatalog`], or in memory); bytes behind [`artifacts::Blobs`] (the local file system
-//! today, an S3-compatible store in a cluster).
+//! [`SqlCatalog`], or in memory); bytes behind [`artifacts::Blobs`]: the local file system,
+//! or an S3-compatible bucket that replicas sharing one database also share (the
+//! `[artifacts]` section, [`config::ArtifactsConfig`]).
 //!
 //! The service is a library: [`EvidenceStoreService`] implements the tonic trait, so it
 //! is also the in-process [`EvidenceHandle`](convene_mesh::handles::EvidenceHandle);

@@ -15,8 +15,18 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 /// The convene evidence store: immutable, content-addressed artifacts and the evidence
 /// records that cite them, written with task tokens and read with task tokens or by
 /// principals holding role `evidence:read`.
+///
+/// Artifact bytes are kept in <data_dir>/artifacts by default. The config file's
+/// `[artifacts]` section puts them in an S3-compatible bucket instead, which replicas
+/// sharing one `database_url` also share: `store = "s3"`, `bucket` (required), `prefix`
+/// (objects at <prefix>/<tenant>/<sha256>), `endpoint` (an S3-compatible server such as
+/// MinIO; unset: AWS S3), `region` (default us-east-1), `allow_http` (default false).
+/// Each key has an environment override, CONVENE_ARTIFACTS__<KEY>
+/// (CONVENE_ARTIFACTS__BUCKET, ...). Credentials come only from the standard AWS
+/// environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, or a web
+/// identity, container or instance role); they are never configuration and never shown.
 #[derive(Debug, Parser)]
-#[command(name = "convene-evidence-store", version, about, long_about = None)]
+#[command(name = "convene-evidence-store", version, about)]
 struct Cli {
     #[command(flatten)]
     common: ServiceArgs,
@@ -28,8 +38,8 @@ struct Cli {
     #[arg(long, value_name = "FILE")]
     policy_file: Option<PathBuf>,
 
-    /// Data directory: artifact bytes are kept in DIR/artifacts/<tenant>/<sha256>,
-    /// development credentials in DIR/credentials. Overrides `data_dir` from the config
+    /// Data directory: artifact bytes are kept in DIR/artifacts/<tenant>/<sha256> (unless
+    /// `[artifacts]` names a bucket), development credentials in DIR/credentials. Overrides `data_dir` from the config
     /// file and CONVENE_DATA_DIR. [default: ./.convene]
     #[arg(long, value_name = "DIR")]
     data_dir: Option<PathBuf>,

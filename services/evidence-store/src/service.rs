@@ -93,8 +93,9 @@ impl EvidenceStoreService {
     /// # Errors
     ///
     /// [`Error::PolicyFile`] when the policy cannot be loaded, [`Error::DataDir`] or
-    /// [`Error::Storage`] when the artifact directory cannot be prepared,
-    /// [`Error::Config`] for a zero `max_artifact_bytes`.
+    /// [`Error::Storage`] when the artifact store cannot be opened, [`Error::Config`]
+    /// for a zero `max_artifact_bytes` or an invalid `[artifacts]` section (e.g.
+    /// `store = "s3"` without `bucket`).
     pub fn open(config: &Config, policy: PolicyHandle) -> Result<Self, Error> {
         let principals = Arc::new(config.policy_source().load()?.0);
         Self::open_with_policy(config, policy, principals)
@@ -131,9 +132,9 @@ impl EvidenceStoreService {
                 "max_artifact_bytes must be at least 1 (the default is 4194304, 4 MiB)".into(),
             ));
         }
-        let blobs = Blobs::local(&config.artifacts_dir())?;
+        let blobs = Blobs::open(config)?;
         tracing::info!(
-            artifacts = %config.artifacts_dir().display(),
+            artifacts = %blobs,
             max_artifact_bytes = config.max_artifact_bytes,
             "evidence store opened"
         );

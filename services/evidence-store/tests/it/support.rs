@@ -2,7 +2,7 @@
 //! task tokens, and the evidence store verifying them, each on its own loopback port,
 //! with their files in a temporary directory.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
@@ -131,28 +131,17 @@ impl Mesh {
         wrap: impl FnOnce(Arc<MemoryCatalog>) -> Arc<dyn Catalog>,
     ) -> Self {
         let dir = tempfile::tempdir().expect("temp dir");
-        let policy_file = dir.path().join("policy.yaml");
-        std::fs::write(&policy_file, policy_yaml()).expect("write the policy file");
-        let policy_config = convene_policy::Config {
-            common: convene_server::ServiceCommon {
-                policy_file: Some(policy_file),
-                dev_credentials: false,
-                ..convene_policy::Config::in_dir(dir.path()).common
-            },
-            decision_log: convene_policy::DecisionLogTarget::Memory,
-        };
-        let policy = PolicyService::open(&policy_config).expect("the policy service opens");
-        let policy_server =
-            TestServer::start(policy.add_to(GrpcServer::new(policy_config.server.clone()))).await;
+        let (policy_file, policy, policy_server) = start_policy(dir.path()).await;
 
         let config = Config {
             common: convene_server::ServiceCommon {
-                policy_file: policy_config.policy_file.clone(),
+                policy_file: Some(policy_file),
                 dev_credentials: false,
                 ..Config::in_dir(dir.path()).common
             },
             max_artifact_bytes,
             policy_endpoint: endpoint(policy_server.addr),
+            ..Config::default()
         };
         let (handle, principals): (PolicyHandle, _) = match link {
             PolicyLink::Grpc => (
@@ -202,42 +191,7 @@ impl Mesh {
         delegation: &str,
         scopes: &[(&str, &str)],
     ) -> String {
-        let now = SystemTime::now();
-        let grant = v1::TokenGrantRequest {
-            delegation_id: delegation.into(),
-            profile_id: "logs-investigator".into(),
-            depth: 1,
-            required_scopes: scopes
-                .iter()
-                .map(|(action, resource)| v1::PermissionScope {
-                    action: (*action).into(),
-                    resource: (*resource).into(),
-                    data_scope: None,
-                })
-                .collect(),
-            task_scope: Some(v1::TaskScope {
-                resources: Vec::new(),
-                time_range: Some(v1::TimeRange {
-                    start: Some((now - Duration::from_secs(3600)).into()),
-                    end: Some((now + Duration::from_secs(60)).into()),
-                }),
-            }),
-            ..Default::default()
-        };
-        let message = v1::IssueTaskTokenRequest {
-            principal: principal.into(),
-            run_id: "run-1".into(),
-            parent_token: String::new(),
-            grants: vec![grant],
-        };
-        PolicyClient::new(self.policy_server.channel().await)
-            .issue_task_token(request(message, SUPERVISOR))
-            .await
-            .expect("a token is issued")
-            .into_inner()
-            .tokens
-            .remove(0)
-            .token
+        issue_token(&self.policy_server, principal, delegation, scopes).await
     }
 
     /// A token of acme that may write and read evidence.
@@ -292,6 +246,72 @@ impl Mesh {
             .join(&artifact.tenant)
             .join(&artifact.sha256)
     }
+}
+
+/// Writes the test policy to `<dir>/policy.yaml` and serves a policy service of it on a
+/// loopback port: the file, the service (to rotate its key) and its server.
+pub async fn start_policy(dir: &Path) -> (PathBuf, PolicyService, TestServer) {
+    let policy_file = dir.join("policy.yaml");
+    std::fs::write(&policy_file, policy_yaml()).expect("write the policy file");
+    let policy_config = convene_policy::Config {
+        common: convene_server::ServiceCommon {
+            policy_file: Some(policy_file.clone()),
+            dev_credentials: false,
+            ..convene_policy::Config::in_dir(dir).common
+        },
+        decision_log: convene_policy::DecisionLogTarget::Memory,
+    };
+    let policy = PolicyService::open(&policy_config).expect("the policy service opens");
+    let server =
+        TestServer::start(policy.add_to(GrpcServer::new(policy_config.server.clone()))).await;
+    (policy_file, policy, server)
+}
+
+/// A task token from the policy service at `policy_server` for a logs-investigator of
+/// `principal` holding `scopes` (action, resource), limited to the last hour as
+/// investigation tokens are.
+pub async fn issue_token(
+    policy_server: &TestServer,
+    principal: &str,
+    delegation: &str,
+    scopes: &[(&str, &str)],
+) -> String {
+    let now = SystemTime::now();
+    let grant = v1::TokenGrantRequest {
+        delegation_id: delegation.into(),
+        profile_id: "logs-investigator".into(),
+        depth: 1,
+        required_scopes: scopes
+            .iter()
+            .map(|(action, resource)| v1::PermissionScope {
+                action: (*action).into(),
+                resource: (*resource).into(),
+                data_scope: None,
+            })
+            .collect(),
+        task_scope: Some(v1::TaskScope {
+            resources: Vec::new(),
+            time_range: Some(v1::TimeRange {
+                start: Some((now - Duration::from_secs(3600)).into()),
+                end: Some((now + Duration::from_secs(60)).into()),
+            }),
+        }),
+        ..Default::default()
+    };
+    let message = v1::IssueTaskTokenRequest {
+        principal: principal.into(),
+        run_id: "run-1".into(),
+        parent_token: String::new(),
+        grants: vec![grant],
+    };
+    PolicyClient::new(policy_server.channel().await)
+        .issue_task_token(request(message, SUPERVISOR))
+        .await
+        .expect("a token is issued")
+        .into_inner()
+        .tokens
+        .remove(0)
+        .token
 }
 
 /// An evidence record citing `uri` (hash filled by the caller or the store).
