@@ -14,7 +14,7 @@ use convene_server::cli::{LogFormat, ServiceArgs};
 use convene_server::{Shutdown, dump};
 
 /// Allocation-heavy request handling on many threads: mimalloc costs far less CPU per
-/// allocation than the system allocator here.
+/// allocation than the system allocator here ([`convene_server::alloc`] has its settings).
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
@@ -768,8 +768,14 @@ async fn main_inner(cli: Cli) -> anyhow::Result<ExitCode> {
     }
 }
 
+fn main() -> ExitCode {
+    // Before any thread starts: mimalloc reads its settings as the process loads.
+    convene_server::alloc::apply_allocator_settings();
+    cli_main()
+}
+
 #[tokio::main]
-async fn main() -> ExitCode {
+async fn cli_main() -> ExitCode {
     let cli = Cli::parse();
     match main_inner(cli).await {
         Ok(code) => code,

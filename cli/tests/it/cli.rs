@@ -176,6 +176,56 @@ fn up_then_run_prints_the_assessment_and_evidence_verifies() {
     assert!(text.contains("intact"), "{text}");
 }
 
+/// A service process runs with the allocator settings (it re-executes itself to get
+/// them, as its process id stays the same) and keeps a setting its caller chose.
+#[test]
+fn a_service_runs_with_the_allocator_settings_and_keeps_a_chosen_one() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut child = convene()
+        .args(["serve", "policy", "--data-dir"])
+        .arg(dir.path())
+        .env(
+            "CONVENE_SERVER__LISTEN",
+            format!("127.0.0.1:{}", free_port()),
+        )
+        .env_remove("MIMALLOC_ARENA_EAGER_COMMIT")
+        .env("MIMALLOC_PURGE_DELAY", "5")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("convene serve policy");
+    let environ = std::path::PathBuf::from(format!("/proc/{}/environ", child.id()));
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let env = loop {
+        let text = std::fs::read(&environ).unwrap_or_default();
+        let vars: Vec<String> = text
+            .split(|b| *b == 0)
+            .map(|v| String::from_utf8_lossy(v).into_owned())
+            .collect();
+        if vars
+            .iter()
+            .any(|v| v.starts_with("MIMALLOC_ARENA_EAGER_COMMIT="))
+        {
+            break vars;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the service never ran with the allocator settings: {vars:?}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(
+        env.contains(&"MIMALLOC_ARENA_EAGER_COMMIT=0".to_owned()),
+        "{env:?}"
+    );
+    assert!(
+        env.contains(&"MIMALLOC_PURGE_DELAY=5".to_owned()),
+        "{env:?}"
+    );
+}
+
 /// Log lines on a stream that is not a terminal carry no ANSI colour codes, in either
 /// format: a log collector reading a pipe gets them plain.
 #[test]

@@ -23,6 +23,7 @@
 //! `convene up` can host several services in one process.
 #![forbid(unsafe_code)]
 
+pub mod alloc;
 pub mod binary;
 pub mod builder;
 pub mod cli;

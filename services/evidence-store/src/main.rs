@@ -8,7 +8,7 @@ use convene_evidence_store::Config;
 use convene_server::{ConfigLoader, cli::ServiceArgs, serve_binary};
 
 /// Allocation-heavy request handling on many threads: mimalloc costs far less CPU per
-/// allocation than the system allocator here.
+/// allocation than the system allocator here ([`convene_server::alloc`] has its settings).
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
@@ -68,8 +68,14 @@ impl Cli {
     }
 }
 
+fn main() -> ExitCode {
+    // Before any thread starts: mimalloc reads its settings as the process loads.
+    convene_server::alloc::apply_allocator_settings();
+    serve_main()
+}
+
 #[tokio::main]
-async fn main() -> ExitCode {
+async fn serve_main() -> ExitCode {
     let cli = Cli::parse();
     serve_binary(
         "convene-evidence-store",
