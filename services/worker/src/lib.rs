@@ -56,7 +56,7 @@ use convene_server::{GrpcServer, Shutdown};
 pub use config::Config;
 pub use error::Error;
 pub use registration::{Registrar, Registration};
-pub use service::{RESULT_CACHE, SetupError, WorkerOptions, WorkerService};
+pub use service::{RESULT_CACHE, RESULT_CACHE_BYTES, SetupError, WorkerOptions, WorkerService};
 
 impl WorkerService {
     /// A worker as `config` describes it (profiles, tools, id, capacity), with the

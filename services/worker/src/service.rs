@@ -35,8 +35,11 @@ use crate::agent::{Agent, Assignment, CancelSignal};
 use crate::profiles::{Profile, ProviderRegistry, ProviderSetupError};
 use crate::tools::ToolRegistry;
 
-/// Finished results kept for repeated Execute calls.
+/// Finished results kept for repeated Execute calls, at most.
 pub const RESULT_CACHE: usize = 1024;
+
+/// Encoded bytes of the finished results kept, at most.
+pub const RESULT_CACHE_BYTES: usize = 16 * 1024 * 1024;
 
 /// Records a delegation's result on its `worker.execute` span; a result that is not
 /// COMPLETED or PARTIAL marks the span failed with the result's error code.
@@ -128,9 +131,59 @@ type ResultFuture = Shared<BoxFuture<'static, v1::TaskResult>>;
 #[derive(Debug, Default)]
 struct Tasks {
     running: HashMap<String, Running>,
+    done: ResultCache,
+}
+
+/// Finished results by delegation id, bounded in entries ([`RESULT_CACHE`]) and in
+/// encoded bytes ([`RESULT_CACHE_BYTES`]): a result carries whatever its model or
+/// playbook wrote (summary, claims, actions), so a count alone would not bound it. The
+/// oldest go first.
+#[derive(Debug, Default)]
+struct ResultCache {
     done: HashMap<String, Done>,
     /// Finished delegation ids, oldest first, for eviction.
     order: VecDeque<String>,
+    /// Encoded size of the results held.
+    bytes: usize,
+}
+
+impl ResultCache {
+    fn get(&self, id: &str) -> Option<&Done> {
+        self.done.get(id)
+    }
+
+    fn remove(&mut self, id: &str) {
+        if let Some(gone) = self.done.remove(id) {
+            self.bytes -= gone.size;
+            self.order.retain(|d| d != id);
+        }
+    }
+
+    /// Keeps `result`, then drops the oldest until both bounds hold (the newest result
+    /// stays even when it alone is larger than the byte bound).
+    fn insert(&mut self, id: &str, result: &v1::TaskResult, attempt: u32) {
+        self.remove(id);
+        let size = prost::Message::encoded_len(result);
+        self.done.insert(
+            id.to_owned(),
+            Done {
+                result: result.clone(),
+                attempt,
+                size,
+            },
+        );
+        self.bytes += size;
+        self.order.push_back(id.to_owned());
+        while self.order.len() > 1
+            && (self.order.len() > RESULT_CACHE || self.bytes > RESULT_CACHE_BYTES)
+        {
+            if let Some(old) = self.order.pop_front()
+                && let Some(gone) = self.done.remove(&old)
+            {
+                self.bytes -= gone.size;
+            }
+        }
+    }
 }
 
 struct Running {
@@ -151,6 +204,8 @@ impl std::fmt::Debug for Running {
 struct Done {
     result: v1::TaskResult,
     attempt: u32,
+    /// The result's encoded size.
+    size: usize,
 }
 
 impl Done {
@@ -359,7 +414,6 @@ impl WorkerService {
                 return Ok(futures::future::ready(result).boxed().shared());
             }
             tasks.done.remove(&id);
-            tasks.order.retain(|d| d != &id);
         }
         if tasks.running.len() >= self.inner.capacity {
             return Err(ExecuteError::Busy {
@@ -452,24 +506,7 @@ impl WorkerService {
     fn finish(&self, id: &str, attempt: u32, result: &v1::TaskResult) {
         let mut tasks = lock(&self.inner.tasks);
         tasks.running.remove(id);
-        let replaced = tasks.done.insert(
-            id.to_owned(),
-            Done {
-                result: result.clone(),
-                attempt,
-            },
-        );
-        // `order` holds exactly the keys of `done`: only a replaced result has an entry
-        // to move (searching it for every result cost a string compare per cached one).
-        if replaced.is_some() {
-            tasks.order.retain(|d| d != id);
-        }
-        tasks.order.push_back(id.to_owned());
-        while tasks.order.len() > RESULT_CACHE {
-            if let Some(old) = tasks.order.pop_front() {
-                tasks.done.remove(&old);
-            }
-        }
+        tasks.done.insert(id, result, attempt);
     }
 }
 
@@ -559,7 +596,53 @@ mod tests {
                 ..v1::TaskResult::default()
             },
             attempt: 1,
+            size: 0,
         }
+    }
+
+    fn sized(id: &str, bytes: usize) -> v1::TaskResult {
+        v1::TaskResult {
+            delegation_id: id.to_owned(),
+            summary: "x".repeat(bytes),
+            ..v1::TaskResult::default()
+        }
+    }
+
+    #[test]
+    fn the_result_cache_is_bounded_in_bytes_as_well_as_in_entries() {
+        let mut cache = ResultCache::default();
+        // Results of 1 MiB each: far fewer than RESULT_CACHE fit in the byte bound.
+        for i in 0..40 {
+            cache.insert(&format!("d{i}"), &sized(&format!("d{i}"), 1 << 20), 1);
+            assert!(
+                cache.bytes <= RESULT_CACHE_BYTES,
+                "{} bytes held",
+                cache.bytes
+            );
+        }
+        assert_eq!(cache.done.len(), cache.order.len());
+        assert!(cache.done.len() < 17, "{} results held", cache.done.len());
+        assert!(cache.get("d39").is_some(), "the newest is kept");
+        assert!(cache.get("d0").is_none(), "the oldest went first");
+        let held: usize = cache.done.values().map(|d| d.size).sum();
+        assert_eq!(held, cache.bytes);
+
+        // Small results: the entry bound holds.
+        for i in 0..RESULT_CACHE + 10 {
+            cache.insert(&format!("s{i}"), &sized("s", 10), 1);
+        }
+        assert_eq!(cache.done.len(), RESULT_CACHE);
+
+        // A single result larger than the byte bound is still kept (alone), so a
+        // duplicate delivery of it gets the same answer.
+        cache.insert("huge", &sized("huge", RESULT_CACHE_BYTES + 1), 1);
+        assert_eq!(cache.done.len(), 1);
+        assert!(cache.get("huge").is_some());
+        cache.remove("huge");
+        assert_eq!(
+            (cache.bytes, cache.done.len(), cache.order.len()),
+            (0, 0, 0)
+        );
     }
 
     #[test]
