@@ -1,14 +1,78 @@
-//! The deployment material stays true to the code: every binary the image copies is a
-//! binary of the workspace (and every workspace binary is in the image), and every
-//! port it exposes is a service's default listen port. No container engine runs here,
-//! so this is what keeps the Dockerfile from rotting.
+//! The deployment material stays true to the code. No container engine or cluster runs
+//! here, so these checks are what keeps it from rotting:
+//!
+//! - the image (`deploy/docker/Dockerfile`) copies exactly the workspace's binaries and
+//!   exposes exactly the services' default listen ports;
+//! - the Kubernetes overlays (`deploy/k8s`) render, pass the Kubernetes schemas and agree
+//!   with the binaries, the examples and each other ([`k8s`]);
+//! - the compose file (`deploy/compose.yaml`) agrees with the binaries ([`compose`]).
+//!
+//! What a container asks of a binary is checked by the binary itself ([`binaries`]):
+//! its `--help` and `--dump-config`, as `cargo test` built it.
 
 use std::collections::BTreeSet;
+use std::io::Write as _;
+use std::path::PathBuf;
+use std::sync::OnceLock;
 
 use crate::harness::repo_root;
 
-/// The workspace's binaries, as `cargo metadata` lists them.
-fn workspace_binaries() -> BTreeSet<String> {
+mod binaries;
+mod compose;
+mod k8s;
+
+/// Where the image keeps the repository's `examples/` directory.
+const IMAGE_EXAMPLES: &str = "/usr/share/convene/examples/";
+
+/// A path under the repository's `examples/`, as the image holds it under
+/// [`IMAGE_EXAMPLES`].
+fn examples_path(relative: &str) -> PathBuf {
+    repo_root().join("examples").join(relative)
+}
+
+/// The calling test cannot run without `what`, which `how`: says so, or fails when
+/// `CONVENE_TEST_REQUIRE_SERVICES` forbids skips.
+fn unavailable(what: &str, how: &str) {
+    let test = convene_store::test_util::current_test();
+    assert!(
+        !convene_store::test_util::services_required(),
+        "{test} needs {what}, which {how}; {} is set, so it may not be skipped",
+        convene_store::test_util::REQUIRE_SERVICES_ENV
+    );
+    // Past the harness's capture: a skip must be seen.
+    let _ = writeln!(
+        std::io::stderr(),
+        "skipped: {test} needs {what}, which {how}"
+    );
+}
+
+/// The `host:port` of every URL in `text` whose host is a bare name (a Service or a
+/// compose service), e.g. `convene-policy:7401` in `http://convene-policy:7401` or in
+/// `[http://a:7400, http://b:7400]`. Addresses, `localhost` and dotted names are left
+/// out: nothing here can tell whether they answer.
+fn url_hosts(text: &str) -> Vec<(String, u16)> {
+    text.split(|c: char| c.is_whitespace() || "[],".contains(c))
+        .filter_map(|word| word.split_once("://").map(|(_, rest)| rest))
+        .filter_map(|rest| {
+            let authority = rest.split(['/', '?']).next()?;
+            let host_port = authority.rsplit_once('@').map_or(authority, |(_, h)| h);
+            let (host, port) = host_port.rsplit_once(':')?;
+            let bare = !host.is_empty()
+                && host != "localhost"
+                && !host.contains(['.', '$', '['])
+                && host.parse::<std::net::IpAddr>().is_err();
+            Some((host.to_owned(), port.parse().ok()?)).filter(|_| bare)
+        })
+        .collect()
+}
+
+/// The workspace's binaries, as `cargo metadata` lists them (asked once).
+fn workspace_binaries() -> &'static BTreeSet<String> {
+    static BINARIES: OnceLock<BTreeSet<String>> = OnceLock::new();
+    BINARIES.get_or_init(list_workspace_binaries)
+}
+
+fn list_workspace_binaries() -> BTreeSet<String> {
     let out = std::process::Command::new(env!("CARGO"))
         .args([
             "metadata",
@@ -69,7 +133,7 @@ fn the_image_copies_every_workspace_binary_and_exposes_the_default_ports() {
         })
         .collect();
     assert_eq!(
-        copied,
+        &copied,
         workspace_binaries(),
         "the image's binaries are the workspace's"
     );
@@ -107,4 +171,17 @@ fn the_image_copies_every_workspace_binary_and_exposes_the_default_ports() {
             ".dockerignore lacks {path}"
         );
     }
+}
+
+#[test]
+fn url_hosts_are_the_bare_names_of_urls() {
+    assert_eq!(
+        url_hosts("[http://convene-supervisor-peers:7400, http://10.0.0.1:7400]"),
+        [("convene-supervisor-peers".to_owned(), 7400)]
+    );
+    assert_eq!(
+        url_hosts("postgres://convene:secret@postgres:5432/convene?pool_max_conns=8"),
+        [("postgres".to_owned(), 5432)]
+    );
+    assert!(url_hosts("http://localhost:16686 https://db.example.com:5432 plain").is_empty());
 }

@@ -1,0 +1,374 @@
+//! A convene process as a manifest starts it, checked against the binary it names: the
+//! binary is the workspace's, every flag is in its `--help`, and every `CONVENE_*`
+//! variable is a key of its configuration that `--dump-config` shows with the value the
+//! manifest gives. The binary is the judge: a variable it refuses (unknown keys are
+//! errors) is reported by name, whatever the manifest's author believed.
+
+use std::collections::BTreeSet;
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+/// A process as a manifest (a container, a compose service) starts it, its paths already
+/// mapped onto this machine.
+#[derive(Debug, Default)]
+pub struct Launch {
+    /// Where it is declared, for messages: `dev: Deployment/convene-worker, container worker`.
+    pub origin: String,
+    /// The program the manifest runs, by name: `convene-worker`.
+    pub program: String,
+    /// Its arguments.
+    pub args: Vec<String>,
+    /// Its environment, resolved, in order.
+    pub env: Vec<(String, String)>,
+    /// The variables whose values come from Secrets: never printed.
+    pub secret_vars: BTreeSet<String>,
+}
+
+impl Launch {
+    /// The value of variable `name`, if set.
+    pub fn var(&self, name: &str) -> Option<&str> {
+        self.env
+            .iter()
+            .rev()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_str())
+    }
+
+    /// The value of flag `--name`, as `--name VALUE` or `--name=VALUE`.
+    pub fn flag(&self, name: &str) -> Option<&str> {
+        let long = format!("--{name}");
+        let mut args = self.args.iter();
+        while let Some(arg) = args.next() {
+            if *arg == long {
+                return args.next().map(String::as_str);
+            }
+            if let Some(value) = arg.strip_prefix(&format!("{long}=")) {
+                return Some(value);
+            }
+        }
+        None
+    }
+
+    /// `text` with every secret value of this process replaced, for messages.
+    fn redact(&self, text: &str) -> String {
+        self.env
+            .iter()
+            .filter(|(name, value)| self.secret_vars.contains(name) && !value.is_empty())
+            .fold(text.to_owned(), |text, (_, value)| {
+                text.replace(value, "<secret>")
+            })
+    }
+
+    /// A process's standard error as one line of a message, secrets redacted.
+    fn error_line(&self, stderr: &[u8]) -> String {
+        let text = String::from_utf8_lossy(stderr);
+        self.redact(&text.lines().map(str::trim).collect::<Vec<_>>().join(" "))
+    }
+
+    /// The value of `name` for a message: `<from a Secret>` for secret ones.
+    fn shown(&self, name: &str, value: &str) -> String {
+        if self.secret_vars.contains(name) {
+            "<from a Secret>".to_owned()
+        } else {
+            format!("{value:?}")
+        }
+    }
+}
+
+/// A workspace binary as `cargo test` built it, next to this test binary
+/// (`target/<profile>/`).
+pub fn built_binary(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("the test binary's path");
+    let dir = exe
+        .parent()
+        .and_then(std::path::Path::parent)
+        .expect("the test binary lives in target/<profile>/deps");
+    dir.join(format!("{name}{}", std::env::consts::EXE_SUFFIX))
+}
+
+/// What [`check`] learned of a service: its effective configuration.
+pub struct Service {
+    /// `--dump-config` as YAML, read into JSON values; None when even the variables
+    /// it knows did not give one (the problems say why).
+    pub dump: Option<Value>,
+}
+
+/// Checks `launch` against its binary, adding what is wrong to `problems`. For a service
+/// (its `--help` offers `--dump-config`) also returns its effective configuration.
+pub fn check(launch: &Launch, problems: &mut Vec<String>) -> Option<Service> {
+    let origin = &launch.origin;
+    let workspace = super::workspace_binaries();
+    if !workspace.contains(&launch.program) {
+        problems.push(format!(
+            "{origin}: runs {:?}, which is not a binary of the workspace ({workspace:?})",
+            launch.program
+        ));
+        return None;
+    }
+    let binary = built_binary(&launch.program);
+    assert!(
+        binary.exists(),
+        "{} is missing: build it with `cargo build -p {}` (`cargo test --workspace` builds \
+         every binary)",
+        binary.display(),
+        package_of(&launch.program)
+    );
+
+    // `convene serve policy --flag`: the subcommand is part of the program.
+    let subcommands: Vec<&String> = launch
+        .args
+        .iter()
+        .take_while(|a| !a.starts_with('-'))
+        .collect();
+    let rest = &launch.args[subcommands.len()..];
+    let invoke = || {
+        let mut command = Command::new(&binary);
+        command.args(&subcommands).env_clear();
+        command
+    };
+
+    let help = run(invoke().arg("--help"));
+    assert!(
+        help.status.success(),
+        "{} {subcommands:?} --help failed: {}",
+        launch.program,
+        String::from_utf8_lossy(&help.stderr)
+    );
+    let help = String::from_utf8_lossy(&help.stdout).into_owned();
+    let (flags, flag_vars) = help_flags(&help);
+    let known_problems = problems.len();
+    for arg in rest.iter().filter(|a| a.starts_with("--")) {
+        let name = arg.split('=').next().unwrap_or(arg);
+        if !flags.contains(name) {
+            problems.push(format!(
+                "{origin}: {name} is not a flag of `{} {}` (its --help lists {flags:?})",
+                launch.program,
+                subcommands
+                    .iter()
+                    .map(|s| s.as_str())
+                    .collect::<Vec<_>>()
+                    .join(" ")
+            ));
+        }
+    }
+    if !flags.contains("--dump-config") {
+        return None;
+    }
+    if problems.len() > known_problems {
+        // An unknown flag fails every run; the variables are checked once it is fixed.
+        return Some(Service { dump: None });
+    }
+
+    // Variables the command line reads (`[env: X]`) or the binary reads itself are not
+    // configuration keys; every other CONVENE_* one must be.
+    let reserved: BTreeSet<&str> = convene_server::config::RESERVED_ENV_VARS
+        .iter()
+        .copied()
+        .collect();
+    let keys: Vec<&(String, String)> = launch
+        .env
+        .iter()
+        .filter(|(name, _)| {
+            name.starts_with(convene_server::config::ENV_PREFIX)
+                && !flag_vars.contains(name)
+                && !reserved.contains(name.as_str())
+        })
+        .collect();
+    let dump_with = |env: &[&(String, String)]| {
+        let mut command = invoke();
+        command.args(rest).arg("--dump-config=yaml");
+        command.envs(env.iter().map(|(n, v)| (n, v)));
+        run(&mut command)
+    };
+    let all: Vec<&(String, String)> = launch.env.iter().collect();
+    let mut output = dump_with(&all);
+    let mut refused = BTreeSet::new();
+    if !output.status.success() {
+        // Which variables does it refuse? Each alone (the others' problems aside).
+        for var in &keys {
+            let alone = dump_with(&[*var]);
+            if !alone.status.success() {
+                refused.insert(var.0.clone());
+                problems.push(format!(
+                    "{origin}: {} is refused by `{} --dump-config` (nested keys are joined \
+                     with `__`): {}",
+                    var.0,
+                    launch.program,
+                    launch.error_line(&alone.stderr)
+                ));
+            }
+        }
+        let known: Vec<&(String, String)> = launch
+            .env
+            .iter()
+            .filter(|(n, _)| !refused.contains(n))
+            .collect();
+        output = dump_with(&known);
+        if !output.status.success() {
+            problems.push(format!(
+                "{origin}: `{} --dump-config` fails with the manifest's flags and variables: {}",
+                launch.program,
+                launch.error_line(&output.stderr)
+            ));
+            return Some(Service { dump: None });
+        }
+    }
+    let dump: Value = serde_yaml::from_slice(&output.stdout).expect("--dump-config=yaml is YAML");
+
+    for (name, value) in keys.iter().filter(|(n, _)| !refused.contains(n)) {
+        let path: Vec<String> = name[convene_server::config::ENV_PREFIX.len()..]
+            .split(convene_server::config::ENV_SEPARATOR)
+            .map(str::to_lowercase)
+            .collect();
+        match lookup(&dump, &path) {
+            None | Some(Value::Null) => problems.push(format!(
+                "{origin}: {name} sets `{}`, which `{} --dump-config` does not show",
+                path.join("."),
+                launch.program
+            )),
+            Some(dumped) if !same(value, dumped) => problems.push(format!(
+                "{origin}: {name} = {} but the effective `{}` is {}",
+                launch.shown(name, value),
+                path.join("."),
+                if launch.secret_vars.contains(name) {
+                    "different".to_owned()
+                } else {
+                    dumped.to_string()
+                }
+            )),
+            Some(_) => {}
+        }
+    }
+    Some(Service { dump: Some(dump) })
+}
+
+/// The value at `path` of a dumped configuration.
+pub fn lookup<'a>(dump: &'a Value, path: &[impl AsRef<str>]) -> Option<&'a Value> {
+    path.iter()
+        .try_fold(dump, |value, key| value.get(key.as_ref()))
+}
+
+/// Whether a variable's text gives the dumped value.
+fn same(text: &str, dumped: &Value) -> bool {
+    match dumped {
+        Value::String(s) => s == text,
+        Value::Bool(b) => text.parse::<bool>().is_ok_and(|t| t == *b),
+        Value::Number(n) => n.to_string() == text,
+        Value::Array(_) | Value::Object(_) => {
+            serde_yaml::from_str::<Value>(text).is_ok_and(|v| v == *dumped)
+        }
+        Value::Null => false,
+    }
+}
+
+/// The long flags a `--help` text lists, and the variables it names (`[env: X=]`).
+fn help_flags(help: &str) -> (BTreeSet<String>, BTreeSet<String>) {
+    let mut flags = BTreeSet::new();
+    let mut vars = BTreeSet::new();
+    for line in help.lines().map(str::trim_start) {
+        if line.starts_with('-') {
+            for word in line.split([' ', ',']) {
+                if let Some(flag) = word.strip_prefix("--") {
+                    let name = flag
+                        .split(['=', '[', '<'])
+                        .next()
+                        .unwrap_or(flag)
+                        .trim_end_matches(']');
+                    if !name.is_empty() {
+                        flags.insert(format!("--{name}"));
+                    }
+                }
+            }
+        }
+        if let Some((_, after)) = line.split_once("[env: ") {
+            let var = after.split(['=', ']']).next().unwrap_or_default();
+            vars.insert(var.to_owned());
+        }
+    }
+    (flags, vars)
+}
+
+/// The package that builds binary `name`.
+fn package_of(name: &str) -> &str {
+    if name == "convene" {
+        "convene-cli"
+    } else {
+        name
+    }
+}
+
+fn run(command: &mut Command) -> Output {
+    command
+        .output()
+        .unwrap_or_else(|e| panic!("{command:?} cannot start: {e}"))
+}
+
+#[test]
+fn help_flags_and_variables_are_read_from_clap_help() {
+    let help = "Options:\n      --listen <ADDR>\n          Address\n      \
+                --dump-config[=<FORMAT>]\n  -h, --help\n          [env: CONVENE_CONFIG=]\n";
+    let (flags, vars) = help_flags(help);
+    assert_eq!(
+        flags,
+        BTreeSet::from(["--listen", "--dump-config", "--help"].map(String::from))
+    );
+    assert_eq!(vars, BTreeSet::from(["CONVENE_CONFIG".to_owned()]));
+}
+
+#[test]
+fn variable_text_compares_with_typed_values() {
+    assert!(same("false", &Value::Bool(false)));
+    assert!(same("8", &serde_json::json!(8)));
+    assert!(same(
+        "[http://a:7400]",
+        &serde_json::json!(["http://a:7400"])
+    ));
+    assert!(!same("x", &Value::Null));
+}
+
+/// The checks catch what a binary does not know, and keep secrets out of what they say.
+#[test]
+fn a_binary_refuses_unknown_flags_and_variables_by_name() {
+    let worker = |args: &[&str], env: &[(&str, &str)]| Launch {
+        origin: "a made-up container".to_owned(),
+        program: "convene-worker".to_owned(),
+        args: args.iter().map(|a| (*a).to_owned()).collect(),
+        env: env
+            .iter()
+            .map(|(n, v)| ((*n).to_owned(), (*v).to_owned()))
+            .collect(),
+        secret_vars: BTreeSet::from(["CONVENE_DATABASE_URL".to_owned()]),
+    };
+    let mut problems = Vec::new();
+    check(
+        &worker(&["--log-format", "json", "--no-such-flag"], &[]),
+        &mut problems,
+    );
+    assert_eq!(problems.len(), 1, "{problems:?}");
+    assert!(problems[0].contains("--no-such-flag"), "{problems:?}");
+
+    let mut problems = Vec::new();
+    let launch = worker(
+        &["--log-format", "json"],
+        &[
+            ("CONVENE_CAPACITY", "4"),
+            ("CONVENE_WORKER_ID", "w-1"),
+            ("CONVENE_CAPACITTY", "4"),
+            // The worker keeps no database: not a key of its configuration.
+            ("CONVENE_DATABASE_URL", "postgres://u:hunter2@db:5432/x"),
+        ],
+    );
+    let dump = check(&launch, &mut problems)
+        .and_then(|s| s.dump)
+        .expect("the known variables give a configuration");
+    assert_eq!(lookup(&dump, &["capacity"]), Some(&serde_json::json!(4)));
+    assert_eq!(problems.len(), 2, "{problems:?}");
+    assert!(problems[0].contains("CONVENE_CAPACITTY"), "{problems:?}");
+    assert!(problems[1].contains("CONVENE_DATABASE_URL"), "{problems:?}");
+    assert!(
+        !problems.concat().contains("hunter2"),
+        "a secret leaked: {problems:?}"
+    );
+}
