@@ -10,7 +10,6 @@
 //! the caller's trace. An in-process call needs nothing: the callee runs inside the
 //! caller's span.
 
-use std::collections::BTreeSet;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -29,7 +28,7 @@ use tokio::sync::mpsc::Sender;
 use tonic::transport::channel::Change;
 use tonic::transport::{Channel, Endpoint};
 
-use crate::resolve::{self, Named, Resolver};
+use crate::resolve::{self, Followed, Named, Resolver};
 use tonic::{Request, Response, Status};
 
 /// A boxed stream of messages, the stream type of every streaming RPC in the mesh.
@@ -116,44 +115,25 @@ async fn follow(
     every: Duration,
     changes: Sender<Change<SocketAddr, Endpoint>>,
 ) {
-    let mut known = BTreeSet::new();
-    let mut failing = false;
+    let mut followed = Followed::new(name);
     loop {
-        let wait = match resolve::refresh(&resolver, &name, &mut known).await {
-            Ok(diff) => {
-                if failing || !diff.added.is_empty() || !diff.removed.is_empty() {
-                    tracing::info!(host = %name.host, addresses = ?known, "endpoint addresses");
-                }
-                failing = false;
-                for addr in diff.removed {
-                    if changes.send(Change::Remove(addr)).await.is_err() {
-                        return;
-                    }
-                }
-                for addr in diff.added {
-                    let Ok(ep) = configured(&name.url_of(addr)) else {
-                        continue;
-                    };
-                    if changes.send(Change::Insert(addr, ep)).await.is_err() {
-                        return;
-                    }
-                }
-                every
-            }
-            Err(e) => {
-                if !failing {
-                    tracing::warn!(host = %name.host, error = %e, "cannot resolve the endpoint's host; trying again");
-                }
-                failing = true;
-                if known.is_empty() {
-                    resolve::RETRY_INTERVAL.min(every)
-                } else {
-                    every
+        if let Some(diff) = followed.refresh(&resolver, "a service's addresses").await {
+            for addr in diff.removed {
+                if changes.send(Change::Remove(addr)).await.is_err() {
+                    return;
                 }
             }
-        };
+            for addr in diff.added {
+                let Ok(ep) = configured(&followed.name.url_of(addr)) else {
+                    continue;
+                };
+                if changes.send(Change::Insert(addr, ep)).await.is_err() {
+                    return;
+                }
+            }
+        }
         tokio::select! {
-            () = tokio::time::sleep(wait) => {}
+            () = tokio::time::sleep(followed.next_in(every)) => {}
             () = changes.closed() => return,
         }
     }

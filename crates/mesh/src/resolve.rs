@@ -123,6 +123,59 @@ pub async fn refresh(
     Ok(diff)
 }
 
+/// A host name followed over time: what it resolved to last and whether it is failing,
+/// so each change and each failure is logged once.
+#[derive(Debug)]
+pub struct Followed {
+    /// The name.
+    pub name: Named,
+    /// What it resolved to last.
+    pub known: BTreeSet<SocketAddr>,
+    failing: bool,
+}
+
+impl Followed {
+    /// `name`, not resolved yet.
+    pub fn new(name: Named) -> Self {
+        Self {
+            name,
+            known: BTreeSet::new(),
+            failing: false,
+        }
+    }
+
+    /// Resolves the name again: what changed, or `None` when it failed (the last answer
+    /// stands). `what` says in the logs what the addresses are.
+    pub async fn refresh(&mut self, resolver: &Resolver, what: &str) -> Option<Diff> {
+        match refresh(resolver, &self.name, &mut self.known).await {
+            Ok(diff) => {
+                if self.failing || !diff.added.is_empty() || !diff.removed.is_empty() {
+                    tracing::info!(host = %self.name.host, addresses = ?self.known, "{what}");
+                }
+                self.failing = false;
+                Some(diff)
+            }
+            Err(e) => {
+                if !self.failing {
+                    tracing::warn!(host = %self.name.host, error = %e, "cannot resolve the host of {what}; trying again");
+                }
+                self.failing = true;
+                None
+            }
+        }
+    }
+
+    /// How long to wait before the next refresh: `every`, or [`RETRY_INTERVAL`] while the
+    /// name has never resolved.
+    pub fn next_in(&self, every: Duration) -> Duration {
+        if self.known.is_empty() {
+            RETRY_INTERVAL.min(every)
+        } else {
+            every
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

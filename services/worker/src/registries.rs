@@ -9,13 +9,12 @@
 //!
 //! [`RESOLVE_INTERVAL`]: convene_mesh::resolve::RESOLVE_INTERVAL
 
-use std::collections::{BTreeMap, BTreeSet};
-use std::net::SocketAddr;
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
 use convene_mesh::handles::{GrpcWorkerRegistry, RegistryHandle};
-use convene_mesh::resolve::{self, Named, Resolver};
+use convene_mesh::resolve::{self, Followed, Resolver};
 use convene_server::Shutdown;
 use tokio::task::JoinHandle;
 
@@ -60,12 +59,12 @@ pub async fn register_everywhere(
     every: Duration,
     shutdown: Shutdown,
 ) {
-    // Replicas by the URL they are reached at; names with what they resolved to.
+    // Replicas by the URL they are reached at.
     let mut running: BTreeMap<String, Running> = BTreeMap::new();
-    let mut names: Vec<(Named, BTreeSet<SocketAddr>, bool)> = Vec::new();
+    let mut names: Vec<Followed> = Vec::new();
     for url in urls {
         match resolve::named(&url) {
-            Some(name) => names.push((name, BTreeSet::new(), false)),
+            Some(name) => names.push(Followed::new(name)),
             None => {
                 if let Some(r) = Running::start(&url, &make) {
                     running.insert(url, r);
@@ -74,44 +73,30 @@ pub async fn register_everywhere(
         }
     }
     loop {
-        let mut unresolved = false;
-        for (name, known, failing) in &mut names {
-            match resolve::refresh(&resolver, name, known).await {
-                Ok(diff) => {
-                    if *failing || !diff.added.is_empty() || !diff.removed.is_empty() {
-                        tracing::info!(host = %name.host, replicas = ?known, "supervisor replicas to register with");
-                    }
-                    *failing = false;
-                    for addr in diff.removed {
-                        if let Some(r) = running.remove(&name.url_of(addr)) {
-                            r.stop().await;
-                        }
-                    }
-                    for addr in diff.added {
-                        let url = name.url_of(addr);
-                        if let Some(r) = Running::start(&url, &make) {
-                            running.insert(url, r);
-                        }
+        let mut wait = every;
+        for followed in &mut names {
+            if let Some(diff) = followed
+                .refresh(&resolver, "supervisor replicas to register with")
+                .await
+            {
+                for addr in diff.removed {
+                    if let Some(r) = running.remove(&followed.name.url_of(addr)) {
+                        r.stop().await;
                     }
                 }
-                Err(e) => {
-                    if !*failing {
-                        tracing::warn!(host = %name.host, error = %e, "cannot resolve the supervisor's host; trying again");
+                for addr in diff.added {
+                    let url = followed.name.url_of(addr);
+                    if let Some(r) = Running::start(&url, &make) {
+                        running.insert(url, r);
                     }
-                    *failing = true;
-                    unresolved |= known.is_empty();
                 }
             }
+            wait = wait.min(followed.next_in(every));
         }
         if names.is_empty() {
             shutdown.wait().await;
             break;
         }
-        let wait = if unresolved {
-            resolve::RETRY_INTERVAL.min(every)
-        } else {
-            every
-        };
         tokio::select! {
             () = tokio::time::sleep(wait) => {}
             () = shutdown.wait() => break,

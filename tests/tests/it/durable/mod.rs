@@ -241,6 +241,16 @@ async fn outbox(client: &SupervisorHandle, credential: &str, run_id: &str) -> Ve
 }
 
 /// The event ids of the outbox table in commit order, straight from the database.
+/// The replica holding the run's lease (None: nobody, e.g. while it waits).
+async fn run_owner(db: &Database, run_id: &str) -> Option<String> {
+    db.fetch_optional(sql("SELECT owner FROM runs WHERE run_id = $1").bind(run_id))
+        .await
+        .expect("the run reads")
+        .expect("the run")
+        .get("owner")
+        .expect("owner")
+}
+
 async fn outbox_ids(db: &Database) -> Vec<String> {
     db.fetch_all(sql("SELECT event_id FROM outbox ORDER BY position"))
         .await

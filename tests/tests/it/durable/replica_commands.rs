@@ -115,13 +115,7 @@ impl Two {
     }
 
     async fn owner(&self, run_id: &str) -> Option<String> {
-        self.db
-            .fetch_optional(sql("SELECT owner FROM runs WHERE run_id = $1").bind(run_id))
-            .await
-            .expect("the run reads")
-            .expect("the run")
-            .get("owner")
-            .expect("owner")
+        super::run_owner(&self.db, run_id).await
     }
 
     async fn revoked(&self, run_id: &str) -> bool {

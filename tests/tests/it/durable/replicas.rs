@@ -157,13 +157,7 @@ impl Replicas {
     }
 
     async fn owner(&self, run_id: &str) -> Option<String> {
-        self.db
-            .fetch_optional(sql("SELECT owner FROM runs WHERE run_id = $1").bind(run_id))
-            .await
-            .expect("the run reads")
-            .expect("the run")
-            .get("owner")
-            .expect("owner")
+        super::run_owner(&self.db, run_id).await
     }
 
     /// The runs among `ids` that replica B dispatched to its worker.

@@ -8,7 +8,7 @@ use std::time::Duration;
 use crate::harness::{MeshOptions, Mode, TestMesh, Workers, wait_until};
 use convene_mesh::handles::SupervisorHandle;
 use convene_proto::v1::run_event::Kind;
-use convene_store::{Database, sql};
+use convene_store::Database;
 
 use super::replicas::postgres_server;
 use super::shape::{Finished, assert_once_per_delegation, inspect};
@@ -91,15 +91,8 @@ impl Pair {
         out
     }
 
-    /// The replica holding the run's lease.
     async fn owner(&self, run_id: &str) -> Option<String> {
-        self.db
-            .fetch_optional(sql("SELECT owner FROM runs WHERE run_id = $1").bind(run_id))
-            .await
-            .expect("the run reads")
-            .expect("the run")
-            .get("owner")
-            .expect("owner")
+        super::run_owner(&self.db, run_id).await
     }
 }
 
