@@ -5,6 +5,7 @@
 mod approvals;
 mod bench;
 mod cli;
+mod clients;
 mod durable;
 mod mesh;
 mod model;
