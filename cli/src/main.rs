@@ -18,6 +18,18 @@ use convene_server::{Shutdown, dump};
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+/// Parses `--input name=value`.
+fn parse_input(text: &str) -> Result<(String, String), String> {
+    match text.split_once('=') {
+        Some((name, value)) if !name.trim().is_empty() => {
+            Ok((name.trim().to_owned(), value.to_owned()))
+        }
+        _ => Err(format!(
+            "{text:?}: give name=value, e.g. note=\"paged at 02:02\""
+        )),
+    }
+}
+
 /// Which run states are waiting and which final, for the help of the commands that
 /// show runs.
 const RUN_STATES_HELP: &str = "\
@@ -88,10 +100,34 @@ enum Command {
     /// what, and the commands that continue it). Exit status 0 for SUCCEEDED, PARTIAL and
     /// the waiting states WAITING_INPUT and WAITING_APPROVAL; 2 for the other final
     /// states.
+    ///
+    /// Start it from a spec file you wrote (`convene run examples/payment-incident/run.yaml`)
+    /// or from a template the operator configured (`convene up --templates FILE`):
+    /// `convene run --template payment-incident-triage --input note="started by the
+    /// 02:02 page"`. A template fixes the run's delegations, join contract and limits;
+    /// you fill in its inputs.
     #[command(after_help = RUN_STATES_HELP)]
+    #[command(group(
+        ArgGroup::new("what")
+            .required(true)
+            .args(["file", "template"]),
+    ))]
     Run {
-        /// Run spec file (YAML or JSON, protobuf JSON mapping).
-        file: PathBuf,
+        /// Run spec file (YAML or JSON, protobuf JSON mapping). Or give --template.
+        file: Option<PathBuf>,
+        /// Start the run from the supervisor's template with this id instead of a spec
+        /// file (the templates are the operator's: `convene up --templates FILE`, or the
+        /// payment-incident example's `payment-incident-triage` by default, also with --local unless --policy
+        /// is given). An unknown
+        /// id is refused with the list of known ones.
+        #[arg(long, value_name = "ID")]
+        template: Option<String>,
+        /// With --template: a value for one of the template's inputs, as name=value;
+        /// repeat for several. `note` (text appended to the run's goal) is always
+        /// accepted; other names are those the template declares, and an undeclared one
+        /// is refused with the list of declared ones.
+        #[arg(long = "input", value_name = "NAME=VALUE", requires = "template", value_parser = parse_input)]
+        inputs: Vec<(String, String)>,
         /// Print the Run as it stopped as JSON (protobuf JSON mapping) instead of the
         /// assessment.
         #[arg(long)]
@@ -539,6 +575,8 @@ async fn main_inner(cli: Cli) -> anyhow::Result<ExitCode> {
         }
         Command::Run {
             file,
+            template,
+            inputs,
             json,
             detach,
             local,
@@ -550,7 +588,18 @@ async fn main_inner(cli: Cli) -> anyhow::Result<ExitCode> {
             // The spec is read before anything else, so a missing or malformed file is
             // reported as such rather than as a missing credential or an unreachable
             // mesh, and no mesh is started for a run that could not be submitted.
-            let spec = spec::load(&file)?;
+            let start = match (file, template) {
+                (Some(file), None) => v1::StartRunRequest {
+                    spec: Some(spec::load(&file)?),
+                    ..Default::default()
+                },
+                (None, Some(template)) => v1::StartRunRequest {
+                    template,
+                    inputs: inputs.into_iter().collect(),
+                    ..Default::default()
+                },
+                _ => anyhow::bail!("give a run spec file or --template ID, not both"),
+            };
             let mut telemetry = None;
             let mesh = if local {
                 telemetry = Some(init_telemetry_quiet());
@@ -570,7 +619,7 @@ async fn main_inner(cli: Cli) -> anyhow::Result<ExitCode> {
             let c = client(&data_dir, c)?;
             let run = commands::run(
                 &c,
-                spec,
+                start,
                 &RunOptions {
                     json,
                     detach,

@@ -48,6 +48,12 @@ pub struct UpArgs {
     /// Worker profiles file. Default: the payment-incident example's, built in.
     #[arg(long = "profiles", value_name = "FILE")]
     pub profiles_file: Option<PathBuf>,
+    /// Run templates file: runs you fix (join contract, limits, profiles) that callers
+    /// start by id with `convene run --template ID` and may only tighten; see
+    /// examples/payment-incident/templates.yaml. Default: the payment-incident example's,
+    /// built in, unless --policy is given (then none).
+    #[arg(long = "templates", value_name = "FILE")]
+    pub templates_file: Option<PathBuf>,
     /// MCP servers whose tools the workers mount (YAML or TOML: `servers:`, each with a
     /// `name` and a stdio `command` + `args` + `env` or a streamable-HTTP `url`; see
     /// examples/mcp/mcp.yaml). Only the tools the policy's tool catalog declares, as
@@ -115,6 +121,7 @@ impl UpArgs {
             listen,
             policy_file: None,
             profiles_file: None,
+            templates_file: None,
             mcp_file: None,
             tools_data_dir: PathBuf::from("examples/payment-incident/data"),
             workers: 2,
@@ -402,6 +409,7 @@ pub async fn start(args: &UpArgs, data_dir: &Path, shutdown: Shutdown) -> anyhow
     let supervisor_config = convene_supervisor::Config {
         common: convene_server::ServiceCommon {
             data_dir: data_dir.to_owned(),
+            policy_file: args.policy_file.clone(),
             ..convene_supervisor::Config::default().common
         },
         replica_id: Some(
@@ -410,9 +418,12 @@ pub async fn start(args: &UpArgs, data_dir: &Path, shutdown: Shutdown) -> anyhow
         ),
         nats_url: args.nats_url.clone(),
         commit_linger: args.commit_linger,
+        templates_file: args.templates_file.clone(),
         ..convene_supervisor::Config::default()
     };
     supervisor_config.check()?;
+    // The templates' specs are checked against the policy, as StartRun checks a spec.
+    let templates = supervisor_config.templates(&policy)?;
     let replica = supervisor_config.replica();
     let lease_ttl = supervisor_config.run_lease_ttl;
     let run_store: Arc<dyn convene_supervisor::RunStore> = match database {
@@ -436,6 +447,7 @@ pub async fn start(args: &UpArgs, data_dir: &Path, shutdown: Shutdown) -> anyhow
         config: supervisor_config,
         shutdown: shutdown.clone(),
     });
+    let supervisor = supervisor.with_templates(templates);
 
     // Workers: in-process, registered like remote ones, with the MCP tools of --mcp.
     let worker_credential = dev_credential(&creds, "worker-pool").context("worker credential")?;

@@ -140,6 +140,7 @@ impl Setup {
                 v1::StartRunRequest {
                     spec: Some(spec),
                     wait: false,
+                    ..Default::default()
                 },
                 &self.credential,
             ))

@@ -63,6 +63,7 @@ impl TestMesh {
                 v1::StartRunRequest {
                     spec: Some(spec),
                     wait: false,
+                    ..Default::default()
                 },
                 &self.credential(principal),
             ))

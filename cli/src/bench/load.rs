@@ -44,6 +44,7 @@ impl Driver {
                 v1::StartRunRequest {
                     spec: Some(spec.clone()),
                     wait: true,
+                    ..Default::default()
                 },
                 &self.credential,
             ))

@@ -322,6 +322,7 @@ async fn measure(
                         v1::StartRunRequest {
                             spec: Some(hold_spec.clone()),
                             wait: false,
+                            ..Default::default()
                         },
                         &driver.credential,
                     ))

@@ -41,14 +41,19 @@ pub struct RunOptions {
     pub jaeger: Option<String>,
 }
 
-/// `convene run FILE`: submits `spec` (read from the file with [`crate::spec::load`] before
-/// the client is resolved), follows and reports the run. Returns the final run.
-pub async fn run(client: &Client, spec: v1::RunSpec, opts: &RunOptions) -> anyhow::Result<v1::Run> {
+/// `convene run FILE` or `convene run --template ID`: submits `start` (a spec read from
+/// the file with [`crate::spec::load`] before the client is resolved, or a template and
+/// its inputs), follows and reports the run. Returns the final run.
+pub async fn run(
+    client: &Client,
+    start: v1::StartRunRequest,
+    opts: &RunOptions,
+) -> anyhow::Result<v1::Run> {
     let supervisor = client.supervisor()?;
     let started = supervisor
         .start_run(client.request(v1::StartRunRequest {
-            spec: Some(spec),
             wait: false,
+            ..start
         }))
         .await
         .map_err(|s| client.explain(&s))?

@@ -12,4 +12,5 @@ mod model;
 mod planner;
 mod resolve;
 mod support;
+mod templates;
 mod trace;

@@ -4,11 +4,11 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use convene_mesh::policy_file::{self, PolicySource};
+use convene_mesh::policy_file::{self, Policy, PolicySource};
 use convene_server::{ServerSettings, ServiceCommon};
 use serde::{Deserialize, Serialize};
 
-use crate::{CrashSettings, Error};
+use crate::{CrashSettings, Error, Templates};
 
 /// The supervisor's well-known port.
 pub const DEFAULT_PORT: u16 = 7400;
@@ -102,6 +102,12 @@ pub struct Config {
     /// Subject prefix of relayed events: an event of type T goes to `<prefix>.<T>`, and
     /// the stream captures `<prefix>.>`.
     pub nats_subject_prefix: String,
+    /// Run templates file (YAML; see examples/payment-incident/templates.yaml): runs an
+    /// operator fixes, which callers start by id (StartRun's `template`). Unset: the
+    /// payment-incident example's templates when `policy_file` is unset too (the
+    /// example policy), else none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub templates_file: Option<PathBuf>,
     /// TEST-ONLY fault injection: abort the process at a point of a run's life (see
     /// [`crash`]). Never set outside crash tests.
     pub crash: CrashSettings,
@@ -138,6 +144,7 @@ impl Default for Config {
             nats_url: None,
             nats_stream: DEFAULT_NATS_STREAM.to_owned(),
             nats_subject_prefix: DEFAULT_NATS_SUBJECT_PREFIX.to_owned(),
+            templates_file: None,
             crash: CrashSettings::default(),
         }
     }
@@ -157,6 +164,20 @@ impl Config {
     /// development credentials in `<data_dir>/credentials` when `dev_credentials` is on.
     pub fn policy_source(&self) -> PolicySource {
         PolicySource::new(self.policy_file.clone(), self.dev_credentials_dir())
+    }
+
+    /// The run templates in effect, validated against `policy` (see
+    /// [`templates_file`](Self::templates_file)).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Templates`] naming the file, the template and what to fix.
+    pub fn templates(&self, policy: &Policy) -> Result<Templates, Error> {
+        match (&self.templates_file, &self.policy_file) {
+            (Some(file), _) => Templates::load(file, policy),
+            (None, None) => Templates::example(policy),
+            (None, Some(_)) => Ok(Templates::default()),
+        }
     }
 
     /// This replica's id: `replica_id` when configured, else a fresh UUIDv7.

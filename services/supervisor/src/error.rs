@@ -24,6 +24,10 @@ pub enum Error {
     /// The run does not exist, or is another tenant's (indistinguishable on purpose).
     #[error("run {0} not found")]
     RunNotFound(String),
+    /// Something else the request names (a run template) does not exist; the message
+    /// lists what does.
+    #[error("{0}")]
+    NotFound(String),
     /// The caller is known but may not do this.
     #[error("{0}")]
     PermissionDenied(String),
@@ -93,7 +97,7 @@ impl ServiceError for Error {
     fn code(&self) -> ErrorCode {
         match self {
             Error::InvalidArgument { .. } => ErrorCode::InvalidArgument,
-            Error::RunNotFound(_) | Error::NoWorker(_) => ErrorCode::NotFound,
+            Error::RunNotFound(_) | Error::NotFound(_) | Error::NoWorker(_) => ErrorCode::NotFound,
             Error::PermissionDenied(_) => ErrorCode::PermissionDenied,
             Error::FailedPrecondition(_) => ErrorCode::FailedPrecondition,
             Error::ResourceExhausted(_) => ErrorCode::ResourceExhausted,

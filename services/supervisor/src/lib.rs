@@ -31,6 +31,7 @@ mod run;
 mod service;
 pub mod sql;
 pub mod store;
+pub mod templates;
 mod trace;
 mod watchers;
 
@@ -58,6 +59,7 @@ pub use registry::{Connector, MeshConnector, Registry, RegistrySettings};
 pub use service::SupervisorService;
 pub use sql::SqlRunStore;
 pub use store::{MemoryStore, RunStore};
+pub use templates::Templates;
 
 /// How long a stopping supervisor waits for its run actors to end (they stop at the
 /// shutdown signal; this bounds a stuck store write).
@@ -103,6 +105,14 @@ pub enum Error {
     /// The configuration is inconsistent.
     #[error("invalid configuration: {0}")]
     Config(String),
+    /// The run templates file cannot be read, or a template in it is invalid.
+    #[error("run templates {file}: {message}")]
+    Templates {
+        /// The templates file.
+        file: String,
+        /// What is wrong (naming the template) and what to fix.
+        message: String,
+    },
 }
 
 /// The replica id of the supervisor that keeps its state in `data_dir` on its own
@@ -280,6 +290,7 @@ pub async fn run(config: Config, shutdown: Shutdown) -> Result<(), Error> {
     let replica = config.replica();
     tracing::info!(replica = %replica, lease_ttl = ?config.run_lease_ttl, "supervisor replica starting");
     let policy = Arc::new(config.policy_source().load()?.0);
+    let templates = config.templates(&policy)?;
     let credential_path = config.credential_path();
     let credential = if config.credential_file.is_none() && config.dev_credentials {
         policy_file::dev_credential(&config.credentials_dir(), "supervisor")
@@ -308,6 +319,7 @@ pub async fn run(config: Config, shutdown: Shutdown) -> Result<(), Error> {
         shutdown: shutdown.clone(),
     };
     let (service, registry) = build(parts);
+    let service = service.with_templates(templates);
     let listener = tokio::net::TcpListener::bind(config.server.listen)
         .await
         .map_err(|source| Error::Bind {

@@ -29,6 +29,43 @@ pub(crate) fn unknown_profile(policy: &Policy, field: String, id: &str) -> crate
     )
 }
 
+/// Checks that every profile a spec names (its delegations', its planner's and those
+/// the planner may delegate to) is one the policy file defines.
+pub(crate) fn check_profiles(
+    policy: &Policy,
+    spec: &convene_proto::v1::RunSpec,
+    domain: &convene_core::model::RunSpec,
+) -> Result<(), crate::error::Error> {
+    let known = |id: &str| policy.profiles.contains_key(id);
+    let unknown = domain
+        .plan
+        .iter()
+        .enumerate()
+        .map(|(i, p)| (format!("spec.delegations[{i}].profile_id"), &p.profile_id))
+        .chain(
+            domain
+                .planner
+                .iter()
+                .map(|p| ("spec.planner.profile_id".to_owned(), &p.profile_id)),
+        )
+        .find(|(_, id)| !known(id));
+    if let Some((field, id)) = unknown {
+        return Err(unknown_profile(policy, field, id));
+    }
+    if let Some(planner) = &spec.planner {
+        for (i, id) in planner.profiles.iter().enumerate() {
+            if !known(id) {
+                return Err(unknown_profile(
+                    policy,
+                    format!("spec.planner.profiles[{i}]"),
+                    id,
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Where a task sits in the run.
 #[derive(Debug, Clone, Copy)]
 pub struct Placement<'a> {

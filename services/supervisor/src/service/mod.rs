@@ -9,7 +9,6 @@ mod start;
 use std::sync::Arc;
 use std::time::SystemTime;
 
-use convene_core::validate;
 use convene_mesh::auth::{Authenticator, Caller, bearer};
 use convene_mesh::handles::BoxStream;
 use convene_mesh::policy_file::Principal;
@@ -23,9 +22,9 @@ use tracing::Instrument;
 use self::command::check_resume;
 use self::start::RunIdentity;
 use crate::error::Error;
-use crate::plan;
 use crate::run::{self, DelegateAsk, Msg, RunActor};
 use crate::store::{CommandKind, Created, IdempotencyKey, is_final, is_terminal, is_waiting};
+use crate::templates::Templates;
 use crate::watchers::RunWatchers;
 use crate::{Deps, events, trace};
 
@@ -40,6 +39,8 @@ pub struct SupervisorService {
     peers: Arc<
         std::sync::Mutex<std::collections::HashMap<String, convene_mesh::handles::GrpcSupervisor>>,
     >,
+    /// The run templates StartRun starts runs from by id.
+    templates: Arc<Templates>,
 }
 
 impl std::fmt::Debug for SupervisorService {
@@ -67,10 +68,23 @@ impl SupervisorService {
         Self {
             watchers: Arc::new(RunWatchers::new(deps.store.clone())),
             peers: Arc::default(),
+            templates: Arc::default(),
             deps,
             auth,
             shutdown,
         }
+    }
+
+    /// This service starting runs from `templates` too (StartRun's `template`).
+    #[must_use]
+    pub fn with_templates(mut self, templates: Templates) -> Self {
+        self.templates = Arc::new(templates);
+        self
+    }
+
+    /// The run templates this service starts runs from.
+    pub fn templates(&self) -> &Templates {
+        &self.templates
     }
 
     /// Waits, at most `grace`, for every run actor to end; call it once shutdown fired
@@ -180,34 +194,28 @@ impl Supervisor for SupervisorService {
         let principal = self
             .principal(&request, &["runs:start"], "start runs")
             .await?;
-        let v1::StartRunRequest { spec, wait } = request.into_inner();
-        let spec = spec.ok_or_else(|| Error::invalid("spec", "required: give the run to start"))?;
+        let v1::StartRunRequest {
+            spec,
+            wait,
+            template,
+            inputs,
+        } = request.into_inner();
         let now = SystemTime::now();
-        let domain = validate::run_spec(&spec, now).map_err(Error::from)?;
-        let known = |id: &str| self.deps.policy_file.profiles.contains_key(id);
-        let unknown = domain
-            .plan
-            .iter()
-            .enumerate()
-            .map(|(i, p)| (format!("spec.delegations[{i}].profile_id"), &p.profile_id))
-            .chain(
-                domain
-                    .planner
-                    .iter()
-                    .map(|p| ("spec.planner.profile_id".to_owned(), &p.profile_id)),
-            )
-            .find(|(_, id)| !known(id));
-        if let Some((field, id)) = unknown {
-            return Err(plan::unknown_profile(&self.deps.policy_file, field, id).into());
-        }
-        if let Some(planner) = &spec.planner {
-            for (i, id) in planner.profiles.iter().enumerate() {
-                if !known(id) {
-                    let field = format!("spec.planner.profiles[{i}]");
-                    return Err(plan::unknown_profile(&self.deps.policy_file, field, id).into());
-                }
+        let spec = if template.is_empty() {
+            if !inputs.is_empty() {
+                return Err(Error::invalid(
+                    "inputs",
+                    "inputs fill a run template: set template too, or leave inputs empty",
+                )
+                .into());
             }
-        }
+            spec.ok_or_else(|| {
+                Error::invalid("spec", "required: give the run to start, or a template")
+            })?
+        } else {
+            self.templates.resolve(&template, &inputs, spec, now)?
+        };
+        let domain = crate::templates::check_spec(&spec, &self.deps.policy_file, now)?;
         let key = domain.idempotency_key.clone().map(|key| IdempotencyKey {
             principal: principal.id.clone(),
             key,

@@ -152,6 +152,7 @@ async fn start_until_accepted(
                 v1::StartRunRequest {
                     spec: Some(spec.clone()),
                     wait: false,
+                    ..Default::default()
                 },
                 &credential,
             ))

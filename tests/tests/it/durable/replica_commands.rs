@@ -83,6 +83,7 @@ impl Two {
                 v1::StartRunRequest {
                     spec: Some(spec),
                     wait: false,
+                    ..Default::default()
                 },
                 &self.credential,
             ))
@@ -207,6 +208,7 @@ async fn cancel_and_resume_sent_to_the_replica_that_does_not_own_the_run_act_on_
             v1::StartRunRequest {
                 spec: Some(keyed_spec("replica-commands-waiting")),
                 wait: true,
+                ..Default::default()
             },
             &two.credential,
         ))

@@ -274,6 +274,7 @@ fn start_run_call(
                 v1::StartRunRequest {
                     spec: Some(spec),
                     wait,
+                    ..Default::default()
                 },
                 &credential,
             ))

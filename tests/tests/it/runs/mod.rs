@@ -7,6 +7,7 @@ mod admission;
 mod incident;
 mod lifecycle;
 mod results;
+mod templates;
 
 use std::path::Path;
 use std::time::Duration;
