@@ -13,7 +13,6 @@ use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 
-use convene_cli::client::Client;
 use convene_proto::v1;
 use convene_store::test_util::{PYTHON_ENV, REQUIRE_SERVICES_ENV, current_test, services_required};
 
@@ -135,36 +134,6 @@ fn started_run_id(text: &str) -> String {
         .unwrap_or_else(|| panic!("no `Run <id> accepted` line in:\n{text}"))
 }
 
-/// The run as the supervisor's GetRun returns it, asked as oncall@acme.
-fn get_run(mesh: &Mesh, run_id: &str) -> v1::Run {
-    let client = Client::resolve(
-        mesh.endpoint.clone(),
-        None,
-        &mesh.data_dir(),
-        Some(ONCALL),
-        None,
-    )
-    .expect("oncall@acme's credential");
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("a runtime");
-    runtime
-        .block_on(async {
-            client
-                .supervisor()
-                .expect("a supervisor client")
-                .get_run(client.request(v1::GetRunRequest {
-                    run_id: run_id.to_owned(),
-                }))
-                .await
-        })
-        .expect("GetRun")
-        .into_inner()
-        .run
-        .expect("a run")
-}
-
 /// What every client prints and what the mesh must show after it: the run followed
 /// through its conflict and its R3 approval to SUCCEEDED, the rollback executed once
 /// with the votes of two distinct people bound to its parameters hash.
@@ -199,7 +168,7 @@ fn assert_incident_succeeded(mesh: &Mesh, text: &str) {
         assert!(text.contains(needle), "{needle:?} missing in:\n{text}");
     }
 
-    let run = get_run(mesh, &started_run_id(text));
+    let run = mesh.get_run(&started_run_id(text));
     assert_eq!(run.state, v1::RunState::Succeeded as i32, "{run:#?}");
     let settled = run
         .decision

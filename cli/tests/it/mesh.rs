@@ -183,8 +183,8 @@ impl Mesh {
         listed["approvals"].as_array().cloned().unwrap_or_default()
     }
 
-    /// The approval request as the approval service's GetApproval returns it.
-    pub fn get_approval(&self, approval_id: &str) -> v1::ApprovalRequest {
+    /// oncall@acme's client of this mesh, and a runtime to call it on.
+    fn oncall_client(&self) -> (Client, tokio::runtime::Runtime) {
         let client = Client::resolve(
             self.endpoint.clone(),
             None,
@@ -197,6 +197,12 @@ impl Mesh {
             .enable_all()
             .build()
             .expect("a runtime");
+        (client, runtime)
+    }
+
+    /// The approval request as the approval service's GetApproval returns it.
+    pub fn get_approval(&self, approval_id: &str) -> v1::ApprovalRequest {
+        let (client, runtime) = self.oncall_client();
         runtime
             .block_on(async {
                 client
@@ -211,6 +217,25 @@ impl Mesh {
             .into_inner()
             .approval
             .expect("an approval request")
+    }
+
+    /// The run as the supervisor's GetRun returns it, asked as oncall@acme.
+    pub fn get_run(&self, run_id: &str) -> v1::Run {
+        let (client, runtime) = self.oncall_client();
+        runtime
+            .block_on(async {
+                client
+                    .supervisor()
+                    .expect("a supervisor client")
+                    .get_run(client.request(v1::GetRunRequest {
+                        run_id: run_id.to_owned(),
+                    }))
+                    .await
+            })
+            .expect("GetRun")
+            .into_inner()
+            .run
+            .expect("a run")
     }
 }
 
