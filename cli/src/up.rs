@@ -99,6 +99,21 @@ pub struct UpArgs {
     /// OTEL_SDK_DISABLED=true turns export off. [default: no export]
     #[arg(long, value_name = "URL")]
     pub otlp_endpoint: Option<String>,
+    /// Address the A2A gateway serves on over HTTP (its Agent Card at
+    /// /.well-known/agent-card.json, JSON-RPC and HTTP+JSON bindings), or `off`. Other
+    /// agents start runs from the run templates there, with a principal credential as
+    /// the bearer.
+    #[arg(
+        long,
+        env = "CONVENE_HTTP_LISTEN",
+        default_value = "127.0.0.1:7480",
+        value_name = "ADDR|off"
+    )]
+    pub http_listen: convene_gateway::HttpListen,
+    /// The URL the A2A gateway's Agent Card advertises, for a gateway behind a proxy,
+    /// e.g. https://agents.example.com/convene. [default: http://<http-listen>]
+    #[arg(long, env = "CONVENE_PUBLIC_URL", value_name = "URL")]
+    pub public_url: Option<String>,
     /// How long a run's progress that decides nothing yet (its delegations dispatched,
     /// a result the join must wait past) may wait to be committed together with the
     /// run's next step, e.g. 100ms; 0s commits every step at once. Fewer commits per run
@@ -131,6 +146,12 @@ impl UpArgs {
             nats_url: None,
             log_format: LogFormat::Text,
             otlp_endpoint: None,
+            // A free port: never the one a running `convene up` holds.
+            http_listen: convene_gateway::HttpListen(Some(std::net::SocketAddr::new(
+                listen.ip(),
+                0,
+            ))),
+            public_url: None,
             commit_linger: convene_supervisor::DEFAULT_COMMIT_LINGER,
         }
     }
@@ -156,7 +177,10 @@ pub struct Mesh {
     pub supervisor: SupervisorService,
     /// The principal client commands act as by default.
     pub default_principal: String,
+    /// Where the A2A gateway serves, unless it is off.
+    pub a2a: Option<SocketAddr>,
     server: tokio::task::JoinHandle<Result<(), convene_server::ServeError>>,
+    gateway: Option<tokio::task::JoinHandle<Result<(), convene_gateway::Error>>>,
     workers: std::sync::Mutex<Vec<tokio::task::JoinHandle<()>>>,
     pool: WorkerPool,
 }
@@ -305,6 +329,12 @@ impl Mesh {
     /// Waits until the mesh has stopped (after `shutdown` fired) and drained.
     pub async fn stopped(self) -> anyhow::Result<()> {
         let served = self.server.await.context("the server task panicked")?;
+        if let Some(gateway) = self.gateway {
+            gateway
+                .await
+                .context("the A2A gateway task panicked")?
+                .context("the A2A gateway failed")?;
+        }
         let workers = std::mem::take(&mut *self.workers.lock().expect("workers lock poisoned"));
         for w in workers {
             let _ = w.await;
@@ -424,6 +454,8 @@ pub async fn start(args: &UpArgs, data_dir: &Path, shutdown: Shutdown) -> anyhow
     supervisor_config.check()?;
     // The templates' specs are checked against the policy, as StartRun checks a spec.
     let templates = supervisor_config.templates(&policy)?;
+    let gateway_templates = templates.clone();
+    let gateway_database = database.clone();
     let replica = supervisor_config.replica();
     let lease_ttl = supervisor_config.run_lease_ttl;
     let run_store: Arc<dyn convene_supervisor::RunStore> = match database {
@@ -498,6 +530,27 @@ pub async fn start(args: &UpArgs, data_dir: &Path, shutdown: Shutdown) -> anyhow
     server = convene_supervisor::add_to(server, supervisor.clone(), registry.clone());
     let server = tokio::spawn(server.serve(listener, shutdown.clone()));
 
+    // The A2A gateway, on the in-process supervisor.
+    let (a2a, gateway) = match convene_gateway::bind_http(args.http_listen).await? {
+        Some(http) => {
+            let a2a = http.local_addr()?;
+            let base = args.public_url.as_deref().map_or_else(
+                || format!("http://{a2a}"),
+                |url| url.trim_end_matches('/').to_owned(),
+            );
+            let app = convene_gateway::build(
+                Arc::new(supervisor.clone()),
+                policy.clone(),
+                &gateway_templates,
+                gateway_database,
+                &base,
+            );
+            let served = tokio::spawn(convene_gateway::serve_http(http, app, shutdown.clone()));
+            (Some(a2a), Some(served))
+        }
+        None => (None, None),
+    };
+
     wait_registered(&registry, args.workers.max(1)).await;
     tracing::info!(
         %addr,
@@ -512,7 +565,9 @@ pub async fn start(args: &UpArgs, data_dir: &Path, shutdown: Shutdown) -> anyhow
         shutdown,
         supervisor,
         default_principal,
+        a2a,
         server,
+        gateway,
         workers: std::sync::Mutex::new(workers),
         pool,
     })
@@ -534,6 +589,15 @@ pub async fn run(args: UpArgs, data_dir: &Path) -> anyhow::Result<()> {
         data_dir.display(),
         mesh.default_principal
     );
+    if let Some(a2a) = mesh.a2a {
+        let base = args
+            .public_url
+            .as_deref()
+            .map_or_else(|| format!("http://{a2a}"), |u| u.trim_end_matches('/').to_owned());
+        println!(
+            "convene up: A2A gateway on http://{a2a} (Agent Card: {base}/.well-known/agent-card.json)"
+        );
+    }
     if let Some(endpoint) = telemetry.exporting_to() {
         println!("convene up: exporting traces over OTLP to {endpoint}");
     }

@@ -128,6 +128,8 @@ pub(super) async fn start_mesh(
         up_args.database_url = args.store_url();
         up_args.default_principal = Some(PRINCIPAL.to_owned());
         up_args.commit_linger = args.commit_linger;
+        // The bench drives gRPC only.
+        up_args.http_listen = convene_gateway::HttpListen(None);
         let mesh = up::start(&up_args, plan.dir, Shutdown::new()).await?;
         let credential = convene_mesh::policy_file::dev_credential(&credentials, PRINCIPAL)?;
         let driver = Driver {

@@ -103,6 +103,7 @@ fn up_then_run_prints_the_assessment_and_evidence_verifies() {
     let endpoint = format!("http://127.0.0.1:{port}");
     let _up = Up(convene()
         .args(["up", "--listen", &format!("127.0.0.1:{port}")])
+        .args(["--http-listen", "off"])
         .arg("--data-dir")
         .arg(dir.path())
         .env("RUST_LOG", "warn")

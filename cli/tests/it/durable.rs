@@ -48,6 +48,8 @@ impl Up {
             "1",
             "--listen",
             &format!("127.0.0.1:{port}"),
+            "--http-listen",
+            "off",
         ])
         .arg("--data-dir")
         .arg(dir)

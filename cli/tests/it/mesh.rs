@@ -33,6 +33,8 @@ pub struct Mesh {
     home: tempfile::TempDir,
     /// The gRPC endpoint.
     pub endpoint: String,
+    /// The A2A gateway's base URL (its Agent Card is below it).
+    pub a2a: String,
     _database: Option<TestPostgres>,
 }
 
@@ -58,8 +60,10 @@ impl Mesh {
         let database = test_database();
         let home = tempfile::tempdir().expect("tempdir");
         let port = free_port();
+        let a2a_port = free_port();
         let mut cmd = convene();
         cmd.args(["up", "--listen", &format!("127.0.0.1:{port}")])
+            .args(["--http-listen", &format!("127.0.0.1:{a2a_port}")])
             .arg("--data-dir")
             .arg(home.path().join("data"))
             .env("RUST_LOG", "warn")
@@ -71,6 +75,7 @@ impl Mesh {
             up: cmd.spawn().expect("convene up starts"),
             home,
             endpoint: format!("http://127.0.0.1:{port}"),
+            a2a: format!("http://127.0.0.1:{a2a_port}"),
             _database: database,
         };
         let dir = mesh.data_dir();
@@ -80,6 +85,7 @@ impl Mesh {
                 "convene up exited"
             );
             std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+                && std::net::TcpStream::connect(("127.0.0.1", a2a_port)).is_ok()
                 && dir.join("credentials/default-principal").exists()
         });
         mesh

@@ -166,6 +166,9 @@ named!(
     ListRunsResponse,
     ListApprovalsResponse,
     VerifyChainResponse,
+    RunAction,
+    SettleConflict,
+    FollowUp,
 );
 
 #[cfg(test)]

@@ -77,6 +77,10 @@ pub struct Template {
     pub tags: Vec<String>,
     /// The inputs callers may give.
     pub inputs: Vec<Input>,
+    /// Whether its runs only read: every profile it can delegate to (its delegations',
+    /// its planner's and the planner's choices) holds only R0 tools of the policy's
+    /// catalog. Actions its runs recommend still wait for approval either way.
+    pub read_only: bool,
     spec: v1::RunSpec,
 }
 
@@ -183,6 +187,7 @@ impl Templates {
                 description: entry.description,
                 tags: entry.tags,
                 inputs,
+                read_only: reads_only(&spec, policy),
                 spec,
             };
             if by_id.insert(id.clone(), template).is_some() {
@@ -230,6 +235,29 @@ impl Templates {
         }
         Ok(spec)
     }
+}
+
+/// Whether every profile `spec` can delegate to holds only read-only (R0) tools of
+/// `policy`'s catalog; a tool the catalog does not list counts as not read-only.
+fn reads_only(spec: &v1::RunSpec, policy: &Policy) -> bool {
+    let planner = spec.planner.iter().flat_map(|p| {
+        std::iter::once(p.profile_id.as_str()).chain(p.profiles.iter().map(String::as_str))
+    });
+    let mut profiles = spec
+        .delegations
+        .iter()
+        .map(|d| d.profile_id.as_str())
+        .chain(planner);
+    profiles.all(|id| {
+        policy.profiles.get(id).is_some_and(|profile| {
+            profile.tools.iter().all(|tool| {
+                policy
+                    .tools
+                    .get(tool)
+                    .is_some_and(|t| t.risk == convene_core::permissions::RiskLevel::R0)
+            })
+        })
+    })
 }
 
 /// Validates a spec as StartRun does: its fields, then its profiles against the policy.
@@ -597,6 +625,18 @@ mod tests {
         let t = templates.get("payment-incident-triage").expect("template");
         assert!(t.inputs.iter().any(|i| i.name == NOTE_INPUT));
         assert!(t.spec.idempotency_key.is_empty());
+        assert!(t.read_only, "the example's specialists hold R0 tools only");
+        let mut writer = policy();
+        writer
+            .profiles
+            .get_mut("change-auditor")
+            .expect("profile")
+            .tools
+            .push("rollback_rule@1".to_owned());
+        assert!(
+            !reads_only(&t.spec, &writer),
+            "a profile holding an R3 tool makes the template not read-only"
+        );
 
         let dir = tempfile::tempdir().expect("tempdir");
         let run = EXAMPLE_RUN.replace("profile_id: change-auditor", "profile_id: nobody");

@@ -1,0 +1,3 @@
+//! Integration tests of the gateway's parts over real databases.
+
+mod tasks;
