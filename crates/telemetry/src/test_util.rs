@@ -100,6 +100,8 @@ pub struct ReceivedSpan {
     pub status_message: String,
     /// Names of the span's events.
     pub events: Vec<String>,
+    /// The spans it links to, as (trace id, span id).
+    pub links: Vec<(String, String)>,
 }
 
 impl ReceivedSpan {
@@ -289,6 +291,11 @@ fn flatten(request: ExportTraceServiceRequest) -> Vec<ReceivedSpan> {
                     status_code: status.code,
                     status_message: status.message,
                     events: s.events.into_iter().map(|e| e.name).collect(),
+                    links: s
+                        .links
+                        .iter()
+                        .map(|l| (hex(&l.trace_id), hex(&l.span_id)))
+                        .collect(),
                 });
             }
         }
