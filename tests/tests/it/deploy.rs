@@ -2,7 +2,7 @@
 //! here, so these checks are what keeps it from rotting:
 //!
 //! - the image (`deploy/docker/Dockerfile`) copies exactly the workspace's binaries and
-//!   exposes exactly the services' default listen ports;
+//!   exposes exactly the services' default listen ports (gRPC, and the gateway's HTTP);
 //! - the Kubernetes overlays (`deploy/k8s`) render, pass the Kubernetes schemas and agree
 //!   with the binaries, the examples and each other ([`k8s`]);
 //! - the compose file (`deploy/compose.yaml`) agrees with the binaries ([`compose`]).
@@ -104,20 +104,40 @@ fn list_workspace_binaries() -> BTreeSet<String> {
         .collect()
 }
 
-/// Each service's default listen port, as its configuration module declares it
-/// (`pub const DEFAULT_PORT: u16 = ...;` in `services/<service>/src/config.rs`).
-fn default_ports() -> BTreeSet<u16> {
+/// The services' default listen ports, as their configuration modules declare them
+/// (`services/<service>/src/config.rs`): each one's gRPC port (`pub const DEFAULT_PORT:
+/// u16 = ...;`), and the HTTP ports of those that also serve HTTP (`pub const
+/// DEFAULT_HTTP_LISTEN: SocketAddr = ...;`, the port its last number).
+fn default_ports() -> (BTreeSet<u16>, BTreeSet<u16>) {
     let services = repo_root().join("services");
-    std::fs::read_dir(&services)
+    let configs: Vec<String> = std::fs::read_dir(&services)
         .expect("services/")
         .map(|entry| entry.expect("an entry").path().join("src/config.rs"))
         .filter_map(|config| std::fs::read_to_string(config).ok())
+        .collect();
+    let grpc = configs
+        .iter()
         .filter_map(|text| {
             text.lines()
                 .find_map(|l| l.strip_prefix("pub const DEFAULT_PORT: u16 = "))
                 .map(|v| v.trim_end_matches(';').parse().expect("a port number"))
         })
-        .collect()
+        .collect();
+    let http = configs
+        .iter()
+        .filter_map(|text| {
+            let start = text.find("pub const DEFAULT_HTTP_LISTEN: SocketAddr =")?;
+            let declaration = &text[start..];
+            let declaration = &declaration[..declaration.find(';').expect("a `;`")];
+            let port = declaration
+                .split(|c: char| !c.is_ascii_digit())
+                .rfind(|n| !n.is_empty())
+                .and_then(|n| n.parse().ok())
+                .unwrap_or_else(|| panic!("no port in {declaration:?}"));
+            Some(port)
+        })
+        .collect();
+    (grpc, http)
 }
 
 #[test]
@@ -143,11 +163,17 @@ fn the_image_copies_every_workspace_binary_and_exposes_the_default_ports() {
         .filter_map(|l| l.strip_prefix("EXPOSE "))
         .flat_map(|ports| ports.split_whitespace().map(|p| p.parse().expect("a port")))
         .collect();
-    let defaults = default_ports();
-    assert_eq!(defaults.len(), 5, "five services, five ports: {defaults:?}");
+    let (grpc, http) = default_ports();
+    assert_eq!(grpc.len(), 6, "six services, six gRPC ports: {grpc:?}");
+    assert_eq!(
+        http.len(),
+        1,
+        "one service (the gateway) also serves HTTP: {http:?}"
+    );
+    let defaults: BTreeSet<u16> = grpc.union(&http).copied().collect();
     assert_eq!(
         exposed, defaults,
-        "the image exposes the default listen ports"
+        "the image exposes the default listen ports (gRPC and HTTP)"
     );
 
     // Built by the toolchain the repository pins.

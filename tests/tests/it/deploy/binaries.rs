@@ -5,6 +5,7 @@
 //! errors) is reported by name, whatever the manifest's author believed.
 
 use std::collections::BTreeSet;
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::{Command, Output};
 
@@ -242,6 +243,32 @@ pub fn check(launch: &Launch, problems: &mut Vec<String>) -> Option<Service> {
         }
     }
     Some(Service { dump: Some(dump) })
+}
+
+/// The addresses a service listens on, by configuration key, as its dumped
+/// configuration says: `server.listen` (gRPC: its API, health and reflection) and, for a
+/// service that also serves HTTP (the gateway's A2A), `http_listen` unless it is `off`.
+/// A value that is no address is reported in `problems` and left out.
+pub fn listen_addrs(
+    dump: &Value,
+    origin: &str,
+    problems: &mut Vec<String>,
+) -> Vec<(&'static str, SocketAddr)> {
+    let listen = lookup(dump, &["server", "listen"])
+        .and_then(Value::as_str)
+        .and_then(|l| l.parse().ok())
+        .expect("a service's dump has server.listen");
+    let mut addrs = vec![("server.listen", listen)];
+    match lookup(dump, &["http_listen"]).and_then(Value::as_str) {
+        None | Some("off") => {}
+        Some(http) => match http.parse() {
+            Ok(addr) => addrs.push(("http_listen", addr)),
+            Err(_) => problems.push(format!(
+                "{origin}: its effective http_listen {http:?} is neither an address nor `off`"
+            )),
+        },
+    }
+    addrs
 }
 
 /// The value at `path` of a dumped configuration.

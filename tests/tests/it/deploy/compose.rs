@@ -179,28 +179,31 @@ fn the_compose_file_agrees_with_the_binaries() {
                 "compose {name}: dev_credentials is on; the mesh runs as a cluster does"
             ));
         }
-        let listen: std::net::SocketAddr = binaries::lookup(&dump, &["server", "listen"])
-            .and_then(Value::as_str)
-            .and_then(|l| l.parse().ok())
-            .expect("a service's dump has server.listen");
-        if !listen.ip().is_unspecified() {
-            problems.push(format!(
-                "compose {name}: listens on {listen}, which other containers cannot reach"
-            ));
+        let listening = binaries::listen_addrs(&dump, &launch.origin, &mut problems);
+        for (key, listen) in &listening {
+            if !listen.ip().is_unspecified() {
+                problems.push(format!(
+                    "compose {name}: listens on {listen} ({key}), which other containers cannot reach"
+                ));
+            }
         }
+        let ports: Vec<String> = listening
+            .iter()
+            .map(|(_, l)| l.port().to_string())
+            .collect();
         for port in service["ports"].as_array().into_iter().flatten() {
             let published = scalar(port);
             let inside = published.rsplit(':').next().unwrap_or_default();
-            if inside != listen.port().to_string() {
+            if !ports.iter().any(|p| p == inside) {
                 problems.push(format!(
                     "compose {name}: publishes {published}, but listens on {}",
-                    listen.port()
+                    ports.join(" and ")
                 ));
             }
         }
     }
     assert!(
-        checked >= 6,
+        checked >= 7,
         "only {checked} convene containers in compose.yaml"
     );
     assert!(

@@ -2,8 +2,8 @@
 //! kustomize`, every object passes the Kubernetes schemas (`kubernetes-validate
 //! --strict`), and what they say agrees with the code: each convene container with its
 //! binary ([`super::binaries`]), each Service and network policy with the pods it means,
-//! the policy and profiles with the examples they copy, and prod with what it promises
-//! (replicas, autoscaling, disruption budgets, default deny). Nothing is applied to a
+//! the policy, profiles and run templates with the examples they copy, and prod with
+//! what it promises (replicas, autoscaling, disruption budgets, default deny). Nothing is applied to a
 //! cluster here.
 
 use std::collections::BTreeMap;
@@ -23,6 +23,10 @@ const OVERLAYS: [&str; 2] = ["dev", "prod"];
 
 /// The image every convene container runs (its repository's last path segment).
 const IMAGE: &str = "convene";
+
+/// What takes connections from outside the namespace, each a program and its one port:
+/// the supervisor's client API and the gateway's A2A over HTTP.
+const FRONT_DOORS: [(&str, u16); 2] = [("convene-supervisor", 7400), ("convene-gateway", 7480)];
 
 /// One overlay, rendered.
 struct Rendered {
@@ -304,8 +308,9 @@ fn services_and_network_policies_point_at_pods() {
                 .chain(array(&spec["egress"]).iter().map(|r| ("to", r)));
             for (direction, rule) in rules {
                 let peers = array(&rule[direction]);
-                // Only the supervisor's client API admits connections from outside the
-                // namespace; only DNS (in kube-system) is reached in another namespace.
+                // Only the front doors (the supervisor's client API, the gateway's A2A)
+                // admit connections from outside the namespace; only DNS (in kube-system)
+                // is reached in another namespace.
                 let outside = peers.is_empty()
                     || peers
                         .iter()
@@ -313,14 +318,18 @@ fn services_and_network_policies_point_at_pods() {
                 if direction == "from" && outside {
                     let ports: Vec<&Value> =
                         array(&rule["ports"]).iter().map(|p| &p["port"]).collect();
-                    let supervisors_only = !everyone
-                        && subjects
-                            .iter()
-                            .all(|w| w.program().as_deref() == Some("convene-supervisor"));
-                    if !supervisors_only || ports != [&Value::from(7400)] {
+                    let front_door = !everyone
+                        && FRONT_DOORS.iter().any(|(program, port)| {
+                            subjects
+                                .iter()
+                                .all(|w| w.program().as_deref() == Some(*program))
+                                && ports == [&Value::from(*port)]
+                        });
+                    if !front_door {
                         problems.push(format!(
                             "{overlay}: NetworkPolicy {name} admits connections from outside the \
-                             namespace to something other than the supervisor's API (port 7400)"
+                             namespace to something other than the supervisor's API (port 7400) \
+                             or the gateway's A2A (port 7480), each alone"
                         ));
                     }
                 }
@@ -476,7 +485,7 @@ fn the_config_files_are_the_examples_and_credentials_match_their_hashes() {
         copies.sort();
         assert_eq!(
             copies,
-            ["policy.yaml", "profiles.yaml"],
+            ["policy.yaml", "profiles.yaml", "run.yaml", "templates.yaml"],
             "{overlay}: the example files in its ConfigMaps"
         );
         let policy = policy.expect("a policy copy");
@@ -599,12 +608,14 @@ fn prod_runs_replicated_autoscaled_and_denied_by_default() {
             .unwrap_or_else(|| panic!("prod runs {name}"))
     };
 
-    let supervisor = by_program("convene-supervisor");
-    let replicas = supervisor.object["spec"]["replicas"].as_u64().unwrap_or(1);
-    assert!(
-        replicas >= 2,
-        "prod runs {replicas} supervisor(s): give it at least 2"
-    );
+    for program in ["convene-supervisor", "convene-gateway"] {
+        let workload = by_program(program);
+        let replicas = workload.object["spec"]["replicas"].as_u64().unwrap_or(1);
+        assert!(
+            replicas >= 2,
+            "prod runs {replicas} {program}(s): give it at least 2"
+        );
+    }
 
     let worker = by_program("convene-worker");
     let worker_name = &worker.object["metadata"]["name"];

@@ -29,7 +29,7 @@ fn every_convene_container_agrees_with_its_binary() {
             }
         }
     }
-    assert!(checked >= 10, "only {checked} convene containers found");
+    assert!(checked >= 12, "only {checked} convene containers found");
     assert!(
         problems.is_empty(),
         "the manifests disagree with the binaries:\n  - {}",
@@ -328,24 +328,26 @@ fn check_container(
              its hash is in the policy file (CONVENE_DEV_CREDENTIALS=false)"
         ));
     }
-    let listen: std::net::SocketAddr = binaries::lookup(&dump, &["server", "listen"])
-        .and_then(Value::as_str)
-        .and_then(|l| l.parse().ok())
-        .expect("a service's dump has server.listen");
-    if !listen.ip().is_unspecified() {
-        problems.push(format!(
-            "{origin}: listens on {listen}, which other pods cannot reach: listen on 0.0.0.0"
-        ));
+    let listening = binaries::listen_addrs(&dump, origin, problems);
+    for (key, listen) in &listening {
+        if !listen.ip().is_unspecified() {
+            problems.push(format!(
+                "{origin}: listens on {listen} ({key}), which other pods cannot reach: listen \
+                 on 0.0.0.0"
+            ));
+        }
+        let port = listen.port();
+        if !array(&container["ports"])
+            .iter()
+            .any(|p| p["containerPort"] == port)
+        {
+            problems.push(format!(
+                "{origin}: listens on port {port} ({key}) but does not declare it"
+            ));
+        }
     }
-    let port = listen.port();
-    if !array(&container["ports"])
-        .iter()
-        .any(|p| p["containerPort"] == port)
-    {
-        problems.push(format!(
-            "{origin}: listens on port {port} but does not declare it"
-        ));
-    }
+    // Health is served on the gRPC port: the probes ask there.
+    let port = listening[0].1.port();
     for probe in ["startupProbe", "readinessProbe", "livenessProbe"] {
         let spec = &container[probe];
         if spec.is_null() {
