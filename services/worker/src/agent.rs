@@ -27,8 +27,12 @@
 //! delegation records the same ids (the playbook's call ids are its step ids); when the
 //! store already holds an id with the same content hash, the stored record is reused.
 //!
-//! The loop and its model calls are here; the tool calls are in `calls`, and the
-//! result is built by [`crate::report`].
+//! A provider that serves whole delegations (a remote agent, [`crate::a2a`]) takes the
+//! place of the loop: the task goes to it as it is, and each artifact it answers with
+//! is stored as evidence the same way and cited by the claims made of it (`remote`).
+//!
+//! The loop and its model calls are here; the tool calls are in `calls`, remote
+//! delegations in `remote`, and the result is built by [`crate::report`].
 
 use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -56,6 +60,7 @@ use crate::report::{
 use crate::tools::ToolRegistry;
 
 mod calls;
+mod remote;
 pub mod turns;
 
 /// Time kept back from the deadline to hand in a TIMED_OUT result before the deadline.
@@ -244,6 +249,9 @@ impl Agent {
             hold.wait(&ctx.task.delegation_id).await;
         }
         self.profile.faults.before_loop().await;
+        if let Some(remote) = self.provider.remote() {
+            return self.run_remote(ctx, remote, progress).await;
+        }
         let profile = &self.profile.profile;
         let budget = Budget::of(ctx.task);
         let mut specs: Vec<Arc<ToolSpec>> = ctx

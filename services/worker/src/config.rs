@@ -7,6 +7,23 @@
 //! `./.convene/credentials`. Every key can be overridden by a config file, `CONVENE_*`
 //! environment variables (`CONVENE_DATA_DIR`, `CONVENE_TOOLS_DATA_DIR`, ...) and flags,
 //! through [`convene_server::ConfigLoader`].
+//!
+//! Profiles served by a remote A2A agent (`provider: a2a`) call only what the `a2a`
+//! section allows ([`crate::a2a::A2aSettings`]); both lists are empty by default, so a
+//! worker calls no remote agent until its operator says which:
+//!
+//! ```toml
+//! [a2a]
+//! # URL prefixes the profiles' agents (and the interfaces their cards name) must match:
+//! # scheme, host and port exactly, the path segment by segment.
+//! allow = ["https://agents.example.com", "https://partner.example.org/a2a"]
+//! # Loopback, private, link-local and other special-purpose addresses (IPv4 and IPv6)
+//! # are refused unless listed here, as addresses or CIDRs.
+//! allow_private = ["10.20.0.0/16"]
+//! ```
+//!
+//! In the environment: `CONVENE_A2A__ALLOW='[https://agents.example.com]'`,
+//! `CONVENE_A2A__ALLOW_PRIVATE='[10.20.0.0/16]'`.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -87,6 +104,10 @@ pub struct Config {
     /// [`crate::tools::mcp`]). Their catalog entries are read from the policy service
     /// with the `worker-pool` credential.
     pub mcp: McpConfig,
+    /// The remote A2A agents `a2a` profiles may call: URL prefixes (`allow`) and the
+    /// non-public addresses the worker may connect to (`allow_private`, addresses or
+    /// CIDRs). Empty: none.
+    pub a2a: crate::a2a::A2aSettings,
 }
 
 impl Default for Config {
@@ -111,6 +132,7 @@ impl Default for Config {
             model: None,
             models: crate::models::ModelSettings::default(),
             mcp: McpConfig::default(),
+            a2a: crate::a2a::A2aSettings::default(),
         }
     }
 }
@@ -148,6 +170,7 @@ impl Config {
         }
         self.mcp.validate().map_err(Error::Config)?;
         self.models.validate().map_err(Error::Config)?;
+        self.a2a.allowlist().map_err(Error::Config)?;
         if self.worker_id.trim().is_empty() {
             return Err(Error::Config(
                 "worker_id must not be empty; leave it unset for <hostname>-<pid>".into(),
@@ -366,6 +389,45 @@ mod tests {
         let config: Config = ConfigLoader::new().file(&file).load().unwrap();
         let err = config.validate().unwrap_err().to_string();
         assert!(err.contains("mcp.servers[0]"), "{err}");
+    }
+
+    #[test]
+    fn the_a2a_allowlist_comes_from_the_file_or_the_environment_and_is_checked() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("worker.toml");
+        std::fs::write(
+            &file,
+            "[a2a]\nallow = [\"https://agents.example.com\"]\nallow_private = [\"10.20.0.0/16\"]\n",
+        )
+        .unwrap();
+        let config: Config = ConfigLoader::new().file(&file).load().unwrap();
+        assert_eq!(config.a2a.allow, ["https://agents.example.com"]);
+        assert_eq!(config.a2a.allow_private, ["10.20.0.0/16"]);
+        config.validate().unwrap();
+
+        let config: Config = ConfigLoader::new()
+            .env([
+                ("CONVENE_A2A__ALLOW", "[http://127.0.0.1:9999]"),
+                ("CONVENE_A2A__ALLOW_PRIVATE", "[127.0.0.1]"),
+            ])
+            .load()
+            .unwrap();
+        assert_eq!(config.a2a.allow, ["http://127.0.0.1:9999"]);
+        assert_eq!(config.a2a.allow_private, ["127.0.0.1"]);
+
+        let bad = Config {
+            a2a: crate::a2a::A2aSettings {
+                allow: vec![],
+                allow_private: vec!["10.0.0.0/40".into()],
+            },
+            ..Config::default()
+        };
+        let err = bad.validate().unwrap_err().to_string();
+        assert!(err.contains("a2a.allow_private[0]"), "{err}");
+        assert!(
+            Config::default().a2a.allow.is_empty(),
+            "no remote agent is allowed by default"
+        );
     }
 
     #[test]

@@ -3,8 +3,8 @@
 //! A profile's optional `faults` section makes the worker misbehave in one precise way,
 //! so tests can prove that the supervisor, the join and the evidence checks catch it:
 //! a worker that hangs, is slow, fails transiently (before or after its tool calls),
-//! answers for the wrong delegation, cites no or foreign evidence, lies about a hash, or
-//! dies mid-task.
+//! answers for the wrong delegation, cites no or foreign evidence, lies about a hash,
+//! dies mid-task, or finishes a task whose answer never reaches the supervisor.
 //!
 //! The faults exist only with the `test-faults` cargo feature, which only the test
 //! suites' dev-dependencies enable. In any other build [`Faults`] holds no fault and its
@@ -65,6 +65,12 @@ mod injected {
         /// exits; a worker hosted in another process abandons the task instead, as if it
         /// had died.
         pub exit_process_after_tools: bool,
+        /// The first N attempts of every delegation run to the end (evidence stored, the
+        /// result kept in the worker's result cache), but their Execute answer is lost on
+        /// the way back: the call fails as one whose connection dropped before the
+        /// response arrived (UNAVAILABLE). The supervisor never sees the result and
+        /// dispatches the delegation again.
+        pub lose_response_attempts: u32,
     }
 
     /// An injected failure of one attempt: FAILED, retryable.
@@ -174,6 +180,23 @@ mod injected {
             })
         }
 
+        /// `lose_response_attempts`: the status that replaces the Execute answer of
+        /// attempt `attempt` of `delegation_id`, whose result the worker has.
+        pub fn lose_response(&self, attempt: u32, delegation_id: &str) -> Option<tonic::Status> {
+            (attempt <= self.lose_response_attempts).then(|| {
+                tracing::warn!(
+                    delegation_id,
+                    attempt,
+                    "fault injection: the answer to this Execute call is lost (lose_response_attempts)"
+                );
+                tonic::Status::unavailable(format!(
+                    "fault injection: the first {} attempt(s) of every delegation lose their \
+                     answer on the way back (connection reset); this was attempt {attempt}",
+                    self.lose_response_attempts
+                ))
+            })
+        }
+
         /// The evidence scheme to use instead of `tool_scheme` (without `://`).
         pub fn scheme<'a>(&'a self, tool_scheme: &'a str) -> &'a str {
             self.evidence_scheme
@@ -237,6 +260,17 @@ mod injected {
             assert_eq!(e.code, "injected_failure");
             assert!(e.retryable);
             assert!(e.message.contains("first 2 attempt(s)"), "{}", e.message);
+        }
+
+        #[test]
+        fn the_first_attempts_lose_their_answer_as_a_dropped_connection() {
+            let f: Faults = serde_yaml::from_str("{ lose_response_attempts: 1 }").unwrap();
+            assert!(f.any());
+            let lost = f.lose_response(1, "del-1").expect("attempt 1 is lost");
+            assert_eq!(lost.code(), tonic::Code::Unavailable);
+            assert!(lost.message().contains("attempt 1"), "{}", lost.message());
+            assert!(f.lose_response(2, "del-1").is_none());
+            assert!(Faults::default().lose_response(1, "del-1").is_none());
         }
     }
 }
@@ -310,6 +344,11 @@ mod refused {
             _exit_process: bool,
             _profile_id: &str,
         ) -> Option<Injected> {
+            None
+        }
+
+        /// Every answer reaches the caller.
+        pub fn lose_response(&self, _attempt: u32, _delegation_id: &str) -> Option<tonic::Status> {
             None
         }
 

@@ -15,6 +15,9 @@
 //! - [`profiles`]: the profiles file, and the registry that builds each profile's model
 //!   provider by name; [`tools`]: the read-only tools, `delegate@1` (nested delegation
 //!   through the supervisor) and the evidence-kind argument every tool takes.
+//! - [`a2a`]: profiles served by a remote A2A 1.0 agent: the delegation goes to the
+//!   agent, its artifacts become evidence and claims; the worker's `a2a` configuration
+//!   says which agents (URL prefixes, non-public addresses) it may call.
 //! - [`hold`]: the bench's `hold` (delegations wait for a release file), in every build.
 //! - [`faults`]: fault injection for tests, only with the `test-faults` cargo feature
 //!   (enabled by the test suites' dev-dependencies); a build without it refuses a
@@ -22,10 +25,12 @@
 //!
 //! The modules depend on each other in one direction: [`provider`] on none of them,
 //! [`tools`] on [`provider`], [`report`] on [`provider`] and [`faults`], [`playbook`] on
-//! those three, [`profiles`] on [`playbook`], [`provider`], [`faults`] and [`hold`], and
+//! those three, [`a2a`] on [`provider`], [`openai`] (its TLS set-up) and [`tools`],
+//! [`profiles`] on [`playbook`], [`a2a`], [`provider`], [`faults`] and [`hold`], and
 //! [`agent`] on [`profiles`], [`provider`], [`report`] and [`tools`].
 #![forbid(unsafe_code)]
 
+pub mod a2a;
 pub mod agent;
 pub mod config;
 mod error;
@@ -99,6 +104,8 @@ impl WorkerService {
         if let Some(model) = config.model_override() {
             profiles::override_model(&mut profiles, &model);
         }
+        let mut providers = profiles::ProviderRegistry::builtin(&config.models.client());
+        providers.register_a2a(Arc::new(config.a2a.allowlist().map_err(Error::Config)?));
         let options = WorkerOptions {
             worker_id: config.worker_id.clone(),
             capacity: config.capacity,
@@ -106,12 +113,7 @@ impl WorkerService {
             models: Arc::new(config.models.clone()),
         };
         Ok(Self::new(
-            options,
-            profiles,
-            &profiles::ProviderRegistry::builtin(&config.models.client()),
-            tools,
-            policy,
-            evidence,
+            options, profiles, &providers, tools, policy, evidence,
         )?)
     }
 

@@ -3,7 +3,9 @@
 //! A YAML file with a list of profiles. Each has the fields of `convene.v1.WorkerProfile`
 //! (capabilities in the policy file's scope syntax), plus the provider-specific
 //! `playbook` section for the `playbook` provider (or, for a planner, its `planner`
-//! section; see [`crate::playbook::planner`]), an optional `hold` section for the
+//! section; see [`crate::playbook::planner`]), the server and key of the `openai`
+//! provider (`base_url`, `api_key_env` or `api_key_file`), the remote agent of the
+//! `a2a` provider (`url`, `credential_env`; see [`crate::a2a`]), an optional `hold` section for the
 //! bench ([`crate::hold`]) and an optional `faults` section for tests
 //! ([`crate::faults`]; refused by a build without fault injection). Unknown keys are
 //! refused, and every profile is validated with
@@ -29,6 +31,7 @@ use convene_mesh::policy_file::ScopeEntry;
 use convene_proto::v1;
 use serde::{Deserialize, Serialize};
 
+use crate::a2a::{self, A2aProvider, Allowlist, RemoteSpec};
 use crate::faults::Faults;
 use crate::hold::Hold;
 use crate::openai::{self, ClientSettings, Connection, OpenAiProvider};
@@ -137,6 +140,19 @@ pub struct ProfileEntry {
     /// The `openai` provider: a file holding the API key, instead of a variable.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub api_key_file: Option<std::path::PathBuf>,
+    /// The `a2a` provider: the remote agent's base URL, or its agent card's URL (ending
+    /// in `.json`). The worker configuration's `a2a.allow` must cover it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub url: Option<String>,
+    /// The `a2a` provider: the *name* of the variable holding the agent's bearer
+    /// credential (none: calls carry no credential). The credential itself never goes
+    /// in a profile.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub credential_env: Option<String>,
+    /// The `a2a` provider: a file holding the agent's bearer credential, instead of a
+    /// variable.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub credential_file: Option<std::path::PathBuf>,
     /// The `playbook` provider's script.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub playbook: Option<PlaybookSpec>,
@@ -172,6 +188,8 @@ pub struct Profile {
     pub planner: Option<PlannerSpec>,
     /// Where the `openai` provider's server and key are.
     pub connection: Connection,
+    /// The remote agent, for the `a2a` provider.
+    pub remote: Option<RemoteSpec>,
     /// The bench's `hold`, if the profile has one.
     pub hold: Option<Hold>,
     /// Injected faults (none in real profiles).
@@ -285,6 +303,7 @@ impl ProfileEntry {
         }
         self.check_script(field, &profile)?;
         let connection = self.connection(field, &profile.provider)?;
+        let remote = self.remote(field, &profile)?;
         if profile.provider == openai::PROVIDER_NAME && profile.model.trim().is_empty() {
             return Err((
                 format!("{field}.model"),
@@ -318,6 +337,7 @@ impl ProfileEntry {
             playbook: self.playbook.clone(),
             planner: self.planner.clone(),
             connection,
+            remote,
             hold: self.hold.clone(),
             faults: self.faults.clone(),
         })
@@ -370,6 +390,74 @@ impl ProfileEntry {
                     .into(),
             )),
         }
+    }
+
+    /// The `a2a` provider's remote agent (required there), refused on other providers.
+    fn remote(
+        &self,
+        field: &str,
+        profile: &model::WorkerProfile,
+    ) -> Result<Option<RemoteSpec>, (String, String)> {
+        let provider = profile.provider.as_str();
+        if provider != a2a::PROVIDER_NAME {
+            let set = [
+                ("url", self.url.is_some()),
+                ("credential_env", self.credential_env.is_some()),
+                ("credential_file", self.credential_file.is_some()),
+            ];
+            return match set.iter().find(|(_, on)| *on) {
+                Some((key, _)) => Err((
+                    format!("{field}.{key}"),
+                    format!(
+                        "only the `{}` provider reads {key}; remove it (this profile uses \
+                         `{provider}`)",
+                        a2a::PROVIDER_NAME
+                    ),
+                )),
+                None => Ok(None),
+            };
+        }
+        let Some(url) = self.url.clone().filter(|u| !u.trim().is_empty()) else {
+            return Err((
+                format!("{field}.url"),
+                "name the remote agent the a2a provider calls: its base URL, e.g. \
+                 https://agents.example.com, or the URL of its agent card"
+                    .into(),
+            ));
+        };
+        if !profile.default_tools.is_empty() {
+            return Err((
+                format!("{field}.default_tools"),
+                "the remote agent serves an a2a profile's delegations; the worker calls no \
+                 tool for it: remove default_tools"
+                    .into(),
+            ));
+        }
+        if let Some(var) = &self.credential_env
+            && (var.trim().is_empty() || var.contains('=') || var.chars().any(char::is_whitespace))
+        {
+            return Err((
+                format!("{field}.credential_env"),
+                "name the environment variable that holds the agent's bearer credential, e.g. \
+                 HISTORY_AGENT_TOKEN (the name, never the credential itself)"
+                    .into(),
+            ));
+        }
+        if self.credential_env.is_some() && self.credential_file.is_some() {
+            return Err((
+                format!("{field}.credential_file"),
+                "give the agent's credential in a variable (credential_env) or a file \
+                 (credential_file), not both"
+                    .into(),
+            ));
+        }
+        let spec = RemoteSpec {
+            url,
+            credential_env: self.credential_env.clone(),
+            credential_file: self.credential_file.clone(),
+        };
+        spec.card_url().map_err(|e| (format!("{field}.url"), e))?;
+        Ok(Some(spec))
     }
 
     /// The `openai` connection settings, refused on other providers.
@@ -502,8 +590,10 @@ impl ProviderRegistry {
     }
 
     /// The providers built into the worker: [`crate::playbook`], playing the profile's
-    /// `playbook` (or `planner`) section, and [`crate::openai`], an OpenAI-compatible
-    /// server, whose HTTP client uses `client`.
+    /// `playbook` (or `planner`) section, [`crate::openai`], an OpenAI-compatible
+    /// server, whose HTTP client uses `client`, and [`crate::a2a`], a remote A2A agent,
+    /// here with an empty allowlist (every `a2a` profile refused): give the worker's
+    /// with [`register_a2a`](Self::register_a2a).
     pub fn builtin(client: &ClientSettings) -> Self {
         let mut registry = Self::empty();
         registry.register(
@@ -530,7 +620,23 @@ impl ProviderRegistry {
                     .map(|p| Arc::new(p) as Arc<dyn ModelProvider>)
             }),
         );
+        registry.register_a2a(Arc::new(Allowlist::default()));
         registry
+    }
+
+    /// Registers (or replaces) the [`crate::a2a`] provider, calling only the agents
+    /// `allow` admits; a profile whose URL it refuses keeps the worker from starting.
+    pub fn register_a2a(&mut self, allow: Arc<Allowlist>) {
+        self.register(
+            a2a::PROVIDER_NAME,
+            Arc::new(move |profile: &Profile| {
+                let spec = profile.remote.as_ref().ok_or_else(|| {
+                    "the a2a provider needs the remote agent's url in the profile".to_owned()
+                })?;
+                A2aProvider::new(&profile.profile.id, spec, allow.clone())
+                    .map(|p| Arc::new(p) as Arc<dyn ModelProvider>)
+            }),
+        );
     }
 
     /// Adds (or replaces) the factory of provider `name`.
@@ -693,6 +799,88 @@ profiles:
         )
         .unwrap_err();
         assert!(matches!(err, Error::Parse { .. }), "{err}");
+    }
+
+    const REMOTE: &str = r#"
+profiles:
+  - id: incident-history
+    version: "1"
+    provider: a2a
+    url: https://agents.example.com/history
+    credential_env: HISTORY_AGENT_TOKEN
+    capabilities:
+      - { action: "evidence:*", resource: "evidence" }
+    evidence_prefixes: ["a2a://"]
+"#;
+
+    #[test]
+    fn a2a_profiles_name_their_agent_and_where_its_credential_is() {
+        let profiles = parse(REMOTE, "p.yaml").unwrap();
+        let remote = profiles[0].remote.as_ref().unwrap();
+        assert_eq!(remote.url, "https://agents.example.com/history");
+        assert_eq!(
+            remote.credential_env.as_deref(),
+            Some("HISTORY_AGENT_TOKEN")
+        );
+        assert_eq!(profiles[0].profile.provider, "a2a");
+
+        assert_eq!(
+            invalid_field(&REMOTE.replace("    url: https://agents.example.com/history\n", "")),
+            "profiles[0].url"
+        );
+        assert_eq!(
+            invalid_field(&REMOTE.replace("https://agents.example.com/history", "agents.example")),
+            "profiles[0].url"
+        );
+        assert_eq!(
+            invalid_field(&REMOTE.replace("HISTORY_AGENT_TOKEN", "tok en")),
+            "profiles[0].credential_env"
+        );
+        assert_eq!(
+            invalid_field(&REMOTE.replace(
+                "credential_env: HISTORY_AGENT_TOKEN",
+                "credential_env: T\n    credential_file: /run/t"
+            )),
+            "profiles[0].credential_file"
+        );
+        assert_eq!(
+            invalid_field(&REMOTE.replace(
+                "    capabilities:",
+                "    default_tools: [search_logs@1]\n    capabilities:"
+            )),
+            "profiles[0].default_tools"
+        );
+        // The remote agent's keys belong to the a2a provider alone.
+        assert_eq!(
+            invalid_field(&MINIMAL.replace(
+                "    version: \"1\"\n",
+                "    version: \"1\"\n    url: https://agents.example.com\n"
+            )),
+            "profiles[0].url"
+        );
+        // The built-in registry refuses every agent until the configuration allows it.
+        let err = ProviderRegistry::builtin(&ClientSettings::default())
+            .build(&profiles[0])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("incident-history"), "{err}");
+        assert!(err.contains("a2a.allow"), "{err}");
+    }
+
+    #[test]
+    fn the_a2a_example_profile_and_configuration_load() {
+        let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../examples/a2a");
+        let profiles = load(&dir.join("profiles.yaml")).unwrap();
+        assert_eq!(profiles.len(), 1);
+        assert_eq!(profiles[0].profile.provider, a2a::PROVIDER_NAME);
+        let config: crate::Config = convene_server::ConfigLoader::new()
+            .file(dir.join("worker.toml"))
+            .load()
+            .unwrap();
+        config.validate().unwrap();
+        let allow = Arc::new(config.a2a.allowlist().unwrap());
+        let card = profiles[0].remote.as_ref().unwrap().card_url().unwrap();
+        allow.check_url(&card).unwrap();
     }
 
     #[test]

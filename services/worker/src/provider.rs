@@ -8,6 +8,10 @@
 //! `submit_report` with the final report (see [`crate::report::FinalReport`]) — or
 //! answers in text, which the loop answers with a reminder to call `submit_report`.
 //!
+//! A provider may instead serve whole delegations ([`RemoteAgent`], through
+//! [`ModelProvider::remote`]): the loop then hands it the task and records what it
+//! answers as evidence, with no turns of its own (see [`crate::a2a`]).
+//!
 //! This module depends on no other part of the worker: providers are built for a
 //! profile by the registry where profiles are resolved
 //! ([`crate::profiles::ProviderRegistry`]).
@@ -233,7 +237,7 @@ pub fn clip(text: &str, max: usize) -> String {
 /// A model: turns a conversation into the next assistant message.
 #[async_trait::async_trait]
 pub trait ModelProvider: Send + Sync + fmt::Debug {
-    /// The provider's name, as profiles write it (`playbook`, `openai`).
+    /// The provider's name, as profiles write it (`playbook`, `openai`, `a2a`).
     fn name(&self) -> &str;
 
     /// Whether each turn's request and response is stored as `model_turn` evidence
@@ -244,4 +248,79 @@ pub trait ModelProvider: Send + Sync + fmt::Debug {
 
     /// Answers the conversation with one assistant message.
     async fn complete(&self, request: &ModelRequest) -> Result<ModelResponse, ProviderError>;
+
+    /// A provider that serves whole delegations itself (a remote agent) instead of the
+    /// turns of the agent loop; None (the default) for models.
+    fn remote(&self) -> Option<&dyn RemoteAgent> {
+        None
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Remote agents: providers that take the whole delegation.
+
+/// A delegation handed to a remote agent as it is.
+#[derive(Debug, Clone, Copy)]
+pub struct RemoteTask<'a> {
+    /// The Delegation Contract.
+    pub task: &'a convene_proto::v1::DelegationTask,
+    /// The profile's instructions, sent along with the goal.
+    pub instructions: &'a str,
+}
+
+/// One artifact a remote agent produced (or its direct answer), ready to be stored.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RemoteArtifact {
+    /// The remote's id of it.
+    pub id: String,
+    /// Its name (may be empty).
+    pub name: String,
+    /// The bytes to store as the artifact: the remote's artifact with where it came
+    /// from, as canonical JSON.
+    pub content: Vec<u8>,
+    /// Its text parts.
+    pub texts: Vec<String>,
+    /// Its data parts.
+    pub data: Vec<Value>,
+}
+
+/// What a remote agent answered: the finished remote task and its artifacts.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RemoteAnswer {
+    /// The agent, as the profile names it (never with credentials).
+    pub agent: String,
+    /// The evidence source of what it produced, e.g. `a2a:https://agents.example.com`.
+    pub source: String,
+    /// Where its evidence ids begin, `<scheme>://<host>`; the loop appends the run,
+    /// the delegation, the remote task and the artifact.
+    pub evidence_base: String,
+    /// The evidence kind of its artifacts.
+    pub kind: String,
+    /// The remote task's id (empty for a direct answer without a task).
+    pub task_id: String,
+    /// The remote's final word on the task (its status message), if any.
+    pub summary: String,
+    /// The fingerprint of the request sent (`sha256:<hex>`).
+    pub request_fingerprint: String,
+    /// What it produced, in the remote's order.
+    pub artifacts: Vec<RemoteArtifact>,
+}
+
+/// Why a remote agent did not serve the delegation.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{message}")]
+pub struct RemoteError {
+    /// The result's error code, e.g. `remote_failed`.
+    pub code: &'static str,
+    /// Whether the same delegation may succeed later (the remote unreachable).
+    pub retryable: bool,
+    /// What went wrong and what to do, naming the agent (never a credential).
+    pub message: String,
+}
+
+/// A remote agent: takes a whole delegation and answers with artifacts.
+#[async_trait::async_trait]
+pub trait RemoteAgent: Send + Sync + fmt::Debug {
+    /// Hands `task` to the remote agent and waits for its answer.
+    async fn delegate(&self, task: RemoteTask<'_>) -> Result<RemoteAnswer, RemoteError>;
 }

@@ -528,15 +528,24 @@ impl worker_server::Worker for WorkerService {
             ));
         }
         let agent = self.agent(&task.profile_id)?;
+        let attempt = request.attempt.max(1);
         let assignment = Assignment {
             task,
             token: request.task_token,
-            attempt: request.attempt.max(1),
+            attempt,
         };
         let result = self
             .start_or_join(agent, assignment)
             .map_err(|e| into_status(&e))?
             .await;
+        // Fault injection (test builds only): the task ran, its answer is lost.
+        if let Some(lost) = agent
+            .profile
+            .faults
+            .lose_response(attempt, &result.delegation_id)
+        {
+            return Err(lost);
+        }
         Ok(Response::new(v1::WorkerExecuteResponse {
             result: Some(result),
         }))
