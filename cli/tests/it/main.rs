@@ -2,6 +2,7 @@
 //! commands, runs that outlive a command, people acting on waiting runs (approvals,
 //! resolving, cancelling), the bench, and tracing of `run --local`.
 
+mod a2a;
 mod approvals;
 mod bench;
 mod cli;

@@ -57,38 +57,7 @@ pub fn convene() -> Command {
 impl Mesh {
     /// Starts `convene up` on a free port and waits until it listens.
     pub fn start() -> Self {
-        let database = test_database();
-        let home = tempfile::tempdir().expect("tempdir");
-        let port = free_port();
-        let a2a_port = free_port();
-        let mut cmd = convene();
-        cmd.args(["up", "--listen", &format!("127.0.0.1:{port}")])
-            .args(["--http-listen", &format!("127.0.0.1:{a2a_port}")])
-            .arg("--data-dir")
-            .arg(home.path().join("data"))
-            .env("RUST_LOG", "warn")
-            .stdout(Stdio::null());
-        if let Some(db) = &database {
-            cmd.arg("--database-url").arg(db.url());
-        }
-        let mut mesh = Self {
-            up: cmd.spawn().expect("convene up starts"),
-            home,
-            endpoint: format!("http://127.0.0.1:{port}"),
-            a2a: format!("http://127.0.0.1:{a2a_port}"),
-            _database: database,
-        };
-        let dir = mesh.data_dir();
-        wait_until("convene up to listen", LIMIT, || {
-            assert!(
-                mesh.up.try_wait().expect("a status").is_none(),
-                "convene up exited"
-            );
-            std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
-                && std::net::TcpStream::connect(("127.0.0.1", a2a_port)).is_ok()
-                && dir.join("credentials/default-principal").exists()
-        });
-        mesh
+        Self::start_with(|_| {})
     }
 
     /// The data directory `convene up` and the client commands share.
@@ -259,4 +228,44 @@ pub fn stdout_of(out: &Output) -> String {
 /// `text` as JSON.
 pub fn json(text: &str) -> serde_json::Value {
     serde_json::from_str(text).unwrap_or_else(|e| panic!("not JSON ({e}):\n{text}"))
+}
+
+impl Mesh {
+    /// Starts `convene up` as [`Mesh::start`] does, with `configure` adding its own
+    /// flags and environment to the command first.
+    pub fn start_with(configure: impl FnOnce(&mut Command)) -> Self {
+        let database = test_database();
+        let home = tempfile::tempdir().expect("tempdir");
+        let port = free_port();
+        let a2a_port = free_port();
+        let mut cmd = convene();
+        cmd.args(["up", "--listen", &format!("127.0.0.1:{port}")])
+            .args(["--http-listen", &format!("127.0.0.1:{a2a_port}")])
+            .arg("--data-dir")
+            .arg(home.path().join("data"))
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null());
+        if let Some(db) = &database {
+            cmd.arg("--database-url").arg(db.url());
+        }
+        configure(&mut cmd);
+        let mut mesh = Self {
+            up: cmd.spawn().expect("convene up starts"),
+            home,
+            endpoint: format!("http://127.0.0.1:{port}"),
+            a2a: format!("http://127.0.0.1:{a2a_port}"),
+            _database: database,
+        };
+        let dir = mesh.data_dir();
+        wait_until("convene up to listen", LIMIT, || {
+            assert!(
+                mesh.up.try_wait().expect("a status").is_none(),
+                "convene up exited"
+            );
+            std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+                && std::net::TcpStream::connect(("127.0.0.1", a2a_port)).is_ok()
+                && dir.join("credentials/default-principal").exists()
+        });
+        mesh
+    }
 }

@@ -463,10 +463,12 @@ impl Inner {
                 if tx.send(Ok(StreamResponse::Task(first))).await.is_err() {
                     return;
                 }
-                let mut follower = Follower::new(inner, c, record.clone(), &run);
-                if sent_state.is_terminal() {
+                // A task that has stopped already (ended, or waiting for its caller)
+                // has nothing more to stream.
+                if settled(&run, &answered) {
                     return;
                 }
+                let mut follower = Follower::new(inner, c, record.clone(), &run);
                 loop {
                     let run = match follower.next().await {
                         Ok(run) => run,
