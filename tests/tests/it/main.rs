@@ -5,9 +5,11 @@
 #[path = "../../harness/mod.rs"]
 mod harness;
 
+mod a2a_remote;
 mod deploy;
 mod durable;
 mod failover;
+mod faults;
 mod model;
 mod nested;
 mod planner;
