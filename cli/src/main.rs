@@ -82,7 +82,23 @@ struct ClientArgs {
         value_name = "SECRET"
     )]
     credential: Option<String>,
+    /// TLS: --tls-ca to call an https:// endpoint, --tls-cert/--tls-key to present a
+    /// client certificate.
+    #[command(flatten)]
+    tls: convene_server::tls::TlsArgs,
 }
+
+/// A refusal to start that exits with status 2 (a setting to fix), not 1.
+#[derive(Debug)]
+struct StartRefused(String);
+
+impl std::fmt::Display for StartRefused {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for StartRefused {}
 
 #[derive(Debug, Subcommand)]
 enum Command {
@@ -461,6 +477,7 @@ enum EvidenceCommand {
 }
 
 fn client(data_dir: &std::path::Path, args: ClientArgs) -> anyhow::Result<Client> {
+    convene_server::tls::prepare(&args.tls, &[]).map_err(StartRefused)?;
     Client::resolve(
         args.endpoint,
         args.approval_endpoint,
@@ -519,7 +536,13 @@ where
         print!("{}", dump(&config, format)?);
         return Ok(());
     }
+    let listeners = convene_server::binary::listen_addresses(&config);
+    let named: Vec<_> = listeners.iter().map(|(k, a)| (k.as_str(), *a)).collect();
+    let warnings = convene_server::tls::prepare(&args.tls, &named).map_err(StartRefused)?;
     let telemetry = convene_telemetry::init(&format!("convene-{name}"), &args.telemetry());
+    for warning in warnings {
+        eprintln!("convene: warning: {warning}");
+    }
     if args.config.is_none() {
         tracing::info!(
             "no --config given: using the development settings of the payment-incident example"
@@ -540,6 +563,15 @@ async fn main_inner(cli: Cli) -> anyhow::Result<ExitCode> {
         .unwrap_or_else(|| PathBuf::from(DEFAULT_DATA_DIR));
     match cli.command {
         Command::Up(args) => {
+            let mut listeners = vec![("--listen", args.listen)];
+            if let Some(http) = args.http_listen.addr() {
+                listeners.push(("--http-listen", http));
+            }
+            for warning in
+                convene_server::tls::prepare(&args.tls, &listeners).map_err(StartRefused)?
+            {
+                eprintln!("convene: warning: {warning}");
+            }
             up::run(args, &data_dir).await?;
             Ok(ExitCode::SUCCESS)
         }
@@ -830,7 +862,11 @@ async fn cli_main() -> ExitCode {
         Ok(code) => code,
         Err(e) => {
             eprintln!("convene: {e:#}");
-            ExitCode::FAILURE
+            if e.downcast_ref::<StartRefused>().is_some() {
+                ExitCode::from(2)
+            } else {
+                ExitCode::FAILURE
+            }
         }
     }
 }

@@ -114,6 +114,9 @@ pub struct UpArgs {
     /// e.g. https://agents.example.com/convene. [default: http://<http-listen>]
     #[arg(long, env = "CONVENE_PUBLIC_URL", value_name = "URL")]
     pub public_url: Option<String>,
+    /// TLS for the gRPC listener and the A2A gateway.
+    #[command(flatten)]
+    pub tls: convene_server::tls::TlsArgs,
     /// How long a run's progress that decides nothing yet (its delegations dispatched,
     /// a result the join must wait past) may wait to be committed together with the
     /// run's next step, e.g. 100ms; 0s commits every step at once. Fewer commits per run
@@ -152,6 +155,7 @@ impl UpArgs {
                 0,
             ))),
             public_url: None,
+            tls: convene_server::tls::TlsArgs::default(),
             commit_linger: convene_supervisor::DEFAULT_COMMIT_LINGER,
         }
     }
@@ -164,6 +168,15 @@ impl UpArgs {
             self.otlp_endpoint.as_deref(),
             std::env::vars(),
         )
+    }
+}
+
+/// `https` when this process serves TLS ([`convene_server::tls::install`]), else `http`.
+fn scheme() -> &'static str {
+    if convene_server::tls::installed().is_some_and(|t| t.server.is_some()) {
+        "https"
+    } else {
+        "http"
     }
 }
 
@@ -535,7 +548,7 @@ pub async fn start(args: &UpArgs, data_dir: &Path, shutdown: Shutdown) -> anyhow
         Some(http) => {
             let a2a = http.local_addr()?;
             let base = args.public_url.as_deref().map_or_else(
-                || format!("http://{a2a}"),
+                || format!("{}://{a2a}", scheme()),
                 |url| url.trim_end_matches('/').to_owned(),
             );
             let app = convene_gateway::build(
@@ -584,18 +597,20 @@ pub async fn run(args: UpArgs, data_dir: &Path) -> anyhow::Result<()> {
     let shutdown = Shutdown::from_signals()?;
     let mesh = start(&args, data_dir, shutdown).await?;
     println!(
-        "convene up: serving on http://{} (data dir {}); client commands act as {} by default. Ctrl-C stops.",
+        "convene up: serving on {}://{} (data dir {}); client commands act as {} by default. Ctrl-C stops.",
+        scheme(),
         mesh.addr,
         data_dir.display(),
         mesh.default_principal
     );
     if let Some(a2a) = mesh.a2a {
-        let base = args
-            .public_url
-            .as_deref()
-            .map_or_else(|| format!("http://{a2a}"), |u| u.trim_end_matches('/').to_owned());
+        let base = args.public_url.as_deref().map_or_else(
+            || format!("{}://{a2a}", scheme()),
+            |u| u.trim_end_matches('/').to_owned(),
+        );
         println!(
-            "convene up: A2A gateway on http://{a2a} (Agent Card: {base}/.well-known/agent-card.json)"
+            "convene up: A2A gateway on {}://{a2a} (Agent Card: {base}/.well-known/agent-card.json)",
+            scheme()
         );
     }
     if let Some(endpoint) = telemetry.exporting_to() {

@@ -14,4 +14,5 @@ mod planner;
 mod resolve;
 mod support;
 mod templates;
+mod tls;
 mod trace;

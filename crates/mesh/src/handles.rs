@@ -26,7 +26,7 @@ use convene_proto::v1::{
 use futures::Stream;
 use tokio::sync::mpsc::Sender;
 use tonic::transport::channel::Change;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
 
 use crate::resolve::{self, Followed, Named, Resolver};
 use tonic::{Request, Response, Status};
@@ -94,12 +94,43 @@ pub fn channel_with(
     Ok(channel)
 }
 
-/// An endpoint with the mesh's connection settings.
+/// The TLS settings of an `https://` endpoint: the process's CA and client identity
+/// ([`convene_server::tls::installed`]), the server checked under `host`.
+fn client_tls(url: &str, host: &str) -> Result<ClientTlsConfig, EndpointError> {
+    let client = convene_server::tls::installed().and_then(|t| t.client.as_ref());
+    let Some(ca) = client.and_then(|c| c.ca_pem.as_ref()) else {
+        return Err(EndpointError {
+            endpoint: url.to_owned(),
+            detail: "an https:// endpoint needs the CA to verify it with: pass --tls-ca FILE \
+                     (CONVENE_TLS_CA)"
+                .to_owned(),
+        });
+    };
+    let mut config = ClientTlsConfig::new()
+        .ca_certificate(Certificate::from_pem(ca))
+        .domain_name(host);
+    if let Some((cert, key)) = client.and_then(|c| c.identity.as_ref()) {
+        config = config.identity(Identity::from_pem(cert, key));
+    }
+    Ok(config)
+}
+
+/// An endpoint with the mesh's connection settings; TLS for `https://`.
 fn configured(url: &str) -> Result<Endpoint, EndpointError> {
     let ep = Endpoint::from_shared(url.to_owned()).map_err(|e| EndpointError {
         endpoint: url.to_owned(),
         detail: e.to_string(),
     })?;
+    let ep = if ep.uri().scheme_str() == Some("https") {
+        let host = ep.uri().host().unwrap_or_default().trim_matches(['[', ']']).to_owned();
+        ep.tls_config(client_tls(url, &host)?)
+            .map_err(|e| EndpointError {
+                endpoint: url.to_owned(),
+                detail: format!("TLS settings: {e}"),
+            })?
+    } else {
+        ep
+    };
     Ok(ep
         .connect_timeout(Duration::from_secs(5))
         .tcp_nodelay(true)

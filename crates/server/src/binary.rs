@@ -62,7 +62,18 @@ where
             Err(error) => fail(name, &error, EXIT_CONFIG),
         };
     }
+    let listeners = listen_addresses(&config);
+    let named: Vec<(&str, std::net::SocketAddr)> =
+        listeners.iter().map(|(k, a)| (k.as_str(), *a)).collect();
+    let warnings = match crate::tls::prepare(&args.tls, &named) {
+        Ok(warnings) => warnings,
+        Err(error) => return fail(name, &error, EXIT_CONFIG),
+    };
     let telemetry = convene_telemetry::init(name, &args.telemetry());
+    for warning in warnings {
+        eprintln!("{name}: warning: {warning}");
+        tracing::warn!("{warning}");
+    }
     if args.config.is_none() {
         tracing::info!(
             "no --config given: using the development settings of the payment-incident \
@@ -87,6 +98,38 @@ where
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => fail(name, &chain(&*error), EXIT_FAILURE),
     }
+}
+
+/// The addresses a configuration listens on: every `listen` key and every key ending in
+/// `_listen` whose value is an address (`server.listen`, the gateway's `http_listen`),
+/// named by their path.
+pub fn listen_addresses<C: Serialize>(config: &C) -> Vec<(String, std::net::SocketAddr)> {
+    fn walk(value: &toml::Value, path: &str, out: &mut Vec<(String, std::net::SocketAddr)>) {
+        let toml::Value::Table(table) = value else {
+            return;
+        };
+        for (key, value) in table {
+            let at = if path.is_empty() {
+                key.clone()
+            } else {
+                format!("{path}.{key}")
+            };
+            match value {
+                toml::Value::String(text) if key == "listen" || key.ends_with("_listen") => {
+                    if let Ok(addr) = text.parse() {
+                        out.push((at, addr));
+                    }
+                }
+                toml::Value::Table(_) => walk(value, &at, out),
+                _ => {}
+            }
+        }
+    }
+    let mut out = Vec::new();
+    if let Ok(value) = toml::Value::try_from(config) {
+        walk(&value, "", &mut out);
+    }
+    out
 }
 
 /// Reports `error` on standard error, prefixed with the binary's name, and returns

@@ -60,6 +60,7 @@ use bytes::Bytes;
 use http::HeaderMap;
 use http_body::{Frame, SizeHint};
 use tokio::{net::TcpListener, sync::Semaphore};
+use tokio_stream::StreamExt as _;
 use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 use tonic::{
     Status,
@@ -191,6 +192,8 @@ pub struct GrpcServer {
     guards: CallGuards,
     /// Ends health and reflection streams once draining begins.
     drain: CancellationToken,
+    /// TLS of its own; else the process's ([`crate::tls::installed`]); else plaintext.
+    tls: Option<crate::tls::ServerTls>,
 }
 
 impl std::fmt::Debug for GrpcServer {
@@ -224,7 +227,15 @@ impl GrpcServer {
             duplicate: None,
             guards,
             drain: CancellationToken::new(),
+            tls: None,
         }
+    }
+
+    /// Serves TLS with `tls` instead of the process's settings.
+    #[must_use]
+    pub fn with_tls(mut self, tls: crate::tls::ServerTls) -> Self {
+        self.tls = Some(tls);
+        self
     }
 
     /// The settings the server runs with.
@@ -313,7 +324,10 @@ impl GrpcServer {
         routes.add_service(builtin_stack(reflection_v1, &self.drain));
         routes.add_service(builtin_stack(reflection_v1alpha, &self.drain));
 
-        let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
+        let tls = self
+            .tls
+            .clone()
+            .or_else(|| crate::tls::installed().and_then(|t| t.server.clone()));
         let names = self.names.clone();
         let drain = self.drain.clone();
         let begin_drain = {
@@ -332,8 +346,8 @@ impl GrpcServer {
             }
         };
 
-        tracing::info!(%local_addr, services = ?self.names, "gRPC server listening");
-        let server = Server::builder()
+        tracing::info!(%local_addr, services = ?self.names, tls = tls.is_some(), "gRPC server listening");
+        let router = Server::builder()
             // h2 hangs up (GOAWAY ENHANCE_YOUR_CALM "too_many_data_frames") on a client
             // whose small DATA frames not yet read by the server exceed a budget of half
             // the connection window. A burst of thousands of small calls queued behind
@@ -341,9 +355,21 @@ impl GrpcServer {
             // GOAWAY failed every call on the connection. A larger window raises the
             // budget; callers here are the mesh's own services.
             .initial_connection_window_size(Some(CONNECTION_WINDOW))
-            .add_routes(routes.routes())
-            .serve_with_incoming_shutdown(incoming, begin_drain);
-        let mut server = std::pin::pin!(server);
+            .add_routes(routes.routes());
+        let server: Pin<Box<dyn Future<Output = Result<(), tonic::transport::Error>> + Send>> =
+            match tls {
+                None => Box::pin(router.serve_with_incoming_shutdown(
+                    TcpIncoming::from(listener).with_nodelay(Some(true)),
+                    begin_drain,
+                )),
+                Some(tls) => {
+                    let accepted = crate::tls::incoming(listener, tls.config(&[b"h2"]));
+                    let incoming = tokio_stream::wrappers::ReceiverStream::new(accepted)
+                        .map(|(stream, _peer)| Ok::<_, std::io::Error>(stream));
+                    Box::pin(router.serve_with_incoming_shutdown(incoming, begin_drain))
+                }
+            };
+        let mut server = server;
 
         tokio::select! {
             // Before shutdown, the server only returns if it fails.

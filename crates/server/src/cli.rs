@@ -63,6 +63,10 @@ pub struct ServiceArgs {
     /// set. [default: no export]
     #[arg(long, value_name = "URL")]
     pub otlp_endpoint: Option<String>,
+
+    /// TLS for the listeners and the calls to other services.
+    #[command(flatten)]
+    pub tls: crate::tls::TlsArgs,
 }
 
 impl ServiceArgs {

@@ -52,6 +52,12 @@ pub const RESERVED_ENV_VARS: &[&str] = &[
     // The model every `openai` worker profile uses; read by the worker (and by
     // `convene up`) itself, and harmless to every other service.
     "CONVENE_MODEL",
+    // TLS, read by the flags of every binary (`crate::tls::TlsArgs`).
+    "CONVENE_TLS_CERT",
+    "CONVENE_TLS_KEY",
+    "CONVENE_TLS_CLIENT_CA",
+    "CONVENE_TLS_CA",
+    "CONVENE_INSECURE",
 ];
 
 /// Variables with this prefix belong to the test suites (the database and broker servers

@@ -34,6 +34,7 @@ mod settings;
 mod shutdown;
 #[cfg(feature = "test-util")]
 pub mod test_util;
+pub mod tls;
 mod trace;
 
 pub use binary::serve_binary;

@@ -140,12 +140,17 @@ impl Config {
     }
 
     /// The base URL the card advertises: `public_url` without a trailing slash, else
-    /// `http://<http_listen>`.
+    /// `http://<http_listen>` (`https://` when the process serves TLS).
     pub fn public_base(&self, bound: Option<SocketAddr>) -> String {
         match &self.public_url {
             Some(url) => url.trim_end_matches('/').to_owned(),
             None => format!(
-                "http://{}",
+                "{}://{}",
+                if convene_server::tls::installed().is_some_and(|t| t.server.is_some()) {
+                    "https"
+                } else {
+                    "http"
+                },
                 bound
                     .or(self.http_listen.addr())
                     .unwrap_or(DEFAULT_HTTP_LISTEN)

@@ -101,7 +101,8 @@ pub async fn bind_http(listen: HttpListen) -> Result<Option<tokio::net::TcpListe
     }
 }
 
-/// Serves `router` on `listener` until `shutdown`.
+/// Serves `router` on `listener` until `shutdown`: over TLS when the process has TLS
+/// installed ([`convene_server::tls`]), else plaintext.
 ///
 /// # Errors
 ///
@@ -111,10 +112,20 @@ pub async fn serve_http(
     router: axum::Router,
     shutdown: Shutdown,
 ) -> Result<(), Error> {
-    axum::serve(listener, router)
-        .with_graceful_shutdown(shutdown.wait_owned())
-        .await
-        .map_err(Error::Http)
+    match convene_server::tls::installed().and_then(|t| t.server.as_ref()) {
+        Some(tls) => {
+            let listener =
+                convene_server::tls::TlsListener::new(listener, tls).map_err(Error::Http)?;
+            axum::serve(listener, router)
+                .with_graceful_shutdown(shutdown.wait_owned())
+                .await
+                .map_err(Error::Http)
+        }
+        None => axum::serve(listener, router)
+            .with_graceful_shutdown(shutdown.wait_owned())
+            .await
+            .map_err(Error::Http),
+    }
 }
 
 /// The HTTP application of a gateway starting runs on `supervisor` from `templates`,

@@ -3,4 +3,5 @@
 
 mod config;
 mod server;
+mod tls;
 mod trace;
