@@ -255,9 +255,95 @@ impl Authenticator {
     }
 }
 
+/// The SPIFFE ids (URI SANs `spiffe://<trust domain>/<path>`) of the leaf certificate a
+/// client presented over mutual TLS; empty for a call without one (plaintext, TLS
+/// without client certificates, or an in-process call).
+pub fn peer_identities<T>(request: &Request<T>) -> Vec<String> {
+    use x509_cert::der::Decode as _;
+    use x509_cert::ext::pkix::SubjectAltName;
+    use x509_cert::ext::pkix::name::GeneralName;
+    let Some(certs) = request.peer_certs() else {
+        return Vec::new();
+    };
+    let Some(leaf) = certs.first() else {
+        return Vec::new();
+    };
+    let Ok(cert) = x509_cert::Certificate::from_der(leaf.as_ref()) else {
+        return Vec::new();
+    };
+    let Ok(Some((_, san))) = cert.tbs_certificate().get_extension::<SubjectAltName>() else {
+        return Vec::new();
+    };
+    san.0
+        .iter()
+        .filter_map(|name| match name {
+            GeneralName::UniformResourceIdentifier(uri) => Some(uri.as_str().to_owned()),
+            _ => None,
+        })
+        .filter(|uri| uri.starts_with("spiffe://"))
+        .collect()
+}
+
+/// Whether `identity` (`spiffe://<trust domain>/<service>`) names `service`.
+pub fn names_service(identity: &str, service: &str) -> bool {
+    identity
+        .strip_prefix("spiffe://")
+        .and_then(|rest| rest.split_once('/'))
+        .is_some_and(|(domain, path)| !domain.is_empty() && path == service)
+}
+
+/// Under mutual TLS, the call must come from `service`: its client certificate must name
+/// it (URI SAN `spiffe://<trust domain>/<service>`), else PERMISSION_DENIED naming what
+/// it presented. Calls without a client certificate (plaintext on loopback, in-process)
+/// are left to the credential checks, as before.
+pub fn require_peer_service<T>(
+    request: &Request<T>,
+    service: &str,
+    what: &str,
+) -> Result<(), Status> {
+    if request.peer_certs().is_none_or(|c| c.is_empty()) {
+        return Ok(());
+    }
+    let identities = peer_identities(request);
+    if identities.iter().any(|id| names_service(id, service)) {
+        return Ok(());
+    }
+    Err(Status::permission_denied(format!(
+        "only the {service} may {what}: the client certificate names {}, not spiffe://<trust domain>/{service}",
+        if identities.is_empty() {
+            "no spiffe:// identity".to_owned()
+        } else {
+            identities.join(", ")
+        }
+    )))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_spiffe_id_names_the_service_in_its_path() {
+        assert!(names_service(
+            "spiffe://convene.local/supervisor",
+            "supervisor"
+        ));
+        assert!(!names_service(
+            "spiffe://convene.local/worker",
+            "supervisor"
+        ));
+        assert!(!names_service(
+            "spiffe://convene.local/supervisor/x",
+            "supervisor"
+        ));
+        assert!(!names_service("spiffe:///supervisor", "supervisor"));
+        assert!(!names_service(
+            "https://convene.local/supervisor",
+            "supervisor"
+        ));
+        // No certificate: nothing to check here.
+        assert!(require_peer_service(&Request::new(()), "supervisor", "issue tokens").is_ok());
+    }
 
     #[test]
     fn bearer_extraction_says_what_is_wrong() {

@@ -548,6 +548,7 @@ impl v1::policy_server::Policy for PolicyService {
         &self,
         request: Request<v1::IssueTaskTokenRequest>,
     ) -> Result<Response<v1::IssueTaskTokenResponse>, Status> {
+        convene_mesh::auth::require_peer_service(&request, "supervisor", "issue task tokens")?;
         let caller = self.inner.auth.authenticate(&request).await?;
         Ok(Response::new(
             self.inner.issue(&caller, request.get_ref()).await?,

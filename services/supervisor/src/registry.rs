@@ -270,6 +270,7 @@ impl Registry {
     }
 
     async fn authorize<T>(&self, request: &Request<T>) -> Result<(), Status> {
+        convene_mesh::auth::require_peer_service(request, "worker", "register workers")?;
         self.auth
             .authenticate(request)
             .await?

@@ -516,6 +516,7 @@ impl worker_server::Worker for WorkerService {
         &self,
         request: Request<v1::WorkerExecuteRequest>,
     ) -> Result<Response<v1::WorkerExecuteResponse>, Status> {
+        convene_mesh::auth::require_peer_service(&request, "supervisor", "execute delegations")?;
         let request = request.into_inner();
         let task = request
             .task
