@@ -596,10 +596,10 @@ fn artifact_path(data_dir: &Path, uri: &str) -> std::path::PathBuf {
 /// The logs investigator stores its evidence and reports; while the join waits for the
 /// change auditor (held at its start), the bytes of one artifact logs cites are
 /// replaced on disk. Then the auditor goes on and the join decides: its siblings are
-/// accepted, and the evidence store refuses the changed bytes whenever it reads them —
-/// but the join, which does not read them, accepts logs as well.
+/// accepted, the evidence store refuses the changed bytes whenever it reads them, and
+/// the join rejects the logs result as HASH_MISMATCH.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_artifact_changed_in_storage_is_refused_by_the_store_but_not_seen_by_the_join() {
+async fn an_artifact_changed_in_storage_before_the_join_fails_its_result_and_only_it() {
     let hold = tempfile::tempdir().expect("a temporary directory");
     let release = hold.path().join("release");
     let mesh = TestMesh::start(
@@ -695,14 +695,18 @@ async fn an_artifact_changed_in_storage_is_refused_by_the_store_but_not_seen_by_
         "{chain:#?}"
     );
 
-    // The join does not: the supervisor verifies cited evidence without re-reading the
-    // bytes (`VerifyChain` with `rehash_content: false`, run/verify.rs), so the catalog's
-    // record, unchanged, is all it sees, and the result whose claim rests on the changed
-    // artifact is accepted. With re-hashing it would be rejected as HASH_MISMATCH (the
-    // store's ARTIFACT_CORRUPTED maps to it); this assertion records today's behaviour.
-    assert_eq!(accepted_times(&run, &logs_id), 1, "{d:#?}");
-    assert!(
-        d.rejected.iter().all(|r| r.delegation_id != logs_id),
-        "{d:#?}"
+    // The join sees it too: results are verified once the join may decide, re-hashing
+    // the bytes, so the result whose claim rests on the changed artifact is rejected as
+    // HASH_MISMATCH, and its siblings stand.
+    assert_eq!(accepted_times(&run, &logs_id), 0, "{d:#?}");
+    let rejection = d
+        .rejected
+        .iter()
+        .find(|r| r.delegation_id == logs_id)
+        .unwrap_or_else(|| panic!("logs is rejected: {d:#?}"));
+    assert_eq!(
+        rejection.reason,
+        v1::RejectionReason::HashMismatch as i32,
+        "{rejection:#?}"
     );
 }

@@ -75,7 +75,11 @@ impl RunActor {
                 claim_id: "cited".to_owned(),
                 evidence_refs: ids,
             }],
-            rehash_content: false,
+            // The bytes are read and hashed again: an artifact replaced or corrupted in
+            // storage after the worker stored it fails its result (HASH_MISMATCH), not
+            // only one whose record is wrong. Results are verified once the join may
+            // decide, so this is as late as the join can look.
+            rehash_content: true,
         };
         let mut attempt = 1u32;
         let answer = loop {
