@@ -125,6 +125,18 @@ impl ExpectedDelegation {
     }
 }
 
+/// Which accepted results are independent of each other (see `Evaluation::independence`).
+#[derive(Debug, Default)]
+struct Independence {
+    /// Artifacts several accepted results cite.
+    shared: Vec<v1::SharedEvidence>,
+    /// Labels of results not counted, each with the labels of the counted results whose
+    /// artifacts it rests on.
+    not_independent: Vec<(String, Vec<String>)>,
+    /// Their delegation ids.
+    dependent_ids: Vec<String>,
+}
+
 /// What the evidence store says about one evidence id.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum EvidenceFact {
@@ -700,21 +712,41 @@ impl<'a> Evaluation<'a> {
             .map(|j| j.delegation.delegation_id.clone())
             .collect();
 
-        // Check 9: the minimum.
+        // Check 9: the minimum, over independent results (see `independence`).
         let minimum = &contract.minimum;
         let accepted: Vec<String> = self
             .accepted()
             .map(|(j, _)| j.delegation.delegation_id.clone())
             .collect();
-        let needed = usize::try_from(minimum.count.max(1)).unwrap_or(usize::MAX);
-        let count_met = accepted.len() >= needed;
-        if !count_met {
+        let independence = self.independence();
+        for (dependent, on) in &independence.not_independent {
             reasons.push(format!(
-                "minimum count not met: {} accepted, {needed} needed",
-                accepted.len()
+                "`{dependent}` rests on the same artifacts as {}: counted once with it",
+                quoted(on)
             ));
         }
-        let weight: f64 = self.accepted().map(|(j, _)| j.weight).sum();
+        let independent = accepted.len() - independence.not_independent.len();
+        let needed = usize::try_from(minimum.count.max(1)).unwrap_or(usize::MAX);
+        let count_met = independent >= needed;
+        if !count_met {
+            reasons.push(if independent == accepted.len() {
+                format!("minimum count not met: {independent} accepted, {needed} needed")
+            } else {
+                format!(
+                    "minimum count not met: {independent} independent of {} accepted, {needed} needed",
+                    accepted.len()
+                )
+            });
+        }
+        let weight: f64 = self
+            .accepted()
+            .filter(|(j, _)| {
+                !independence
+                    .dependent_ids
+                    .contains(&j.delegation.delegation_id)
+            })
+            .map(|(j, _)| j.weight)
+            .sum();
         // A threshold of zero or below is no threshold; a NaN one can never be met.
         let weight_met = if minimum.weight.is_nan() {
             false
@@ -853,7 +885,81 @@ impl<'a> Evaluation<'a> {
             missing_optional,
             late_discarded: Vec::new(),
             missing_evidence_kinds,
+            shared_evidence: independence.shared,
+            not_independent: independence.dependent_ids,
         }
+    }
+
+    /// Which accepted results rest on the same artifacts: results whose claims cite the
+    /// same set of artifacts (by verified content hash) count once, as the one of them
+    /// with the highest weight (the first in plan order among equals). A result citing no
+    /// verified evidence counts on its own. Grouping by equal sets keeps the minimum
+    /// monotone: removing a result never raises the count or the weight.
+    fn independence(&self) -> Independence {
+        // content hash -> (delegation ids in plan order, evidence ids)
+        let mut cited: BTreeMap<&str, (Vec<String>, BTreeSet<String>)> = BTreeMap::new();
+        // support set -> its results (label, delegation id, weight), in plan order
+        let mut groups: BTreeMap<BTreeSet<&str>, Vec<(&str, &str, f64)>> = BTreeMap::new();
+        for (j, result) in self.accepted() {
+            let mut support: BTreeSet<&str> = BTreeSet::new();
+            for id in result.claims.iter().flat_map(|c| &c.evidence_refs) {
+                if let Some(EvidenceFact::Verified { content_hash, .. }) =
+                    self.input.evidence.get(id)
+                {
+                    support.insert(content_hash.as_str());
+                    let entry = cited.entry(content_hash.as_str()).or_default();
+                    let delegation = &j.delegation.delegation_id;
+                    if !entry.0.contains(delegation) {
+                        entry.0.push(delegation.clone());
+                    }
+                    entry.1.insert(id.clone());
+                }
+            }
+            if !support.is_empty() {
+                groups.entry(support).or_default().push((
+                    j.delegation.label(),
+                    j.delegation.delegation_id.as_str(),
+                    j.weight,
+                ));
+            }
+        }
+        let mut out = Independence::default();
+        let mut dependent: Vec<(&str, &str, &str)> = Vec::new();
+        for members in groups.values().filter(|m| m.len() > 1) {
+            let kept = members
+                .iter()
+                .enumerate()
+                .max_by(|(ia, a), (ib, b)| a.2.total_cmp(&b.2).then(ib.cmp(ia)))
+                .map_or(0, |(i, _)| i);
+            for (i, (label, id, _)) in members.iter().enumerate() {
+                if i != kept {
+                    dependent.push((label, id, members[kept].0));
+                }
+            }
+        }
+        // In plan order, as the reasons are.
+        let order: Vec<&str> = self
+            .accepted()
+            .map(|(j, _)| j.delegation.delegation_id.as_str())
+            .collect();
+        dependent.sort_by_key(|(_, id, _)| order.iter().position(|o| o == id));
+        for (label, id, kept) in dependent {
+            out.not_independent
+                .push((label.to_owned(), vec![kept.to_owned()]));
+            out.dependent_ids.push(id.to_owned());
+        }
+        out.shared = cited
+            .into_iter()
+            .filter(|(_, (delegations, _))| delegations.len() > 1)
+            .map(
+                |(hash, (delegation_ids, evidence_ids))| v1::SharedEvidence {
+                    content_hash: hash.to_owned(),
+                    delegation_ids,
+                    evidence_ids: evidence_ids.into_iter().collect(),
+                },
+            )
+            .collect();
+        out
     }
 
     /// Topics on which accepted claims disagree, sorted by topic; each lists every

@@ -710,3 +710,60 @@ async fn an_artifact_changed_in_storage_before_the_join_fails_its_result_and_onl
         "{rejection:#?}"
     );
 }
+
+/// Two agents cite the same underlying evidence: a second metrics specialist runs the
+/// same queries over the same data, so its evidence ids differ but its artifacts are
+/// the first one's, byte for byte. The join flags the shared artifacts and counts the
+/// two results once: with a minimum of all four delegations, the decision is
+/// insufficient although four results were accepted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_agents_citing_the_same_artifacts_count_once_and_are_flagged() {
+    let mesh = TestMesh::start(Mode::Processes, one_worker(example_profiles(), None)).await;
+    let mut spec = example_spec();
+    spec.idempotency_key = "fault-shared-evidence".to_owned();
+    let mut again = spec
+        .delegations
+        .iter()
+        .find(|d| d.name == "metrics")
+        .expect("the example has a metrics delegation")
+        .clone();
+    again.name = "metrics-again".to_owned();
+    spec.delegations.push(again);
+    let join = spec.join.as_mut().expect("the example has a join");
+    join.optional.push("metrics-again".to_owned());
+    join.minimum.as_mut().expect("a minimum").count = 4;
+    let limits = spec.limits.as_mut().expect("the example has limits");
+    limits.max_parallel_workers = limits.max_parallel_workers.max(4);
+
+    let run_id = mesh.start_run_id(ONCALL, spec).await;
+    let run = mesh.wait_terminal(ONCALL, &run_id, LIMIT).await;
+    let d = decision(&run);
+    let metrics = task(named(&run, "metrics")).delegation_id.clone();
+    let again = task(named(&run, "metrics-again")).delegation_id.clone();
+    assert_eq!(d.accepted.len(), 4, "every result is accepted: {d:#?}");
+    assert!(
+        !d.shared_evidence.is_empty(),
+        "the shared artifacts are flagged: {d:#?}"
+    );
+    for shared in &d.shared_evidence {
+        assert_eq!(
+            shared.delegation_ids,
+            [metrics.clone(), again.clone()],
+            "{shared:#?}"
+        );
+        assert!(
+            shared.evidence_ids.len() >= 2,
+            "cited through different ids: {shared:#?}"
+        );
+    }
+    assert_eq!(d.not_independent, std::slice::from_ref(&again), "{d:#?}");
+    assert!(!d.quorum_met, "{d:#?}");
+    assert_eq!(d.outcome(), v1::JoinOutcome::InsufficientEvidence, "{d:#?}");
+    assert!(
+        d.reasons
+            .iter()
+            .any(|r| r.contains("3 independent of 4 accepted")),
+        "{:#?}",
+        d.reasons
+    );
+}

@@ -200,9 +200,12 @@ fn build(spec: &ResultSpec) -> v1::TaskResult {
 
 fn fact() -> impl Strategy<Value = EvidenceFact> {
     prop_oneof![
-        100 => select(&["impact_metric", "causal_signal"][..]).prop_map(|kind| {
-            EvidenceFact::Verified { kind: kind.to_owned(), content_hash: "h1".to_owned() }
-        }),
+        // Few distinct artifacts, so that results often cite the same ones through
+        // different evidence ids.
+        100 => (select(&["impact_metric", "causal_signal"][..]), select(&["h1", "h2"][..]))
+            .prop_map(|(kind, hash)| {
+                EvidenceFact::Verified { kind: kind.to_owned(), content_hash: hash.to_owned() }
+            }),
         1 => Just(EvidenceFact::Unknown),
         1 => Just(EvidenceFact::ArtifactMissing),
         1 => Just(EvidenceFact::HashMismatch),
@@ -705,6 +708,58 @@ proptest! {
         other.results = shuffled;
         prop_assert_eq!(decide(&world.input(&plan)), decide(&other.input(&plan)));
         prop_assert_eq!(d, assess(&other.input(&plan)));
+    }
+
+    /// (s) Results whose claims cite the same artifacts (content hashes), through any
+    /// evidence ids, are one finding: they count once toward the minimum, and every
+    /// artifact several accepted results cite is flagged.
+    #[test]
+    fn results_on_the_same_artifacts_count_once_and_are_flagged(world in world()) {
+        let plan = plan();
+        let d = assess(&world.input(&plan));
+        let support = |id: &str| -> std::collections::BTreeSet<String> {
+            let result = world.results.iter().find(|r| r.delegation_id == id).unwrap();
+            result
+                .claims
+                .iter()
+                .flat_map(|c| &c.evidence_refs)
+                .filter_map(|e| match world.evidence.get(e) {
+                    Some(EvidenceFact::Verified { content_hash, .. }) => Some(content_hash.clone()),
+                    _ => None,
+                })
+                .collect()
+        };
+        let supports: Vec<_> = d.accepted.iter().map(|id| (id.clone(), support(id))).collect();
+        let distinct: std::collections::BTreeSet<_> =
+            supports.iter().filter(|(_, s)| !s.is_empty()).map(|(_, s)| s.clone()).collect();
+        let unsupported = supports.iter().filter(|(_, s)| s.is_empty()).count();
+        prop_assert_eq!(
+            d.accepted.len() - d.not_independent.len(),
+            distinct.len() + unsupported,
+            "{:?}", d
+        );
+        for dependent in &d.not_independent {
+            let mine = support(dependent);
+            prop_assert!(
+                supports.iter().any(|(id, s)| id != dependent && *s == mine
+                    && !d.not_independent.contains(id)),
+                "{} is not counted, yet no counted result cites the same artifacts: {:?}", dependent, d
+            );
+        }
+        let mut by_hash: BTreeMap<String, Vec<String>> = BTreeMap::new();
+        for (id, s) in &supports {
+            for h in s {
+                by_hash.entry(h.clone()).or_default().push(id.clone());
+            }
+        }
+        let flagged: BTreeMap<String, Vec<String>> = d
+            .shared_evidence
+            .iter()
+            .map(|s| (s.content_hash.clone(), s.delegation_ids.clone()))
+            .collect();
+        let expected: BTreeMap<String, Vec<String>> =
+            by_hash.into_iter().filter(|(_, ids)| ids.len() > 1).collect();
+        prop_assert_eq!(flagged, expected);
     }
 }
 
