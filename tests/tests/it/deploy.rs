@@ -46,23 +46,46 @@ fn unavailable(what: &str, how: &str) {
     );
 }
 
+/// A URL found in a variable or an argument: `https://convene-policy:7401`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Url {
+    /// `http`, `https`, `nats`, ...
+    scheme: String,
+    host: String,
+    port: u16,
+}
+
+/// Every URL with a port in `text`, e.g. both of `[http://a:7400, https://b.c:7400]`.
+fn urls(text: &str) -> Vec<Url> {
+    text.split(|c: char| c.is_whitespace() || "[],\"'".contains(c))
+        .filter_map(|word| word.split_once("://"))
+        .filter_map(|(scheme, rest)| {
+            let authority = rest.split(['/', '?']).next()?;
+            let host_port = authority.rsplit_once('@').map_or(authority, |(_, h)| h);
+            let (host, port) = host_port.rsplit_once(':')?;
+            Some(Url {
+                scheme: scheme.to_ascii_lowercase(),
+                host: host.to_owned(),
+                port: port.parse().ok()?,
+            })
+        })
+        .collect()
+}
+
 /// The `host:port` of every URL in `text` whose host is a bare name (a Service or a
 /// compose service), e.g. `convene-policy:7401` in `http://convene-policy:7401` or in
 /// `[http://a:7400, http://b:7400]`. Addresses, `localhost` and dotted names are left
 /// out: nothing here can tell whether they answer.
 fn url_hosts(text: &str) -> Vec<(String, u16)> {
-    text.split(|c: char| c.is_whitespace() || "[],".contains(c))
-        .filter_map(|word| word.split_once("://").map(|(_, rest)| rest))
-        .filter_map(|rest| {
-            let authority = rest.split(['/', '?']).next()?;
-            let host_port = authority.rsplit_once('@').map_or(authority, |(_, h)| h);
-            let (host, port) = host_port.rsplit_once(':')?;
-            let bare = !host.is_empty()
-                && host != "localhost"
-                && !host.contains(['.', '$', '['])
-                && host.parse::<std::net::IpAddr>().is_err();
-            Some((host.to_owned(), port.parse().ok()?)).filter(|_| bare)
+    urls(text)
+        .into_iter()
+        .filter(|url| {
+            !url.host.is_empty()
+                && url.host != "localhost"
+                && !url.host.contains(['.', '$', '['])
+                && url.host.parse::<std::net::IpAddr>().is_err()
         })
+        .map(|url| (url.host, url.port))
         .collect()
 }
 
@@ -210,4 +233,12 @@ fn url_hosts_are_the_bare_names_of_urls() {
         [("postgres".to_owned(), 5432)]
     );
     assert!(url_hosts("http://localhost:16686 https://db.example.com:5432 plain").is_empty());
+    assert_eq!(
+        urls("[https://convene-supervisor-0.convene-supervisor-peers.convene.svc:7400]"),
+        [Url {
+            scheme: "https".to_owned(),
+            host: "convene-supervisor-0.convene-supervisor-peers.convene.svc".to_owned(),
+            port: 7400
+        }]
+    );
 }

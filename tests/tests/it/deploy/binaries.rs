@@ -89,6 +89,100 @@ pub fn built_binary(name: &str) -> PathBuf {
     dir.join(format!("{name}{}", std::env::consts::EXE_SUFFIX))
 }
 
+/// Reserved variables (no configuration key, no flag) that a binary reads itself.
+const READ_WITHOUT_FLAG: &[(&str, &str)] = &[("convene-worker", "CONVENE_MODEL")];
+
+/// How a service's listeners serve, as its flags and variables say.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Transport {
+    /// TLS with a certificate and its key; `client_ca`: callers must present a
+    /// certificate (mutual TLS).
+    Tls { client_ca: bool },
+    /// Plaintext, allowed off loopback by `--insecure` (`CONVENE_INSECURE=true`).
+    Plaintext,
+}
+
+/// The value of a TLS setting: flag `--name` or variable `var`.
+fn setting<'a>(launch: &'a Launch, flag: &str, var: &str) -> Option<&'a str> {
+    launch
+        .flag(flag)
+        .or_else(|| launch.var(var))
+        .filter(|v| !v.is_empty())
+}
+
+/// The files of `launch`'s TLS settings that it names: certificate, key, client CA and
+/// CA, by variable name.
+pub fn tls_files(launch: &Launch) -> Vec<(&'static str, &str)> {
+    [
+        ("tls-cert", "CONVENE_TLS_CERT"),
+        ("tls-key", "CONVENE_TLS_KEY"),
+        ("tls-client-ca", "CONVENE_TLS_CLIENT_CA"),
+        ("tls-ca", "CONVENE_TLS_CA"),
+    ]
+    .into_iter()
+    .filter_map(|(flag, var)| setting(launch, flag, var).map(|v| (var, v)))
+    .collect()
+}
+
+/// How a service that listens on a non-loopback address serves: TLS (a certificate
+/// and its key) or plaintext it says it means (`CONVENE_INSECURE=true`), exactly one;
+/// anything else makes the binary exit at start, or is ambiguous, and goes to
+/// `problems` (then None).
+pub fn transport(launch: &Launch, problems: &mut Vec<String>) -> Option<Transport> {
+    let origin = &launch.origin;
+    let cert = setting(launch, "tls-cert", "CONVENE_TLS_CERT").is_some();
+    let key = setting(launch, "tls-key", "CONVENE_TLS_KEY").is_some();
+    let client_ca = setting(launch, "tls-client-ca", "CONVENE_TLS_CLIENT_CA").is_some();
+    let insecure = if launch.args.iter().any(|a| a == "--insecure") {
+        true
+    } else {
+        match launch.var("CONVENE_INSECURE") {
+            None => false,
+            Some("true") => true,
+            Some("false") => false,
+            Some(other) => {
+                problems.push(format!(
+                    "{origin}: CONVENE_INSECURE is {other:?}: say `true` or `false`"
+                ));
+                return None;
+            }
+        }
+    };
+    if cert != key {
+        problems.push(format!(
+            "{origin}: serving TLS takes both CONVENE_TLS_CERT and CONVENE_TLS_KEY, not one"
+        ));
+        return None;
+    }
+    match (cert, insecure) {
+        (true, false) => Some(Transport::Tls { client_ca }),
+        (false, true) => {
+            if client_ca {
+                problems.push(format!(
+                    "{origin}: CONVENE_TLS_CLIENT_CA without a certificate of its own to serve \
+                     TLS with (CONVENE_TLS_CERT, CONVENE_TLS_KEY)"
+                ));
+            }
+            Some(Transport::Plaintext)
+        }
+        (true, true) => {
+            problems.push(format!(
+                "{origin}: both TLS (CONVENE_TLS_CERT) and CONVENE_INSECURE=true: drop \
+                 CONVENE_INSECURE, which only matters for plaintext"
+            ));
+            None
+        }
+        (false, false) => {
+            problems.push(format!(
+                "{origin}: listens off loopback in plaintext, which the binary refuses at \
+                 start (exit status 2): give it CONVENE_TLS_CERT and CONVENE_TLS_KEY, or \
+                 CONVENE_INSECURE=true where plaintext is meant"
+            ));
+            None
+        }
+    }
+}
+
 /// What [`check`] learned of a service: its effective configuration.
 pub struct Service {
     /// `--dump-config` as YAML, read into JSON values; None when even the variables
@@ -177,6 +271,21 @@ pub fn check(launch: &Launch, problems: &mut Vec<String>) -> Option<Service> {
                 && !reserved.contains(name.as_str())
         })
         .collect();
+    // A reserved variable (no configuration key) must be one this binary reads: through
+    // a flag (its --help names it, as for CONVENE_TLS_CERT or CONVENE_INSECURE), or
+    // itself. Otherwise it is ignored, whatever the manifest meant by it.
+    for (name, _) in &launch.env {
+        if reserved.contains(name.as_str())
+            && !flag_vars.contains(name)
+            && !READ_WITHOUT_FLAG.contains(&(launch.program.as_str(), name.as_str()))
+        {
+            problems.push(format!(
+                "{origin}: sets {name}, which `{}` ignores: no flag of its --help reads it \
+                 (it lists {flag_vars:?})",
+                launch.program
+            ));
+        }
+    }
     let dump_with = |env: &[&(String, String)]| {
         let mut command = invoke();
         command.args(rest).arg("--dump-config=yaml");
@@ -385,17 +494,95 @@ fn a_binary_refuses_unknown_flags_and_variables_by_name() {
             ("CONVENE_CAPACITTY", "4"),
             // The worker keeps no database: not a key of its configuration.
             ("CONVENE_DATABASE_URL", "postgres://u:hunter2@db:5432/x"),
+            // Read by its flags: accepted.
+            ("CONVENE_INSECURE", "true"),
+            ("CONVENE_TLS_CA", "/etc/convene/tls/ca.crt"),
+            // Reserved for the client commands: the worker ignores it.
+            ("CONVENE_ENDPOINT", "http://convene-supervisor:7400"),
         ],
     );
     let dump = check(&launch, &mut problems)
         .and_then(|s| s.dump)
         .expect("the known variables give a configuration");
     assert_eq!(lookup(&dump, &["capacity"]), Some(&serde_json::json!(4)));
-    assert_eq!(problems.len(), 2, "{problems:?}");
-    assert!(problems[0].contains("CONVENE_CAPACITTY"), "{problems:?}");
-    assert!(problems[1].contains("CONVENE_DATABASE_URL"), "{problems:?}");
+    assert_eq!(problems.len(), 3, "{problems:?}");
+    assert!(problems[0].contains("CONVENE_ENDPOINT"), "{problems:?}");
+    assert!(problems[1].contains("CONVENE_CAPACITTY"), "{problems:?}");
+    assert!(problems[2].contains("CONVENE_DATABASE_URL"), "{problems:?}");
     assert!(
         !problems.concat().contains("hunter2"),
         "a secret leaked: {problems:?}"
+    );
+}
+
+/// A service off loopback serves TLS or says it means plaintext, exactly one of them.
+#[test]
+fn a_service_serves_tls_or_says_plaintext() {
+    let with = |args: &[&str], env: &[(&str, &str)]| Launch {
+        origin: "a made-up container".to_owned(),
+        program: "convene-policy".to_owned(),
+        args: args.iter().map(|a| (*a).to_owned()).collect(),
+        env: env
+            .iter()
+            .map(|(n, v)| ((*n).to_owned(), (*v).to_owned()))
+            .collect(),
+        ..Launch::default()
+    };
+    let transport_of = |launch: &Launch| {
+        let mut problems = Vec::new();
+        let transport = transport(launch, &mut problems);
+        (transport, problems)
+    };
+    let cert = ("CONVENE_TLS_CERT", "/tls/tls.crt");
+    let key = ("CONVENE_TLS_KEY", "/tls/tls.key");
+    let client_ca = ("CONVENE_TLS_CLIENT_CA", "/tls/ca.crt");
+
+    assert_eq!(
+        transport_of(&with(&[], &[cert, key])),
+        (Some(Transport::Tls { client_ca: false }), vec![])
+    );
+    assert_eq!(
+        transport_of(&with(&[], &[cert, key, client_ca])),
+        (Some(Transport::Tls { client_ca: true }), vec![])
+    );
+    assert_eq!(
+        transport_of(&with(&["--tls-cert", "/c", "--tls-key=/k"], &[])),
+        (Some(Transport::Tls { client_ca: false }), vec![])
+    );
+    assert_eq!(
+        transport_of(&with(&[], &[("CONVENE_INSECURE", "true")])),
+        (Some(Transport::Plaintext), vec![])
+    );
+    assert_eq!(
+        transport_of(&with(&["--insecure"], &[])),
+        (Some(Transport::Plaintext), vec![])
+    );
+    for (launch, says) in [
+        (with(&[], &[]), "CONVENE_INSECURE=true"),
+        (with(&[], &[("CONVENE_INSECURE", "false")]), "exit status 2"),
+        (
+            with(&[], &[("CONVENE_INSECURE", "yes")]),
+            "`true` or `false`",
+        ),
+        (with(&[], &[cert]), "not one"),
+        (
+            with(&[], &[cert, key, ("CONVENE_INSECURE", "true")]),
+            "drop CONVENE_INSECURE",
+        ),
+    ] {
+        let (transport, problems) = transport_of(&launch);
+        assert_eq!(transport, None, "{launch:?}");
+        assert!(
+            problems.len() == 1 && problems[0].contains(says),
+            "{launch:?}: {problems:?}"
+        );
+    }
+    assert_eq!(
+        tls_files(&with(&["--tls-ca", "/ca"], &[cert, key])),
+        [
+            ("CONVENE_TLS_CERT", "/tls/tls.crt"),
+            ("CONVENE_TLS_KEY", "/tls/tls.key"),
+            ("CONVENE_TLS_CA", "/ca"),
+        ]
     );
 }

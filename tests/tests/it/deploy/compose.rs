@@ -1,6 +1,7 @@
 //! `deploy/compose.yaml` agrees with the binaries as the Kubernetes manifests do: each
 //! convene container runs a workspace binary with flags and variables it accepts, listens
-//! where its published port and its callers expect, and finds the files it is given. No
+//! where its published port and its callers expect (plaintext, said so, or TLS), and
+//! finds the files it is given. No
 //! container engine runs here, so this is what keeps the compose file from rotting.
 
 use std::collections::BTreeMap;
@@ -9,7 +10,7 @@ use std::path::{Path, PathBuf};
 use serde_json::Value;
 
 use super::binaries::{self, Launch};
-use super::{IMAGE_EXAMPLES, examples_path, url_hosts};
+use super::{IMAGE_EXAMPLES, examples_path, url_hosts, urls};
 use crate::harness::repo_root;
 
 fn compose() -> Value {
@@ -140,6 +141,7 @@ fn the_compose_file_agrees_with_the_binaries() {
                 .collect(),
             _ => BTreeMap::new(),
         };
+        let mut calls_https = false;
         for (var, value) in environment {
             for (host, _) in url_hosts(&value) {
                 if !services.contains_key(&host)
@@ -147,6 +149,27 @@ fn the_compose_file_agrees_with_the_binaries() {
                 {
                     problems.push(format!(
                         "compose {name}: {var} names {host}, which is no service"
+                    ));
+                }
+            }
+            // A convene service is called https:// exactly when it serves TLS.
+            for url in urls(&value) {
+                let Some(target) = services.get(&url.host).filter(|s| {
+                    s["image"]
+                        .as_str()
+                        .is_some_and(|i| i.starts_with("convene:"))
+                }) else {
+                    continue;
+                };
+                let tls = target["environment"]["CONVENE_TLS_CERT"].is_string();
+                calls_https |= url.scheme == "https";
+                let scheme = if tls { "https" } else { "http" };
+                if url.scheme != scheme {
+                    problems.push(format!(
+                        "compose {name}: {var} calls {}://{}, which serves {}: call it {scheme}://",
+                        url.scheme,
+                        url.host,
+                        if tls { "TLS" } else { "plaintext" }
                     ));
                 }
             }
@@ -177,6 +200,21 @@ fn the_compose_file_agrees_with_the_binaries() {
         if binaries::lookup(&dump, &["dev_credentials"]) == Some(&Value::Bool(true)) {
             problems.push(format!(
                 "compose {name}: dev_credentials is on; the mesh runs as a cluster does"
+            ));
+        }
+        // Listening on 0.0.0.0 takes TLS or CONVENE_INSECURE=true; TLS files are mounted,
+        // and https:// calls to the services have a CA.
+        binaries::transport(&launch, &mut problems);
+        for (var, file) in binaries::tls_files(&launch) {
+            if !Path::new(file).is_file() {
+                problems.push(format!(
+                    "compose {name}: {var} names {file}, which is not mounted"
+                ));
+            }
+        }
+        if calls_https && launch.var("CONVENE_TLS_CA").is_none() {
+            problems.push(format!(
+                "compose {name}: calls https:// endpoints without CONVENE_TLS_CA to verify them"
             ));
         }
         let listening = binaries::listen_addrs(&dump, &launch.origin, &mut problems);

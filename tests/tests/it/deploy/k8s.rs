@@ -28,6 +28,20 @@ const IMAGE: &str = "convene";
 /// the supervisor's client API and the gateway's A2A over HTTP.
 const FRONT_DOORS: [(&str, u16); 2] = [("convene-supervisor", 7400), ("convene-gateway", 7480)];
 
+/// The namespace every object is in.
+const NAMESPACE: &str = "convene";
+
+/// The overlays that serve TLS on every listener and call every service over
+/// `https://`; the others run plaintext, said so with `CONVENE_INSECURE=true`.
+const TLS_OVERLAYS: [&str; 1] = ["prod"];
+
+/// The programs that people and agents call with their bearer credentials (the
+/// supervisor's API, the gateway's A2A, people deciding approvals): with TLS they ask
+/// for no client certificate. Every other service is called by the mesh alone and
+/// requires one (mutual TLS).
+const CALLED_WITH_BEARERS: [&str; 3] =
+    ["convene-supervisor", "convene-gateway", "convene-approval"];
+
 /// One overlay, rendered.
 struct Rendered {
     overlay: &'static str,
@@ -60,6 +74,24 @@ impl Rendered {
                 object,
                 pod: &object["spec"]["template"],
             })
+    }
+
+    /// The workloads whose pods `service` selects.
+    fn selected(&self, service: &Value) -> Vec<Workload<'_>> {
+        let selector = serde_json::json!({ "matchLabels": service["spec"]["selector"] });
+        self.workloads()
+            .filter(|w| selects(&selector, w.labels()))
+            .collect()
+    }
+
+    /// The most pods `workload` runs: its autoscaler's maximum, else its replicas.
+    fn max_replicas(&self, workload: &Workload<'_>) -> u64 {
+        let name = &workload.object["metadata"]["name"];
+        self.of_kind("HorizontalPodAutoscaler")
+            .find(|h| h["spec"]["scaleTargetRef"]["name"] == *name)
+            .and_then(|h| h["spec"]["maxReplicas"].as_u64())
+            .or(workload.object["spec"]["replicas"].as_u64())
+            .unwrap_or(1)
     }
 
     /// Key `key` of ConfigMap or Secret `name` (decoded), if there.
@@ -107,6 +139,19 @@ impl Workload<'_> {
             let image = c["image"].as_str().unwrap_or_default();
             let repository = image.rsplit_once(':').map_or(image, |(r, _)| r);
             repository.rsplit('/').next() == Some(IMAGE)
+        })
+    }
+
+    /// Whether its convene containers serve TLS (are given a certificate).
+    fn serves_tls(&self) -> bool {
+        self.convene_containers().any(|c| {
+            array(&c["env"])
+                .iter()
+                .any(|e| e["name"] == "CONVENE_TLS_CERT")
+                || array(&c["args"]).iter().any(|a| {
+                    a.as_str()
+                        .is_some_and(|a| a == "--tls-cert" || a.starts_with("--tls-cert="))
+                })
         })
     }
 
@@ -286,6 +331,30 @@ fn services_and_network_policies_point_at_pods() {
                         ));
                     }
                 }
+            }
+        }
+        // A convene StatefulSet's pods are called by their names under its serviceName,
+        // a headless Service of its pods (`convene-worker-0.convene-worker.convene.svc`).
+        for workload in rendered.workloads() {
+            if workload.object["kind"] != "StatefulSet" || workload.program().is_none() {
+                continue;
+            }
+            let service_name = workload.object["spec"]["serviceName"]
+                .as_str()
+                .unwrap_or_default();
+            let ok = rendered.get("Service", service_name).is_some_and(|s| {
+                s["spec"]["clusterIP"] == "None"
+                    && rendered
+                        .selected(s)
+                        .iter()
+                        .any(|w| w.object == workload.object)
+            });
+            if !ok {
+                problems.push(format!(
+                    "{overlay}: {} names its pods under serviceName {service_name:?}, which is \
+                     no headless Service of its pods",
+                    workload.id()
+                ));
             }
         }
         for policy in rendered.of_kind("NetworkPolicy") {

@@ -2,16 +2,19 @@
 //! variables resolved (ConfigMaps, Secrets, the downward API, `$(VAR)`), its ConfigMap
 //! and Secret volumes written to a scratch directory, and every path into a volume mapped
 //! there; then checked by the binary ([`binaries::check`]) and against what the binary
-//! says it does (listen port, data directory).
+//! says it does (listen port, data directory), and against the overlay's TLS: how it
+//! serves, how it is probed, how it calls the others.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use serde_json::{Map, Value};
 
-use super::{Rendered, Workload, array, overlays, program};
-use crate::deploy::binaries::{self, Launch};
-use crate::deploy::{examples_path, url_hosts};
+use super::{
+    CALLED_WITH_BEARERS, NAMESPACE, Rendered, TLS_OVERLAYS, Workload, array, overlays, program,
+};
+use crate::deploy::binaries::{self, Launch, Transport};
+use crate::deploy::{Url, examples_path, url_hosts, urls};
 
 #[test]
 fn every_convene_container_agrees_with_its_binary() {
@@ -43,6 +46,8 @@ struct Mount {
     local: PathBuf,
     /// `configMap`, `secret`, `emptyDir`, `persistentVolumeClaim`, ...
     source: String,
+    /// The ConfigMap or Secret it holds, by name.
+    object: String,
     /// The keys of a Secret or ConfigMap volume.
     keys: Vec<String>,
 }
@@ -85,6 +90,11 @@ fn launch(
         let local = scratch.join(path.trim_start_matches('/'));
         std::fs::create_dir_all(&local).expect("a scratch directory");
         let (source, files) = volume_files(rendered, volume, &origin, problems);
+        let object = volume[&source]["secretName"]
+            .as_str()
+            .or(volume[&source]["name"].as_str())
+            .unwrap_or_default()
+            .to_owned();
         for (file, content) in &files {
             std::fs::write(local.join(file), content).expect("a mounted file is written");
         }
@@ -92,6 +102,7 @@ fn launch(
             path,
             local,
             source,
+            object,
             keys: files.into_keys().collect(),
         });
     }
@@ -115,15 +126,27 @@ fn launch(
         let name = var["name"].as_str().expect("a variable name").to_owned();
         let from = &var["valueFrom"];
         let value = if let Some(value) = var["value"].as_str() {
-            expand(value, &launch.env)
+            let expanded = expand(value, &launch.env);
+            if expanded.contains("$(") {
+                problems.push(format!(
+                    "{origin}: {name} = {value:?} refers to a variable not defined before it, \
+                     which Kubernetes leaves unexpanded (a patch's variables go first)"
+                ));
+            }
+            expanded
         } else if let Some(field) = from["fieldRef"]["fieldPath"].as_str() {
             match field {
-                "metadata.name" => format!(
-                    "{}-7d4b9c-x2x7q",
-                    workload.object["metadata"]["name"]
+                // A StatefulSet's first pod, a Deployment's pod.
+                "metadata.name" => {
+                    let name = workload.object["metadata"]["name"]
                         .as_str()
-                        .unwrap_or_default()
-                ),
+                        .unwrap_or_default();
+                    if workload.object["kind"] == "StatefulSet" {
+                        format!("{name}-0")
+                    } else {
+                        format!("{name}-7d4b9c-x2x7q")
+                    }
+                }
                 "metadata.namespace" => "convene".to_owned(),
                 "status.podIP" => "10.244.1.17".to_owned(),
                 other => other.to_owned(),
@@ -317,10 +340,18 @@ fn check_container(
             }
         }
     }
+    check_endpoints(rendered, launch, problems);
     let Some(service) = binaries::check(launch, problems) else {
         return;
     };
     let Some(dump) = service.dump else { return };
+    let tls = matches!(
+        check_transport(rendered, launch, mounts, problems),
+        Some(Transport::Tls { .. })
+    );
+    if tls && launch.program == "convene-worker" {
+        check_registries(rendered, launch, &dump, problems);
+    }
 
     if binaries::lookup(&dump, &["dev_credentials"]) == Some(&Value::Bool(true)) {
         problems.push(format!(
@@ -346,7 +377,9 @@ fn check_container(
             ));
         }
     }
-    // Health is served on the gRPC port: the probes ask there.
+    // Health is served on the gRPC port: the probes ask there. The kubelet's gRPC
+    // probes speak plaintext, so a TLS listener is probed by a TCP connect (the port is
+    // bound once the service is ready, and closed when it drains).
     let port = listening[0].1.port();
     for probe in ["startupProbe", "readinessProbe", "livenessProbe"] {
         let spec = &container[probe];
@@ -356,10 +389,23 @@ fn check_container(
             }
             continue;
         }
-        if spec["grpc"]["port"] != port {
+        let handlers: Vec<&String> = spec
+            .as_object()
+            .into_iter()
+            .flat_map(Map::keys)
+            .filter(|k| ["grpc", "tcpSocket", "httpGet", "exec"].contains(&k.as_str()))
+            .collect();
+        let (handler, what) = if tls {
+            (
+                "tcpSocket",
+                "a tcpSocket probe (its listener serves TLS, which gRPC probes cannot speak)",
+            )
+        } else {
+            ("grpc", "a gRPC probe (grpc.health.v1.Health)")
+        };
+        if handlers != [handler] || spec[handler]["port"] != port {
             problems.push(format!(
-                "{origin}: its {probe} must be a gRPC probe (grpc.health.v1.Health) on port \
-                 {port}, the port it listens on"
+                "{origin}: its {probe} must be {what} on port {port}, the port it listens on"
             ));
         }
     }
@@ -388,6 +434,279 @@ fn check_container(
                 ));
             }
         }
+    }
+}
+
+/// The container's TLS as its overlay wants it: TLS overlays serve TLS on every
+/// listener (mutual TLS unless people and agents call it), from files of a mounted
+/// Secret; the others plaintext, said so (`CONVENE_INSECURE=true`).
+fn check_transport(
+    rendered: &Rendered,
+    launch: &Launch,
+    mounts: &[Mount],
+    problems: &mut Vec<String>,
+) -> Option<Transport> {
+    let origin = &launch.origin;
+    let transport = binaries::transport(launch, problems)?;
+    let expected = if TLS_OVERLAYS.contains(&rendered.overlay) {
+        Transport::Tls {
+            client_ca: !CALLED_WITH_BEARERS.contains(&launch.program.as_str()),
+        }
+    } else {
+        Transport::Plaintext
+    };
+    if transport != expected {
+        let want = match expected {
+            Transport::Tls { client_ca: true } => {
+                "TLS that requires client certificates (CONVENE_TLS_CERT, CONVENE_TLS_KEY, \
+                 CONVENE_TLS_CLIENT_CA): only the mesh calls it"
+            }
+            Transport::Tls { client_ca: false } => {
+                "TLS without client certificates (CONVENE_TLS_CERT, CONVENE_TLS_KEY, no \
+                 CONVENE_TLS_CLIENT_CA): people and agents call it with bearer credentials"
+            }
+            Transport::Plaintext => "plaintext, said so with CONVENE_INSECURE=true",
+        };
+        problems.push(format!(
+            "{origin}: serves {transport:?}; overlay {} wants {want}",
+            rendered.overlay
+        ));
+    }
+    // Each service its own identity: the Secret convene-tls-<service>.
+    let identity = launch.program.replacen("convene-", "convene-tls-", 1);
+    for (var, file) in binaries::tls_files(launch) {
+        let secret = mounts
+            .iter()
+            .find(|m| m.source == "secret" && Path::new(file).starts_with(&m.local));
+        match secret {
+            Some(m) if Path::new(file).is_file() => {
+                if m.object != identity {
+                    problems.push(format!(
+                        "{origin}: {var} is a file of Secret {}, but its identity is Secret \
+                         {identity}",
+                        m.object
+                    ));
+                }
+            }
+            _ => problems.push(format!(
+                "{origin}: {var} must name a key of a mounted Secret (tls.crt, tls.key, \
+                 ca.crt); it names {file}"
+            )),
+        }
+    }
+    Some(transport)
+}
+
+/// The Service, and the pod for a pod's own name, that `host` names in the namespace:
+/// `svc`, `svc.convene.svc` or `pod.svc.convene.svc` (with or without
+/// `.cluster.local`). None for anything else: addresses, `localhost`, other domains.
+fn in_namespace(host: &str) -> Option<(&str, Option<&str>)> {
+    if host.is_empty()
+        || host == "localhost"
+        || host.contains(['$', '[', ':'])
+        || host.parse::<std::net::IpAddr>().is_ok()
+    {
+        return None;
+    }
+    let host = host.strip_suffix(".cluster.local").unwrap_or(host);
+    let local = match host.strip_suffix(&format!(".{NAMESPACE}.svc")) {
+        Some(local) => local,
+        None if !host.contains('.') => host,
+        None => return None,
+    };
+    match local.split_once('.') {
+        None => Some((local, None)),
+        Some((pod, service)) if !service.contains('.') => Some((service, Some(pod))),
+        Some(_) => None,
+    }
+}
+
+/// Every http(s) endpoint the container names that leads into the namespace: its
+/// Service (and pod) exist, and it is called `https://` exactly when the convene pods
+/// behind it serve TLS, with a CA to verify them.
+fn check_endpoints(rendered: &Rendered, launch: &Launch, problems: &mut Vec<String>) {
+    let origin = &launch.origin;
+    let named = launch
+        .env
+        .iter()
+        .map(|(n, v)| (n.as_str(), v.as_str()))
+        .chain(launch.args.iter().map(|a| ("an argument", a.as_str())));
+    for (name, value) in named {
+        for url in urls(value) {
+            if !["http", "https"].contains(&url.scheme.as_str()) {
+                continue;
+            }
+            let Some((service_name, pod)) = in_namespace(&url.host) else {
+                continue;
+            };
+            let Some(service) = rendered.get("Service", service_name) else {
+                // Bare names are reported with every other scheme's (url_hosts).
+                if url.host.contains('.') {
+                    problems.push(format!(
+                        "{origin}: {name} names {}, but no Service {service_name} is in the overlay",
+                        url.host
+                    ));
+                }
+                continue;
+            };
+            if !array(&service["spec"]["ports"])
+                .iter()
+                .any(|p| p["port"] == url.port)
+            {
+                if url.host.contains('.') {
+                    problems.push(format!(
+                        "{origin}: {name} names port {} of Service {service_name}, which it lacks",
+                        url.port
+                    ));
+                }
+                continue;
+            }
+            if let Some(pod) = pod {
+                check_pod_name(
+                    rendered,
+                    service,
+                    pod,
+                    &format!("{origin}: {name}"),
+                    problems,
+                );
+            }
+            let targets: Vec<Workload<'_>> = rendered
+                .selected(service)
+                .into_iter()
+                .filter(|w| w.convene_containers().next().is_some())
+                .collect();
+            if targets.is_empty() {
+                continue; // Jaeger, PostgreSQL: not convene's listeners.
+            }
+            let tls = targets.iter().any(Workload::serves_tls);
+            let scheme = if tls { "https" } else { "http" };
+            if url.scheme != scheme {
+                problems.push(format!(
+                    "{origin}: {name} calls {}://{}:{}, but the pods of Service {service_name} \
+                     serve {}: call it {scheme}://",
+                    url.scheme,
+                    url.host,
+                    url.port,
+                    if tls { "TLS" } else { "plaintext" }
+                ));
+            }
+            if url.scheme == "https" && launch.var("CONVENE_TLS_CA").is_none() {
+                problems.push(format!(
+                    "{origin}: {name} calls {}, but CONVENE_TLS_CA names no CA to verify it with",
+                    url.host
+                ));
+            }
+        }
+    }
+}
+
+/// A pod's own name under a headless Service is a pod of the StatefulSet named after
+/// it: `<statefulset>-<ordinal>`, the ordinal below its most replicas.
+fn check_pod_name(
+    rendered: &Rendered,
+    service: &Value,
+    pod: &str,
+    what: &str,
+    problems: &mut Vec<String>,
+) {
+    let service_name = service["metadata"]["name"].as_str().unwrap_or_default();
+    let owner = rendered.workloads().find(|w| {
+        w.object["kind"] == "StatefulSet" && w.object["spec"]["serviceName"] == service_name
+    });
+    let Some(owner) = owner else {
+        problems.push(format!(
+            "{what} names pod {pod} of Service {service_name}, whose pods have no names of \
+             their own (no StatefulSet has it as serviceName)"
+        ));
+        return;
+    };
+    let name = owner.object["metadata"]["name"]
+        .as_str()
+        .unwrap_or_default();
+    let ordinal = pod
+        .strip_prefix(name)
+        .and_then(|rest| rest.strip_prefix('-'))
+        .and_then(|n| n.parse::<u64>().ok());
+    let replicas = rendered.max_replicas(&owner);
+    if ordinal.is_none_or(|n| n >= replicas) {
+        problems.push(format!(
+            "{what} names pod {pod} of Service {service_name}, which is none of the pods of \
+             {} ({name}-0 to {name}-{})",
+            owner.id(),
+            replicas.saturating_sub(1)
+        ));
+    }
+}
+
+/// A worker keeps itself registered with every supervisor replica. An `https://` name
+/// is one connection, not resolved to every replica (the certificate names the host,
+/// not its addresses), so with TLS the registries are each replica by its own name.
+fn check_registries(
+    rendered: &Rendered,
+    launch: &Launch,
+    dump: &Value,
+    problems: &mut Vec<String>,
+) {
+    let origin = &launch.origin;
+    let Some(supervisor) = rendered
+        .workloads()
+        .find(|w| w.program().as_deref() == Some("convene-supervisor"))
+    else {
+        problems.push(format!(
+            "{origin}: no supervisor in the overlay to register with"
+        ));
+        return;
+    };
+    let service = supervisor.object["spec"]["serviceName"]
+        .as_str()
+        .unwrap_or_default();
+    let name = supervisor.object["metadata"]["name"]
+        .as_str()
+        .unwrap_or_default();
+    let expected: std::collections::BTreeSet<String> = (0..rendered.max_replicas(&supervisor))
+        .map(|n| format!("{name}-{n}.{service}"))
+        .collect();
+    let listed: std::collections::BTreeSet<String> =
+        array(binaries::lookup(dump, &["registry_endpoints"]).unwrap_or(&Value::Null))
+            .iter()
+            .filter_map(Value::as_str)
+            .flat_map(urls)
+            .map(|Url { host, .. }| match in_namespace(&host) {
+                Some((service, Some(pod))) => format!("{pod}.{service}"),
+                _ => host,
+            })
+            .collect();
+    if listed != expected {
+        problems.push(format!(
+            "{origin}: with TLS, its registry_endpoints must be every supervisor replica by its \
+             own name, https://<pod>.{service}.{NAMESPACE}.svc:<port> ({expected:?}); they are \
+             {listed:?}"
+        ));
+    }
+}
+
+#[test]
+fn hosts_in_the_namespace_are_services_and_pods() {
+    assert_eq!(
+        in_namespace("convene-policy"),
+        Some(("convene-policy", None))
+    );
+    assert_eq!(
+        in_namespace("convene-gateway.convene.svc"),
+        Some(("convene-gateway", None))
+    );
+    assert_eq!(
+        in_namespace("convene-worker-3.convene-worker.convene.svc.cluster.local"),
+        Some(("convene-worker", Some("convene-worker-3")))
+    );
+    for elsewhere in [
+        "localhost",
+        "10.244.1.17",
+        "agents.example.com",
+        "x.other.svc",
+        "$(POD_NAME).convene-worker.convene.svc",
+    ] {
+        assert_eq!(in_namespace(elsewhere), None, "{elsewhere}");
     }
 }
 
