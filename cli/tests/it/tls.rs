@@ -14,7 +14,13 @@ fn plaintext_off_loopback_is_refused_at_start_unless_insecure() {
     let dir = tempfile::tempdir().expect("tempdir");
     let port = free_port();
     let out = convene()
-        .args(["up", "--listen", &format!("0.0.0.0:{port}"), "--http-listen", "off"])
+        .args([
+            "up",
+            "--listen",
+            &format!("0.0.0.0:{port}"),
+            "--http-listen",
+            "off",
+        ])
         .arg("--data-dir")
         .arg(dir.path())
         .env_remove("CONVENE_INSECURE")
@@ -23,20 +29,32 @@ fn plaintext_off_loopback_is_refused_at_start_unless_insecure() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{stderr}");
     assert!(
-        stderr.contains(&format!("0.0.0.0:{port}")) && stderr.contains("--insecure") && stderr.contains("--tls-cert"),
+        stderr.contains(&format!("0.0.0.0:{port}"))
+            && stderr.contains("--insecure")
+            && stderr.contains("--tls-cert"),
         "{stderr}"
     );
 
     // A service binary (here through `convene serve`) refuses the same way, the gateway's
     // HTTP listener too.
     let out = convene()
-        .args(["serve", "policy", "--listen", &format!("0.0.0.0:{}", free_port())])
+        .args([
+            "serve",
+            "policy",
+            "--listen",
+            &format!("0.0.0.0:{}", free_port()),
+        ])
         .arg("--data-dir")
         .arg(dir.path())
         .env_remove("CONVENE_INSECURE")
         .output()
         .expect("convene runs");
-    assert_eq!(out.status.code(), Some(2), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(
+        out.status.code(),
+        Some(2),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let out = convene()
         .args(["up", "--http-listen", &format!("0.0.0.0:{}", free_port())])
         .args(["--listen", &format!("127.0.0.1:{}", free_port())])
@@ -51,7 +69,14 @@ fn plaintext_off_loopback_is_refused_at_start_unless_insecure() {
 
     // With --insecure it starts, and says what it does.
     let mut up = convene()
-        .args(["up", "--listen", &format!("0.0.0.0:{port}"), "--http-listen", "off", "--insecure"])
+        .args([
+            "up",
+            "--listen",
+            &format!("0.0.0.0:{port}"),
+            "--http-listen",
+            "off",
+            "--insecure",
+        ])
         .arg("--data-dir")
         .arg(dir.path())
         .env("RUST_LOG", "warn")
@@ -65,7 +90,10 @@ fn plaintext_off_loopback_is_refused_at_start_unless_insecure() {
     let _ = up.kill();
     let out = up.wait_with_output().expect("convene up stops");
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(stderr.contains("plaintext on a non-loopback address"), "{stderr}");
+    assert!(
+        stderr.contains("plaintext on a non-loopback address"),
+        "{stderr}"
+    );
 }
 
 #[test]
@@ -73,8 +101,8 @@ fn a_mesh_over_tls_is_reached_with_the_ca_and_refused_without_it() {
     let dir = tempfile::tempdir().expect("tempdir");
     let mut ca_params = CertificateParams::new(Vec::<String>::new()).expect("params");
     ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    let ca = CertifiedIssuer::self_signed(ca_params, KeyPair::generate().expect("key"))
-        .expect("CA");
+    let ca =
+        CertifiedIssuer::self_signed(ca_params, KeyPair::generate().expect("key")).expect("CA");
     let key = KeyPair::generate().expect("key");
     let cert = CertificateParams::new(vec!["localhost".to_owned(), "127.0.0.1".to_owned()])
         .expect("params")
@@ -89,7 +117,13 @@ fn a_mesh_over_tls_is_reached_with_the_ca_and_refused_without_it() {
     let port = free_port();
     let data = dir.path().join("data");
     let mut up = convene()
-        .args(["up", "--listen", &format!("127.0.0.1:{port}"), "--http-listen", "off"])
+        .args([
+            "up",
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--http-listen",
+            "off",
+        ])
         .arg("--tls-cert")
         .arg(tls.join("tls.crt"))
         .arg("--tls-key")
@@ -122,11 +156,19 @@ fn a_mesh_over_tls_is_reached_with_the_ca_and_refused_without_it() {
     );
     let refused = runs(&[]);
     let stderr = String::from_utf8_lossy(&refused.stderr);
-    assert!(!refused.status.success(), "without the CA it cannot verify the server");
+    assert!(
+        !refused.status.success(),
+        "without the CA it cannot verify the server"
+    );
     assert!(stderr.contains("--tls-ca"), "{stderr}");
     // Plaintext to a TLS listener fails too.
     let plain = convene()
-        .args(["runs", "list", "--endpoint", &format!("http://127.0.0.1:{port}")])
+        .args([
+            "runs",
+            "list",
+            "--endpoint",
+            &format!("http://127.0.0.1:{port}"),
+        ])
         .arg("--data-dir")
         .arg(&data)
         .output()

@@ -181,6 +181,9 @@ async fn an_a2a_callers_trace_context_continues_into_the_gateway_and_the_run_lin
         .iter()
         .filter(|s| s.attributes.values().any(|v| v.contains(credential.trim())))
         .collect();
-    assert!(leaked.is_empty(), "the bearer credential is in spans: {leaked:#?}");
+    assert!(
+        leaked.is_empty(),
+        "the bearer credential is in spans: {leaked:#?}"
+    );
     up.kill().await.expect("stops");
 }

@@ -122,7 +122,12 @@ fn configured(url: &str) -> Result<Endpoint, EndpointError> {
         detail: e.to_string(),
     })?;
     let ep = if ep.uri().scheme_str() == Some("https") {
-        let host = ep.uri().host().unwrap_or_default().trim_matches(['[', ']']).to_owned();
+        let host = ep
+            .uri()
+            .host()
+            .unwrap_or_default()
+            .trim_matches(['[', ']'])
+            .to_owned();
         ep.tls_config(client_tls(url, &host)?)
             .map_err(|e| EndpointError {
                 endpoint: url.to_owned(),

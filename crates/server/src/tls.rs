@@ -45,10 +45,20 @@ pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 pub struct TlsArgs {
     /// PEM certificate chain to serve TLS with (and to present as a client for mutual
     /// TLS); needs --tls-key. Reloaded when the file changes.
-    #[arg(long, env = "CONVENE_TLS_CERT", value_name = "FILE", requires = "tls_key")]
+    #[arg(
+        long,
+        env = "CONVENE_TLS_CERT",
+        value_name = "FILE",
+        requires = "tls_key"
+    )]
     pub tls_cert: Option<PathBuf>,
     /// PEM private key of --tls-cert (PKCS#8, PKCS#1 or SEC1).
-    #[arg(long, env = "CONVENE_TLS_KEY", value_name = "FILE", requires = "tls_cert")]
+    #[arg(
+        long,
+        env = "CONVENE_TLS_KEY",
+        value_name = "FILE",
+        requires = "tls_cert"
+    )]
     pub tls_key: Option<PathBuf>,
     /// PEM CA certificates that client certificates must chain to: with it, servers
     /// require a client certificate (mutual TLS). Needs --tls-cert.
@@ -194,7 +204,10 @@ impl ReloadingCert {
     /// Reads the files again if they changed since the last look (at most once per
     /// [`RELOAD_CHECK_INTERVAL`]); keeps the current certificate if they do not load.
     fn refresh(&self) {
-        let mut seen = self.seen.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut seen = self
+            .seen
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         if seen.0.elapsed() < RELOAD_CHECK_INTERVAL {
             return;
         }
@@ -205,14 +218,18 @@ impl ReloadingCert {
         }
         match certified_key(&self.cert, &self.key) {
             Ok(key) => {
-                *self.current.write().unwrap_or_else(std::sync::PoisonError::into_inner) =
-                    Arc::new(key);
+                *self
+                    .current
+                    .write()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner) = Arc::new(key);
                 seen.1 = now;
                 tracing::info!(cert = %self.cert.display(), "TLS certificate reloaded");
             }
             // A half-written pair (the certificate renewed, the key not yet) loads at a
             // later look.
-            Err(e) => tracing::warn!(error = %e, "TLS certificate changed but does not load; still serving the previous one"),
+            Err(e) => {
+                tracing::warn!(error = %e, "TLS certificate changed but does not load; still serving the previous one")
+            }
         }
     }
 }
@@ -325,7 +342,8 @@ impl Tls {
                 read("CA", path)
             })
             .transpose()?;
-        let client = (ca_pem.is_some() || identity.is_some()).then_some(ClientTls { ca_pem, identity });
+        let client =
+            (ca_pem.is_some() || identity.is_some()).then_some(ClientTls { ca_pem, identity });
         Ok(Self {
             server,
             client,
@@ -482,11 +500,27 @@ mod tests {
         let any: SocketAddr = "0.0.0.0:7401".parse().unwrap();
         let lo: SocketAddr = "127.0.0.1:7401".parse().unwrap();
         let v6: SocketAddr = "[::]:7401".parse().unwrap();
-        assert!(check_listeners(&[("gRPC", lo)], false, false).unwrap().is_empty());
+        assert!(
+            check_listeners(&[("gRPC", lo)], false, false)
+                .unwrap()
+                .is_empty()
+        );
         let err = check_listeners(&[("gRPC", lo), ("gRPC", any)], false, false).unwrap_err();
-        assert!(err.contains("0.0.0.0:7401") && err.contains("--insecure"), "{err}");
+        assert!(
+            err.contains("0.0.0.0:7401") && err.contains("--insecure"),
+            "{err}"
+        );
         assert!(check_listeners(&[("HTTP", v6)], false, false).is_err());
-        assert!(check_listeners(&[("gRPC", any)], true, false).unwrap().is_empty());
-        assert_eq!(check_listeners(&[("gRPC", any)], false, true).unwrap().len(), 1);
+        assert!(
+            check_listeners(&[("gRPC", any)], true, false)
+                .unwrap()
+                .is_empty()
+        );
+        assert_eq!(
+            check_listeners(&[("gRPC", any)], false, true)
+                .unwrap()
+                .len(),
+            1
+        );
     }
 }

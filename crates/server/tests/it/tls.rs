@@ -98,7 +98,13 @@ async fn check(
         })
         .await
         .map(|_| ())
-        .map_err(|s| format!("{}: {}", s.message(), s.source().map(chain).unwrap_or_default()))
+        .map_err(|s| {
+            format!(
+                "{}: {}",
+                s.message(),
+                s.source().map(chain).unwrap_or_default()
+            )
+        })
 }
 
 /// An error with its sources, as a person would read them.
@@ -119,18 +125,26 @@ async fn a_good_chain_works_and_a_wrong_ca_or_an_expired_certificate_is_refused(
     let dir = tempfile::tempdir().unwrap();
     let (cert, key) = write_pair(dir.path(), &ca.leaf(&["localhost", "127.0.0.1"], false));
     let (addr, shutdown) = serve(ServerTls::load(&cert, &key, None).unwrap()).await;
-    check(addr, &ca.pem(), None).await.expect("a good chain works");
+    check(addr, &ca.pem(), None)
+        .await
+        .expect("a good chain works");
 
     let other = Ca::new("another CA");
     let err = check(addr, &other.pem(), None).await.unwrap_err();
-    assert!(err.contains("UnknownIssuer") || err.contains("certificate"), "{err}");
+    assert!(
+        err.contains("UnknownIssuer") || err.contains("certificate"),
+        "{err}"
+    );
     shutdown.trigger();
 
     let expired_dir = tempfile::tempdir().unwrap();
     let (cert, key) = write_pair(expired_dir.path(), &ca.leaf(&["localhost"], true));
     let (addr, shutdown) = serve(ServerTls::load(&cert, &key, None).unwrap()).await;
     let err = check(addr, &ca.pem(), None).await.unwrap_err();
-    assert!(err.contains("expired"), "an expired certificate is refused as such: {err}");
+    assert!(
+        err.contains("expired"),
+        "an expired certificate is refused as such: {err}"
+    );
     shutdown.trigger();
 }
 
@@ -169,7 +183,9 @@ async fn a_certificate_replaced_on_disk_is_served_without_a_restart() {
     let dir = tempfile::tempdir().unwrap();
     let (cert, key) = write_pair(dir.path(), &first.leaf(&["localhost"], false));
     let (addr, shutdown) = serve(ServerTls::load(&cert, &key, None).unwrap()).await;
-    check(addr, &first.pem(), None).await.expect("the first certificate");
+    check(addr, &first.pem(), None)
+        .await
+        .expect("the first certificate");
 
     // Rotation, as a Secret update does it: new files, same paths.
     write_pair(dir.path(), &second.leaf(&["localhost"], false));
@@ -195,12 +211,20 @@ async fn a_certificate_replaced_on_disk_is_served_without_a_restart() {
 fn unusable_files_are_named_with_what_is_wrong() {
     let dir = tempfile::tempdir().unwrap();
     let missing = dir.path().join("nope.crt");
-    let err = ServerTls::load(&missing, &missing, None).unwrap_err().to_string();
-    assert!(err.contains("nope.crt") && err.contains("cannot read"), "{err}");
+    let err = ServerTls::load(&missing, &missing, None)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("nope.crt") && err.contains("cannot read"),
+        "{err}"
+    );
     let junk = dir.path().join("junk.crt");
     std::fs::write(&junk, "not a certificate").unwrap();
     let err = ServerTls::load(&junk, &junk, None).unwrap_err().to_string();
-    assert!(err.contains("junk.crt") && err.contains("CERTIFICATE"), "{err}");
+    assert!(
+        err.contains("junk.crt") && err.contains("CERTIFICATE"),
+        "{err}"
+    );
     let ca = Ca::new("ca");
     let (cert, _) = write_pair(dir.path(), &ca.leaf(&["localhost"], false));
     let (_, other_key) = ca.leaf(&["localhost"], false);

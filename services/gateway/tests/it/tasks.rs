@@ -27,7 +27,11 @@ async fn contract(map: &TaskMap, label: &str) {
     map.insert(record("t2", "oncall", "r2", 2)).await.unwrap();
     map.insert(record("t3", "analyst", "r3", 3)).await.unwrap();
 
-    assert_eq!(map.get("oncall", "t1").await.unwrap(), Some(first.clone()), "{label}");
+    assert_eq!(
+        map.get("oncall", "t1").await.unwrap(),
+        Some(first.clone()),
+        "{label}"
+    );
     assert_eq!(
         map.get("analyst", "t1").await.unwrap(),
         None,
@@ -38,17 +42,26 @@ async fn contract(map: &TaskMap, label: &str) {
     let page = map.list("oncall", None, 0, 1).await.unwrap();
     assert_eq!(page.total, 2, "{label}");
     assert_eq!(
-        page.tasks.iter().map(|t| t.task_id.as_str()).collect::<Vec<_>>(),
+        page.tasks
+            .iter()
+            .map(|t| t.task_id.as_str())
+            .collect::<Vec<_>>(),
         ["t2"],
         "{label}: newest first"
     );
     let next = map.list("oncall", None, 1, 10).await.unwrap();
     assert_eq!(
-        next.tasks.iter().map(|t| t.task_id.as_str()).collect::<Vec<_>>(),
+        next.tasks
+            .iter()
+            .map(|t| t.task_id.as_str())
+            .collect::<Vec<_>>(),
         ["t1"],
         "{label}"
     );
-    let other_context = map.list("oncall", Some("ctx-analyst"), 0, 10).await.unwrap();
+    let other_context = map
+        .list("oncall", Some("ctx-analyst"), 0, 10)
+        .await
+        .unwrap();
     assert!(other_context.tasks.is_empty(), "{label}");
     assert_eq!(other_context.total, 0, "{label}");
 }
@@ -75,7 +88,11 @@ async fn the_mapping_survives_a_restart() {
     }
     let reopened = TaskMap::new(Some(Database::connect(&url).await.unwrap()));
     assert_eq!(
-        reopened.get("oncall", "t1").await.unwrap().map(|t| t.run_id),
+        reopened
+            .get("oncall", "t1")
+            .await
+            .unwrap()
+            .map(|t| t.run_id),
         Some("r1".to_owned())
     );
 }

@@ -6,6 +6,6 @@ mod authorize;
 mod batch;
 mod durable_state;
 mod issue;
-mod mtls;
 mod mcp;
+mod mtls;
 mod support;
