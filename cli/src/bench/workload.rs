@@ -87,13 +87,16 @@ pub(super) const NOOP_POLICY_PROFILE: &str = r#"
       - { action: "evidence:*", resource: "evidence" }
 "#;
 
+/// Three delegations read the same data, so their artifacts are the same: for the join
+/// they are one finding (`minimum.count` counts results on the same artifacts once),
+/// and a minimum of 1 is what they can meet; the join still waits for all three.
 pub(super) const NOOP_SPEC: &str = r#"
 goal: No-op benchmark run
 delegations:
   - { name: n1, profile_id: noop, goal: read, scope: { resources: ["change/*"], time_range: { start: "2026-07-23T01:00:00Z", end: "2026-07-23T03:00:00Z" } }, required_scopes: [{ action: "changes:read", resource: "change/*" }] }
   - { name: n2, profile_id: noop, goal: read, scope: { resources: ["change/*"], time_range: { start: "2026-07-23T01:00:00Z", end: "2026-07-23T03:00:00Z" } }, required_scopes: [{ action: "changes:read", resource: "change/*" }] }
   - { name: n3, profile_id: noop, goal: read, scope: { resources: ["change/*"], time_range: { start: "2026-07-23T01:00:00Z", end: "2026-07-23T03:00:00Z" } }, required_scopes: [{ action: "changes:read", resource: "change/*" }] }
-join: { strategy: JOIN_STRATEGY_ALL, minimum: { count: 3 } }
+join: { strategy: JOIN_STRATEGY_ALL, minimum: { count: 1 } }
 limits: { timeout: 60s }
 "#;
 
