@@ -94,7 +94,11 @@ pub fn task(
     let profile = policy.profiles.get(&planned.profile_id);
     let deadline = planned
         .timeout
-        .map_or(run_deadline, |t| (now + t).min(run_deadline));
+        // A timeout past what a clock can hold ends with the run, like any longer one.
+        .map_or(run_deadline, |t| {
+            now.checked_add(t)
+                .map_or(run_deadline, |d| d.min(run_deadline))
+        });
     let allowed_tools = if planned.allowed_tools.is_empty() {
         profile.map(|p| p.tools.clone()).unwrap_or_default()
     } else {

@@ -577,7 +577,7 @@ fn tighten_limits(
     }
     if let Some(timeout) = &g.timeout {
         let given = from_duration(timeout, "spec.limits.timeout")?;
-        if now + given > e.deadline {
+        if now.checked_add(given).is_none_or(|d| d > e.deadline) {
             let allowed = e.deadline.duration_since(now).unwrap_or_default();
             return Err(weaker(
                 id,
