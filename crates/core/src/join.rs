@@ -896,8 +896,8 @@ impl<'a> Evaluation<'a> {
     /// verified evidence counts on its own. Grouping by equal sets keeps the minimum
     /// monotone: removing a result never raises the count or the weight.
     fn independence(&self) -> Independence {
-        // content hash -> (delegation ids in plan order, evidence ids)
-        let mut cited: BTreeMap<&str, (Vec<String>, BTreeSet<String>)> = BTreeMap::new();
+        // content hash -> (delegation ids, evidence ids), both in plan order
+        let mut cited: BTreeMap<&str, (Vec<String>, Vec<String>)> = BTreeMap::new();
         // support set -> its results (label, delegation id, weight), in plan order
         let mut groups: BTreeMap<BTreeSet<&str>, Vec<(&str, &str, f64)>> = BTreeMap::new();
         for (j, result) in self.accepted() {
@@ -912,7 +912,9 @@ impl<'a> Evaluation<'a> {
                     if !entry.0.contains(delegation) {
                         entry.0.push(delegation.clone());
                     }
-                    entry.1.insert(id.clone());
+                    if !entry.1.contains(id) {
+                        entry.1.push(id.clone());
+                    }
                 }
             }
             if !support.is_empty() {
@@ -955,7 +957,7 @@ impl<'a> Evaluation<'a> {
                 |(hash, (delegation_ids, evidence_ids))| v1::SharedEvidence {
                     content_hash: hash.to_owned(),
                     delegation_ids,
-                    evidence_ids: evidence_ids.into_iter().collect(),
+                    evidence_ids,
                 },
             )
             .collect();
