@@ -55,7 +55,7 @@ fn python() -> Option<PathBuf> {
         assert!(
             runs_agent(&given),
             "{PYTHON_ENV}={} cannot import a2a-sdk and uvicorn; install them with `{} -m pip \
-             install \"a2a-sdk[http-server]==1.3.0\" uvicorn`",
+             install -r examples/a2a/requirements.txt`",
             given.display(),
             given.display()
         );
