@@ -130,6 +130,16 @@ pub struct UpArgs {
         value_parser = humantime::parse_duration
     )]
     pub commit_linger: std::time::Duration,
+    /// Runs the supervisor runs at once (runs waiting for people do not count); one
+    /// more StartRun is refused at once with RESOURCE_EXHAUSTED and a retry hint, and
+    /// nothing of it is stored. About 60 KB of memory per run in flight.
+    #[arg(
+        long,
+        env = "CONVENE_MAX_ACTIVE_RUNS",
+        value_name = "RUNS",
+        default_value_t = convene_supervisor::DEFAULT_MAX_ACTIVE_RUNS
+    )]
+    pub max_active_runs: usize,
 }
 
 impl UpArgs {
@@ -157,6 +167,7 @@ impl UpArgs {
             public_url: None,
             tls: convene_server::tls::TlsArgs::default(),
             commit_linger: convene_supervisor::DEFAULT_COMMIT_LINGER,
+            max_active_runs: convene_supervisor::DEFAULT_MAX_ACTIVE_RUNS,
         }
     }
 
@@ -461,6 +472,7 @@ pub async fn start(args: &UpArgs, data_dir: &Path, shutdown: Shutdown) -> anyhow
         ),
         nats_url: args.nats_url.clone(),
         commit_linger: args.commit_linger,
+        max_active_runs: args.max_active_runs,
         templates_file: args.templates_file.clone(),
         ..convene_supervisor::Config::default()
     };

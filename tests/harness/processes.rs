@@ -362,6 +362,14 @@ impl TestMesh {
             .unwrap_or_else(|e| panic!("cannot signal {name}: {e}"));
     }
 
+    /// The named process's id (Processes mode); None once it has exited.
+    pub fn pid(&self, name: &str) -> Option<u32> {
+        self.children
+            .iter()
+            .find(|p| p.name == name)
+            .and_then(|p| p.child.id())
+    }
+
     /// How the named process exited; None while it runs.
     pub fn exit_status(&mut self, name: &str) -> Option<std::process::ExitStatus> {
         self.children

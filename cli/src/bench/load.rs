@@ -145,6 +145,14 @@ impl Tally {
                 );
                 self.counts.errors.fetch_add(1, Ordering::Relaxed);
             }
+            Err(e)
+                if e.downcast_ref::<tonic::Status>()
+                    .is_some_and(|s| s.code() == tonic::Code::ResourceExhausted) =>
+            {
+                // The mesh was full and said so at once: what overload is meant to
+                // look like, counted apart from failures.
+                self.counts.refused.fetch_add(1, Ordering::Relaxed);
+            }
             Err(e) => {
                 tracing::warn!(error = %format!("{e:#}"), "a run failed");
                 self.counts.errors.fetch_add(1, Ordering::Relaxed);
@@ -355,6 +363,7 @@ pub(super) async fn measured_phase(
         duration_s: elapsed,
         runs,
         errors: tally.counts.errors.load(Ordering::Relaxed),
+        refused: tally.counts.refused.load(Ordering::Relaxed),
         runs_per_s,
         latency_us: Latency {
             p50: h.value_at_quantile(0.50),

@@ -82,6 +82,8 @@ pub(super) struct MeshPlan<'a> {
     pub(super) dir: &'a Path,
     pub(super) capacity: u32,
     pub(super) concurrency_limit: Option<usize>,
+    /// The supervisor's `max_active_runs`.
+    pub(super) max_active_runs: usize,
 }
 
 /// Starts the mesh `args` asks for (in this process or as processes) and a driver of
@@ -102,6 +104,7 @@ pub(super) async fn start_mesh(
             workers: args.workers,
             capacity: plan.capacity,
             concurrency_limit: plan.concurrency_limit,
+            max_active_runs: plan.max_active_runs,
             commit_linger: args.commit_linger,
         };
         let mesh = procs::ProcessMesh::start(&options).await?;
@@ -128,6 +131,7 @@ pub(super) async fn start_mesh(
         up_args.database_url = args.store_url();
         up_args.default_principal = Some(PRINCIPAL.to_owned());
         up_args.commit_linger = args.commit_linger;
+        up_args.max_active_runs = plan.max_active_runs;
         // The bench drives gRPC only.
         up_args.http_listen = convene_gateway::HttpListen(None);
         let mesh = up::start(&up_args, plan.dir, Shutdown::new()).await?;

@@ -133,6 +133,16 @@ pub struct BenchArgs {
         conflicts_with = "endpoint"
     )]
     pub commit_linger: Duration,
+    /// The started mesh's supervisor runs at most this many runs at once and refuses
+    /// more StartRuns with RESOURCE_EXHAUSTED (counted as refused in the report); with
+    /// --scale, at least N.
+    #[arg(
+        long,
+        value_name = "RUNS",
+        default_value_t = convene_supervisor::DEFAULT_MAX_ACTIVE_RUNS,
+        conflicts_with = "endpoint"
+    )]
+    pub max_active_runs: usize,
     /// The payment-incident example the workloads are built from: its policy,
     /// profiles, run spec and data (a relative path is from the current directory).
     #[arg(long, value_name = "DIR", default_value = "examples/payment-incident")]
@@ -227,6 +237,7 @@ pub async fn run(args: &BenchArgs, data_dir: Option<&Path>) -> anyhow::Result<Ou
         dir: &dir,
         capacity: args.capacity.unwrap_or(4096),
         concurrency_limit: None,
+        max_active_runs: args.max_active_runs,
     };
     // One set of signal listeners for the whole bench, so no signal falls between two.
     let signal = interrupted();

@@ -291,6 +291,7 @@ mod tests {
             duration_s: 10.0,
             runs,
             errors: 0,
+            refused: 0,
             runs_per_s: 100.0,
             latency_us: Latency {
                 p50: 1,

@@ -47,6 +47,8 @@ pub struct Options {
     pub concurrency_limit: Option<usize>,
     /// The supervisor's `commit_linger`.
     pub commit_linger: Duration,
+    /// The supervisor's `max_active_runs`.
+    pub max_active_runs: usize,
 }
 
 /// One process of the mesh.
@@ -125,6 +127,10 @@ impl ProcessMesh {
             .env(
                 "CONVENE_COMMIT_LINGER",
                 humantime::format_duration(options.commit_linger).to_string(),
+            )
+            .env(
+                "CONVENE_MAX_ACTIVE_RUNS",
+                options.max_active_runs.to_string(),
             );
         mesh.spawn("supervisor", cmd, supervisor, &logs).await?;
         for n in 1..=options.workers.max(1) {

@@ -28,6 +28,8 @@ pub struct Counts {
     pub ok: Arc<AtomicU64>,
     /// Runs that failed or ended otherwise.
     pub errors: Arc<AtomicU64>,
+    /// StartRuns the mesh refused because it was full (RESOURCE_EXHAUSTED).
+    pub refused: Arc<AtomicU64>,
 }
 
 /// A phase's status line; [`Progress::finish`] clears it.

@@ -29,6 +29,9 @@ pub struct Report {
     pub runs: u64,
     /// Runs that failed or ended otherwise.
     pub errors: u64,
+    /// StartRuns refused at once because the mesh was full (RESOURCE_EXHAUSTED with a
+    /// retry hint): not errors, and not in `runs` or the latencies.
+    pub refused: u64,
     /// Runs per second.
     pub runs_per_s: f64,
     /// Latency percentiles in microseconds.
@@ -123,7 +126,7 @@ pub fn summary(r: &Report) -> String {
         }
     };
     let mut text = format!(
-        "workload {:?} ({:?}), {load}: {} runs in {:.1} s = {:.0} runs/s ({} errors)\n\
+        "workload {:?} ({:?}), {load}: {} runs in {:.1} s = {:.0} runs/s ({} errors{})\n\
          latency p50 {:.2} ms, p95 {:.2} ms, p99 {:.2} ms, max {:.2} ms\n\
          CPU {:.3} ms per run (all mesh processes), peak RSS {:.1} MiB",
         r.workload,
@@ -132,6 +135,11 @@ pub fn summary(r: &Report) -> String {
         r.duration_s,
         r.runs_per_s,
         r.errors,
+        if r.refused > 0 {
+            format!(", {} refused: the mesh was full", r.refused)
+        } else {
+            String::new()
+        },
         r.latency_us.p50 as f64 / 1000.0,
         r.latency_us.p95 as f64 / 1000.0,
         r.latency_us.p99 as f64 / 1000.0,
@@ -202,6 +210,7 @@ mod tests {
             duration_s: 10.0,
             runs: 15_000,
             errors: 0,
+            refused: 0,
             runs_per_s: 1_500.0,
             latency_us: Latency {
                 p50: 2_000,

@@ -258,6 +258,10 @@ pub(super) async fn run(args: &BenchArgs, n: u64, dir: &Path) -> anyhow::Result<
         dir,
         capacity,
         concurrency_limit: Some(calls.saturating_add(1024)),
+        // Every run of the scale run is in flight at once.
+        max_active_runs: args
+            .max_active_runs
+            .max(usize::try_from(n).unwrap_or(usize::MAX)),
     };
     // One set of signal listeners for the whole bench, so no signal falls between two.
     let signal = interrupted();

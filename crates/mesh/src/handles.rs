@@ -9,6 +9,10 @@
 //! (`traceparent`) into the request's metadata, so the callee's server span continues
 //! the caller's trace. An in-process call needs nothing: the callee runs inside the
 //! caller's span.
+//!
+//! Overload: a unary call a server refused because it was full (`RESOURCE_EXHAUSTED`
+//! with a retry hint, before doing any of its work) is sent again after the hint,
+//! within the adapter's [`RetryBudget`] ([`crate::retry`]).
 
 use std::net::SocketAddr;
 use std::pin::Pin;
@@ -29,7 +33,11 @@ use tonic::transport::channel::Change;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
 
 use crate::resolve::{self, Followed, Named, Resolver};
-use tonic::{Request, Response, Status};
+use crate::retry::RetryBudget;
+use tonic::metadata::MetadataMap;
+use tonic::{Extensions, Request, Response, Status};
+use tower::ServiceExt as _;
+use tower::retry::Retry;
 
 /// A boxed stream of messages, the stream type of every streaming RPC in the mesh.
 pub type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + 'static>>;
@@ -187,15 +195,24 @@ macro_rules! grpc_adapter {
         #[derive(Debug, Clone)]
         pub struct $adapter {
             client: $client<Channel>,
+            budget: RetryBudget,
         }
 
         impl $adapter {
-            /// An adapter over `channel`.
+            /// An adapter over `channel`, retrying calls the server refused as full
+            /// within the default [`RetryBudget`].
             pub fn new(channel: Channel) -> Self {
+                Self::with_budget(channel, RetryBudget::default())
+            }
+
+            /// An adapter over `channel` whose retries of refused calls spend `budget`
+            /// (shared by every clone of the adapter).
+            pub fn with_budget(channel: Channel, budget: RetryBudget) -> Self {
                 Self {
                     client: $client::new(channel)
                         .max_decoding_message_size(MAX_CLIENT_MESSAGE_BYTES)
                         .max_encoding_message_size(MAX_CLIENT_MESSAGE_BYTES),
+                    budget,
                 }
             }
 
@@ -213,7 +230,19 @@ macro_rules! grpc_adapter {
                     mut request: Request<v1::$req>,
                 ) -> Result<Response<v1::$resp>, Status> {
                     convene_telemetry::inject_current(request.metadata_mut());
-                    self.client.clone().$method(request).await
+                    let (metadata, _, message) = request.into_parts();
+                    let client = self.client.clone();
+                    let call = tower::service_fn(move |(metadata, message): (MetadataMap, v1::$req)| {
+                        let mut client = client.clone();
+                        async move {
+                            client
+                                .$method(Request::from_parts(metadata, Extensions::default(), message))
+                                .await
+                        }
+                    });
+                    Retry::new(self.budget.policy(), call)
+                        .oneshot((metadata, message))
+                        .await
                 }
             )*
             $($(

@@ -12,6 +12,8 @@
 //!   (`AuthorizeBatch`, `PutArtifactBatch`), for processes that reach the policy
 //!   service and the evidence store over the network.
 //! - [`policy_file`]: the policy file schema shared by the services that read it.
+//! - [`retry`]: the budget within which the gRPC adapters retry calls a full server
+//!   refused.
 //! - `test_util` (feature `test-util`): a wrapper that records the calls and batches a
 //!   real policy service or evidence store receives, for the batching handles' tests.
 #![forbid(unsafe_code)]
@@ -21,5 +23,6 @@ pub mod batch;
 pub mod handles;
 pub mod policy_file;
 pub mod resolve;
+pub mod retry;
 #[cfg(feature = "test-util")]
 pub mod test_util;

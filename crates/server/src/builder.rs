@@ -519,6 +519,10 @@ where
     }))
 }
 
+/// The retry hint of a call shed because the server is full: calls in flight are short,
+/// so room comes back soon.
+const SHED_RETRY_AFTER: Duration = Duration::from_millis(250);
+
 /// The limits quoted in the statuses the layers produce.
 #[derive(Clone, Copy, Debug)]
 struct LayerLimits {
@@ -540,10 +544,13 @@ impl LayerLimits {
                  (server.request_timeout)"
             ))
         } else if error.is::<Overloaded>() {
-            Status::resource_exhausted(format!(
-                "server busy: {} requests in flight; retry with backoff",
-                self.concurrency
-            ))
+            crate::error::resource_exhausted(
+                format!(
+                    "server busy: {} requests in flight (server.concurrency_limit); retry with backoff",
+                    self.concurrency
+                ),
+                SHED_RETRY_AFTER,
+            )
         } else {
             Status::from_error(error)
         };

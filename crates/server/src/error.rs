@@ -9,8 +9,11 @@
 
 use std::fmt;
 
+use std::time::Duration;
+
 use http::StatusCode;
 use tonic::{Code, Status};
+use tonic_types::{ErrorDetails, StatusExt};
 
 /// What kind of failure an error is, independent of transport.
 ///
@@ -184,6 +187,22 @@ pub fn into_status<E: ServiceError + ?Sized>(error: &E) -> Status {
     Status::new(code.grpc_code(), error.to_string())
 }
 
+/// A `RESOURCE_EXHAUSTED` status whose `google.rpc.RetryInfo` detail says when to try
+/// again: the answer to a call refused because the server is full, before any of its
+/// work was done (so a retry repeats nothing).
+pub fn resource_exhausted(message: impl Into<String>, retry_after: Duration) -> Status {
+    Status::with_error_details(
+        Code::ResourceExhausted,
+        message,
+        ErrorDetails::with_retry_info(Some(retry_after)),
+    )
+}
+
+/// The retry hint of a status (its `google.rpc.RetryInfo` detail), when it has one.
+pub fn retry_after(status: &Status) -> Option<Duration> {
+    status.get_details_retry_info()?.retry_delay
+}
+
 /// A `Status` for an invalid request field: `invalid <field>: <message>`.
 ///
 /// `field` is the path from the request root as the caller wrote it (e.g. `spec.goal`,
@@ -302,6 +321,15 @@ mod tests {
         assert_eq!(ErrorCode::Cancelled.http_status().as_u16(), 499);
         assert!(ErrorCode::Unavailable.is_retryable());
         assert!(!ErrorCode::InvalidArgument.is_retryable());
+    }
+
+    #[test]
+    fn a_full_server_says_when_to_retry() {
+        let status = resource_exhausted("full; retry in 1s", Duration::from_millis(1500));
+        assert_eq!(status.code(), Code::ResourceExhausted);
+        assert_eq!(status.message(), "full; retry in 1s");
+        assert_eq!(retry_after(&status), Some(Duration::from_millis(1500)));
+        assert_eq!(retry_after(&Status::resource_exhausted("no hint")), None);
     }
 
     #[test]

@@ -43,7 +43,9 @@ pub use builder::{
 };
 pub use common::{CREDENTIALS_DIR, DEFAULT_DATA_DIR, ServiceCommon};
 pub use config::{ConfigLoader, Error as ConfigError, Format, dump};
-pub use error::{ErrorCode, ServiceError, into_status, invalid_field};
+pub use error::{
+    ErrorCode, ServiceError, into_status, invalid_field, resource_exhausted, retry_after,
+};
 pub use settings::{
     DEFAULT_CONCURRENCY_LIMIT, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_REQUEST_TIMEOUT,
     DEFAULT_SHUTDOWN_GRACE, SERVER_SECTION, ServerSettings, SettingsError,

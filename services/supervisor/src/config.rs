@@ -17,6 +17,9 @@ pub const DEFAULT_PORT: u16 = 7400;
 /// [`Config::commit_linger`]).
 pub const DEFAULT_COMMIT_LINGER: Duration = Duration::from_millis(50);
 
+/// Runs a replica runs at once by default (see [`Config::max_active_runs`]).
+pub const DEFAULT_MAX_ACTIVE_RUNS: usize = 10_000;
+
 /// The JetStream stream the relay publishes to by default.
 pub const DEFAULT_NATS_STREAM: &str = "CONVENE_EVENTS";
 
@@ -108,6 +111,11 @@ pub struct Config {
     /// example policy), else none.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub templates_file: Option<PathBuf>,
+    /// Runs this replica runs at once (a run waiting for people does not count). One
+    /// more `StartRun` is refused at once with `RESOURCE_EXHAUSTED` and a retry hint,
+    /// before anything of it is stored. A run in flight costs the supervisor about
+    /// 60 KB; runs resumed after a restart or a failover are taken even past the limit.
+    pub max_active_runs: usize,
     /// TEST-ONLY fault injection: abort the process at a point of a run's life (see
     /// [`crash`]). Never set outside crash tests.
     pub crash: CrashSettings,
@@ -145,6 +153,7 @@ impl Default for Config {
             nats_stream: DEFAULT_NATS_STREAM.to_owned(),
             nats_subject_prefix: DEFAULT_NATS_SUBJECT_PREFIX.to_owned(),
             templates_file: None,
+            max_active_runs: DEFAULT_MAX_ACTIVE_RUNS,
             crash: CrashSettings::default(),
         }
     }
@@ -215,6 +224,11 @@ impl Config {
             return Err(Error::Config(
                 "claim_interval must be more than zero".to_owned(),
             ));
+        }
+        if self.max_active_runs == 0 {
+            return Err(Error::Config(format!(
+                "max_active_runs = 0 would refuse every run: give at least 1 (default {DEFAULT_MAX_ACTIVE_RUNS})"
+            )));
         }
         if self.approval_ttl.is_zero() {
             return Err(Error::Config(

@@ -37,6 +37,15 @@ pub enum Error {
     /// A limit of the run is used up.
     #[error("{0}")]
     ResourceExhausted(String),
+    /// The supervisor has no room for another run now; the caller may retry after
+    /// `retry_after` (sent as a `google.rpc.RetryInfo` detail).
+    #[error("{message}")]
+    Overloaded {
+        /// What is full and what to do.
+        message: String,
+        /// When a retry may find room.
+        retry_after: std::time::Duration,
+    },
     /// An idempotency key names another run.
     #[error("{0}")]
     AlreadyExists(String),
@@ -100,7 +109,7 @@ impl ServiceError for Error {
             Error::RunNotFound(_) | Error::NotFound(_) | Error::NoWorker(_) => ErrorCode::NotFound,
             Error::PermissionDenied(_) => ErrorCode::PermissionDenied,
             Error::FailedPrecondition(_) => ErrorCode::FailedPrecondition,
-            Error::ResourceExhausted(_) => ErrorCode::ResourceExhausted,
+            Error::ResourceExhausted(_) | Error::Overloaded { .. } => ErrorCode::ResourceExhausted,
             Error::AlreadyExists(_) => ErrorCode::AlreadyExists,
             Error::Unavailable(_) | Error::StoreUnavailable(_) => ErrorCode::Unavailable,
             Error::Aborted(_) => ErrorCode::Aborted,
@@ -141,6 +150,10 @@ impl From<Error> for Status {
     fn from(e: Error) -> Self {
         match e {
             Error::Upstream(status) => *status,
+            Error::Overloaded {
+                message,
+                retry_after,
+            } => convene_server::resource_exhausted(message, retry_after),
             // Internal failures here are a peer's wrong answer, not the supervisor's
             // internals: their text goes to the caller, and into the delegation's
             // recorded failure, as it is.

@@ -17,6 +17,7 @@
 //! configured ([`relay`]).
 #![forbid(unsafe_code)]
 
+mod admission;
 mod commands;
 mod config;
 pub mod crash;
@@ -52,7 +53,8 @@ use convene_server::{GrpcServer, Shutdown};
 use tokio_util::sync::CancellationToken;
 
 pub use config::{
-    Config, DEFAULT_COMMIT_LINGER, DEFAULT_NATS_STREAM, DEFAULT_NATS_SUBJECT_PREFIX, DEFAULT_PORT,
+    Config, DEFAULT_COMMIT_LINGER, DEFAULT_MAX_ACTIVE_RUNS, DEFAULT_NATS_STREAM,
+    DEFAULT_NATS_SUBJECT_PREFIX, DEFAULT_PORT,
 };
 pub use crash::{CrashPoint, CrashSettings};
 pub use registry::{Connector, MeshConnector, Registry, RegistrySettings};
@@ -171,6 +173,8 @@ pub(crate) struct Deps {
     pub(crate) credential: String,
     pub(crate) settings: Settings,
     pub(crate) live: Mutex<HashMap<String, run::Mailbox>>,
+    /// The places of the runs with an actor, against `max_active_runs`.
+    pub(crate) admission: Arc<admission::Admission>,
     pub(crate) shutdown_token: CancellationToken,
     /// Every run actor's task, so a stopping supervisor can wait for them to close
     /// their runs' spans and give up their leases.
@@ -261,6 +265,7 @@ pub fn build(parts: Parts) -> (SupervisorService, Arc<Registry>) {
             approval_ttl: parts.config.approval_ttl,
         },
         live: Mutex::new(HashMap::new()),
+        admission: admission::Admission::new(parts.config.max_active_runs),
         shutdown_token,
         actors: tokio_util::task::TaskTracker::new(),
     });

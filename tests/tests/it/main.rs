@@ -12,6 +12,7 @@ mod failover;
 mod faults;
 mod model;
 mod nested;
+mod overload;
 mod planner;
 mod planner_delivery;
 mod runs;

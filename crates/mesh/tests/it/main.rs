@@ -1,5 +1,6 @@
 //! The mesh crate's integration tests, one binary: balancing over resolved addresses,
-//! and the example policy file.
+//! the example policy file, and retries of calls a full server refused.
 
 mod balance;
 mod example_policy;
+mod retry;

@@ -377,7 +377,12 @@ async fn calls_over_the_concurrency_limit_are_shed_at_once() {
                 assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
                 assert_eq!(
                     status.message(),
-                    "server busy: 2 requests in flight; retry with backoff"
+                    "server busy: 2 requests in flight (server.concurrency_limit); retry with backoff"
+                );
+                assert_eq!(
+                    convene_server::retry_after(&status),
+                    Some(Duration::from_millis(250)),
+                    "a shed call says when to retry"
                 );
                 // Shed calls are answered before any admitted call could finish, so
                 // they were never queued.

@@ -56,6 +56,7 @@ use tokio_util::sync::CancellationToken;
 use tonic::Code;
 use tracing::{Instrument as _, Span};
 
+use crate::admission::Admitted;
 use crate::error::Error;
 use crate::store::{Events, StoreError};
 use crate::{Deps, Settings, trace};
@@ -122,6 +123,8 @@ pub(crate) type Mailbox = mpsc::UnboundedSender<Msg>;
 
 pub(crate) struct RunActor {
     deps: Arc<Deps>,
+    /// The run's place among the replica's active runs, given back as the actor ends.
+    _admitted: Admitted,
     /// The run as last committed, plus the change being made. `run.received` is the
     /// join's input: every result received. Shared with the store's note of the commit
     /// that ends the run (changed in place while nothing else holds it).
@@ -256,8 +259,9 @@ impl RunActor {
         spec: RunSpec,
         span: Option<Span>,
         issued: Option<Result<Vec<String>, Error>>,
+        admitted: Admitted,
     ) -> Mailbox {
-        let (mailbox, actor) = Self::new(deps, run, spec, span, false);
+        let (mailbox, actor) = Self::new(deps, run, spec, span, (false, admitted));
         match actor {
             Some(mut actor) => {
                 actor.issued = issued;
@@ -298,7 +302,8 @@ impl RunActor {
                 return false;
             }
         };
-        let (_, actor) = Self::new(deps, run, spec, None, true);
+        let admitted = deps.admission.readmit();
+        let (_, actor) = Self::new(deps, run, spec, None, (true, admitted));
         match actor {
             Some(actor) => {
                 actor.start();
@@ -315,7 +320,7 @@ impl RunActor {
         run: v1::Run,
         spec: RunSpec,
         span: Option<Span>,
-        resumed: bool,
+        (resumed, admitted): (bool, Admitted),
     ) -> (Mailbox, Option<Self>) {
         let mut live = deps.live.lock().expect("live map lock poisoned");
         if let Some(existing) = live.get(&run.run_id) {
@@ -348,6 +353,7 @@ impl RunActor {
         let run = Arc::new(run);
         let actor = RunActor {
             deps,
+            _admitted: admitted,
             span,
             // run.started was event 1; a resumed run reads its events.
             next_seq: run.version + 1,

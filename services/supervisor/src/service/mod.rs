@@ -216,6 +216,9 @@ impl Supervisor for SupervisorService {
             self.templates.resolve(&template, &inputs, spec, now)?
         };
         let domain = crate::templates::check_spec(&spec, &self.deps.policy_file, now)?;
+        // Refused while full before anything is stored or asked for; the place goes
+        // back when the run's actor ends, or at once if no actor starts.
+        let admitted = self.deps.admission.admit()?;
         let key = domain.idempotency_key.clone().map(|key| IdempotencyKey {
             principal: principal.id.clone(),
             key,
@@ -272,6 +275,7 @@ impl Supervisor for SupervisorService {
                         domain,
                         Some(run_span),
                         issued,
+                        admitted,
                     );
                 } else {
                     trace::record_run_end(&run_span, &run);

@@ -35,7 +35,7 @@ fn profiles_with_faults(faults: &[(&str, &str)]) -> String {
 
 /// The example profiles with every delegation held until `release` exists (each held
 /// delegation's id appended to `log`, if given).
-fn held_profiles(release: &Path, log: Option<&Path>) -> String {
+pub(crate) fn held_profiles(release: &Path, log: Option<&Path>) -> String {
     let log = log.map_or_else(String::new, |l| format!(", log: {}", l.display()));
     example_profiles().replace(
         "    provider: playbook\n",
