@@ -133,11 +133,19 @@ impl TestServer {
     ///
     /// If the server does not become ready (see [`wait_ready`]).
     pub async fn start(server: GrpcServer) -> Self {
+        let started = Self::spawn(server).await;
+        wait_ready(started.addr).await;
+        started
+    }
+
+    /// Starts `server` without waiting for a health check, for a server that serves TLS
+    /// (which [`wait_ready`]'s plaintext check cannot reach). Its port is bound before
+    /// this returns, so a connection made at once waits for the server to accept it.
+    pub async fn spawn(server: GrpcServer) -> Self {
         let listener = pick_listener().await;
         let addr = listener.local_addr().expect("listener has an address");
         let shutdown = Shutdown::new();
         let task = tokio::spawn(server.serve(listener, shutdown.clone()));
-        wait_ready(addr).await;
         Self {
             addr,
             shutdown,
@@ -182,5 +190,203 @@ impl TestServer {
 impl Drop for TestServer {
     fn drop(&mut self) {
         self.shutdown.trigger();
+    }
+}
+
+/// Certificates made at test time (rcgen), for tests of TLS and of service identities
+/// under mutual TLS: a CA for servers and one for clients, server certificates for
+/// `localhost`, client certificates naming a service by its SPIFFE id
+/// (`spiffe://convene.test/<service>`), their PEM files, and TLS channels that present
+/// them.
+pub mod pki {
+    use std::net::SocketAddr;
+    use std::path::{Path, PathBuf};
+
+    use rcgen::string::Ia5String;
+    use rcgen::{
+        BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair, SanType,
+    };
+    use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
+
+    use crate::tls::ServerTls;
+
+    /// The trust domain of the SPIFFE ids the certificates here carry.
+    pub const TRUST_DOMAIN: &str = "convene.test";
+
+    /// The SPIFFE id of `service` in [`TRUST_DOMAIN`]: `spiffe://convene.test/<service>`.
+    pub fn spiffe_id(service: &str) -> String {
+        format!("spiffe://{TRUST_DOMAIN}/{service}")
+    }
+
+    /// Writes `text` to `dir/name`; the file's path.
+    ///
+    /// # Panics
+    ///
+    /// If the file cannot be written.
+    pub fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
+        let path = dir.join(name);
+        std::fs::write(&path, text).unwrap_or_else(|e| panic!("write {}: {e}", path.display()));
+        path
+    }
+
+    /// A certificate and its private key, both PEM.
+    #[derive(Debug, Clone)]
+    pub struct TestCert {
+        /// The certificate.
+        pub cert: String,
+        /// Its private key.
+        pub key: String,
+    }
+
+    impl TestCert {
+        /// The pair as a tonic identity, to present as a client.
+        pub fn identity(&self) -> Identity {
+            Identity::from_pem(&self.cert, &self.key)
+        }
+
+        /// Writes `dir/<stem>.crt` and `dir/<stem>.key`; their paths.
+        pub fn write(&self, dir: &Path, stem: &str) -> (PathBuf, PathBuf) {
+            (
+                write(dir, &format!("{stem}.crt"), &self.cert),
+                write(dir, &format!("{stem}.key"), &self.key),
+            )
+        }
+    }
+
+    /// A certificate authority that signs certificates for tests.
+    pub struct TestCa {
+        issuer: CertifiedIssuer<'static, KeyPair>,
+    }
+
+    impl std::fmt::Debug for TestCa {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.debug_struct("TestCa").finish_non_exhaustive()
+        }
+    }
+
+    impl TestCa {
+        /// A new self-signed CA with `name` as its common name.
+        ///
+        /// # Panics
+        ///
+        /// If rcgen cannot make it.
+        pub fn new(name: &str) -> Self {
+            let mut params = CertificateParams::new(Vec::<String>::new()).expect("no names");
+            params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+            params.distinguished_name.push(DnType::CommonName, name);
+            let key = KeyPair::generate().expect("a key pair");
+            Self {
+                issuer: CertifiedIssuer::self_signed(params, key).expect("a CA certificate"),
+            }
+        }
+
+        /// The CA's certificate, PEM.
+        pub fn pem(&self) -> String {
+            self.issuer.pem()
+        }
+
+        /// A certificate for the DNS names `dns` and the URI SANs `uris`.
+        ///
+        /// # Panics
+        ///
+        /// If a name is not valid in a certificate.
+        pub fn leaf(&self, dns: &[&str], uris: &[&str]) -> TestCert {
+            let mut params =
+                CertificateParams::new(dns.iter().map(|n| (*n).to_owned()).collect::<Vec<_>>())
+                    .expect("valid DNS names");
+            for uri in uris {
+                params.subject_alt_names.push(SanType::URI(
+                    Ia5String::try_from(*uri).expect("an ASCII URI"),
+                ));
+            }
+            let key = KeyPair::generate().expect("a key pair");
+            let cert = params
+                .signed_by(&key, &self.issuer)
+                .expect("a signed certificate");
+            TestCert {
+                cert: cert.pem(),
+                key: key.serialize_pem(),
+            }
+        }
+
+        /// A certificate for `localhost` with no SPIFFE id (a server's, or a client's
+        /// that names no service).
+        pub fn localhost(&self) -> TestCert {
+            self.leaf(&["localhost"], &[])
+        }
+
+        /// A certificate for `localhost` naming `service` by its SPIFFE id
+        /// ([`spiffe_id`]).
+        pub fn service(&self, service: &str) -> TestCert {
+            self.leaf(&["localhost"], &[&spiffe_id(service)])
+        }
+    }
+
+    /// The two CAs of a mesh under mutual TLS: servers' certificates are signed by
+    /// `servers`, clients' by `clients`.
+    #[derive(Debug)]
+    pub struct TestPki {
+        /// Signs the servers' certificates; clients verify servers against it.
+        pub servers: TestCa,
+        /// Signs the clients' certificates; servers under mutual TLS require them.
+        pub clients: TestCa,
+    }
+
+    impl Default for TestPki {
+        fn default() -> Self {
+            Self::new()
+        }
+    }
+
+    impl TestPki {
+        /// Two new CAs.
+        pub fn new() -> Self {
+            Self {
+                servers: TestCa::new("convene test servers"),
+                clients: TestCa::new("convene test clients"),
+            }
+        }
+
+        /// The TLS of a server presenting a `localhost` certificate of `servers`, its
+        /// files written in `dir`; with `mutual`, it requires a client certificate of
+        /// `clients` (as `--tls-client-ca` does).
+        ///
+        /// # Panics
+        ///
+        /// If the files cannot be written or loaded.
+        pub fn server_tls(&self, dir: &Path, mutual: bool) -> ServerTls {
+            let (cert, key) = self.servers.localhost().write(dir, "server");
+            let client_ca = mutual.then(|| write(dir, "client-ca.crt", &self.clients.pem()));
+            ServerTls::load(&cert, &key, client_ca.as_deref()).expect("usable server TLS files")
+        }
+
+        /// A channel to `addr` over TLS, verifying the server as `localhost` against
+        /// `servers` and presenting `client` when given.
+        ///
+        /// # Errors
+        ///
+        /// The connection or the TLS handshake fails.
+        ///
+        /// # Panics
+        ///
+        /// If the client configuration is refused.
+        pub async fn connect(
+            &self,
+            addr: SocketAddr,
+            client: Option<&TestCert>,
+        ) -> Result<Channel, tonic::transport::Error> {
+            let mut tls = ClientTlsConfig::new()
+                .ca_certificate(Certificate::from_pem(self.servers.pem()))
+                .domain_name("localhost");
+            if let Some(client) = client {
+                tls = tls.identity(client.identity());
+            }
+            Endpoint::from_shared(format!("https://{addr}"))
+                .expect("a socket address is a valid URI")
+                .tls_config(tls)
+                .expect("a valid client TLS configuration")
+                .connect()
+                .await
+        }
     }
 }
