@@ -53,6 +53,9 @@ pub const MAX_PROFILE_ID_CHARS: usize = 128;
 /// Most delegations in one static plan: even under QUEUE overflow a larger plan is a
 /// flood the join cannot meaningfully decide on.
 pub const MAX_PLAN_DELEGATIONS: usize = 1024;
+/// Most resource selectors in a task's scope, and most permissions it requires: each
+/// set is normalized by comparing every element with every other.
+pub const MAX_SCOPE_ENTRIES: usize = 256;
 
 /// `field.name` (just `name` at the root).
 fn at<'a>(field: &'a FieldPath<'a>, name: &'a str) -> FieldPath<'a> {

@@ -122,6 +122,26 @@ pub(super) fn non_zero<T: Default + PartialEq>(value: T) -> Option<T> {
     (value != T::default()).then_some(value)
 }
 
+/// Refuses a list longer than `max`, naming the field, how long it is and what to do.
+pub(super) fn at_most<T>(
+    items: &[T],
+    max: usize,
+    field: &FieldPath<'_>,
+) -> Result<(), ValidationError> {
+    if items.len() > max {
+        return Err(ValidationError::new(
+            field,
+            Rule::TooLong,
+            format!(
+                "{} has {} entries; give at most {max} (wildcards such as service/* cover many)",
+                leaf(field),
+                items.len()
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// Validates every element of `items` with `f`, naming `field[i]`.
 pub(super) fn each<T, R>(
     items: &[T],

@@ -4,14 +4,14 @@
 
 use convene_proto::v1;
 
-use super::at;
 use super::deadline::positive_duration;
 use super::result::{artifact_uri, evidence_prefix};
 use super::rules::{
-    capped, each, finite_number, no_duplicates, non_blank_list, non_zero, plan_name, profile_id,
-    required_str,
+    at_most, capped, each, finite_number, no_duplicates, non_blank_list, non_zero, plan_name,
+    profile_id, required_str,
 };
 use super::run::goal;
+use super::{MAX_SCOPE_ENTRIES, at};
 use crate::model::{self, Budget, Limits, TaskScope};
 use crate::permissions::{self, Pattern, Permission, PermissionSet};
 use crate::time::from_timestamp;
@@ -39,6 +39,11 @@ pub(super) fn planned_task_at(
         artifact_uri(v, f)
     })?;
     let allowed_tools = tools(&p.allowed_tools, &at(field, "allowed_tools"))?;
+    at_most(
+        &p.required_scopes,
+        MAX_SCOPE_ENTRIES,
+        &at(field, "required_scopes"),
+    )?;
     let required_scopes = each(&p.required_scopes, &at(field, "required_scopes"), |s, f| {
         Permission::from_proto(s, f)
     })?;
@@ -105,6 +110,11 @@ fn delegation_task_at(
         &t.allowed_evidence_prefixes,
         &at(field, "allowed_evidence_prefixes"),
         |v, f| evidence_prefix(v, f),
+    )?;
+    at_most(
+        &t.required_scopes,
+        MAX_SCOPE_ENTRIES,
+        &at(field, "required_scopes"),
     )?;
     each(&t.required_scopes, &at(field, "required_scopes"), |s, f| {
         Permission::from_proto(s, f)
@@ -203,6 +213,7 @@ fn task_scope(
     let Some(scope) = scope else {
         return Ok(TaskScope::default());
     };
+    at_most(&scope.resources, MAX_SCOPE_ENTRIES, &at(field, "resources"))?;
     let resources = each(&scope.resources, &at(field, "resources"), |r, f| {
         Pattern::parse(r)
             .map(|_| r.clone())

@@ -811,3 +811,32 @@ fn every_invalid_task_names_its_field_and_rule() {
     validate::delegation_task(&nested, "task").expect("a nested task with its parent is valid");
     check_cases(&task(), cases, |t| validate::delegation_task(t, "task"));
 }
+
+#[test]
+fn a_scope_of_more_selectors_than_the_cap_is_refused_by_name() {
+    let max = validate::MAX_SCOPE_ENTRIES;
+    let mut spec = incident_spec();
+    spec.delegations[1].scope.as_mut().unwrap().resources =
+        (0..=max).map(|i| format!("service/s{i}")).collect();
+    let e = assert_invalid(
+        validate::run_spec(&spec, now()),
+        "spec.delegations[1].scope.resources",
+        Rule::TooLong,
+    );
+    assert!(e.message.contains(&format!("at most {max}")), "{e}");
+
+    let mut spec = incident_spec();
+    let scope = spec.delegations[0].required_scopes[0].clone();
+    spec.delegations[0].required_scopes = vec![scope; max + 1];
+    assert_invalid(
+        validate::run_spec(&spec, now()),
+        "spec.delegations[0].required_scopes",
+        Rule::TooLong,
+    );
+
+    // At the cap, both validate.
+    let mut spec = incident_spec();
+    spec.delegations[1].scope.as_mut().unwrap().resources =
+        (0..max).map(|i| format!("service/s{i}")).collect();
+    validate::run_spec(&spec, now()).expect("a scope at the cap");
+}
