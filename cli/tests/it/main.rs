@@ -8,6 +8,7 @@ mod bench;
 mod cli;
 mod clients;
 mod durable;
+mod isolation;
 mod mesh;
 mod model;
 mod planner;

@@ -88,22 +88,6 @@ impl Reader {
             who: Who::Delegation(claims.delegation_id.clone()),
         }
     }
-
-    /// Whose tenant a refusal names: "the task token's" or "principal X's".
-    pub(crate) fn owner(&self) -> String {
-        match &self.who {
-            Who::Delegation(_) => "the task token's".to_owned(),
-            Who::Principal(id) => format!("principal {id}'s"),
-        }
-    }
-
-    /// The kind of credential the reader presented, as refusals name it.
-    pub(crate) fn kind(&self) -> &'static str {
-        match self.who {
-            Who::Delegation(_) => "token",
-            Who::Principal(_) => "principal",
-        }
-    }
 }
 
 /// Checks the credential of each call.

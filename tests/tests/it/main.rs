@@ -10,6 +10,7 @@ mod deploy;
 mod durable;
 mod failover;
 mod faults;
+mod isolation;
 mod model;
 mod nested;
 mod overload;
