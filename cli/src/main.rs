@@ -256,12 +256,19 @@ enum RunsCommand {
         client: ClientArgs,
     },
     /// List your tenant's runs, newest first.
+    ///
+    /// Filters narrow the list, and a run must pass every one: --state, --label and
+    /// the time window --since/--until. For example, the payment API's runs of the last
+    /// two hours that wait for input: `convene runs list --label service=payment-api
+    /// --since 2h --state waiting-input`.
     #[command(after_help = RUN_STATES_HELP)]
     List {
         /// Only runs in this state (repeatable): active (pending, running), waiting
         /// (waiting-input, waiting-approval) or final (the others).
         #[arg(long = "state", value_enum)]
         states: Vec<RunStateArg>,
+        #[command(flatten)]
+        filters: commands::ListFilters,
         /// How many runs to show.
         #[arg(long, default_value_t = 20)]
         limit: u32,
@@ -708,12 +715,13 @@ async fn main_inner(cli: Cli) -> anyhow::Result<ExitCode> {
             }
             RunsCommand::List {
                 states,
+                filters,
                 limit,
                 json,
                 client: c,
             } => {
                 let states = states.into_iter().map(RunStateArg::to_proto).collect();
-                commands::runs_list(&client(&data_dir, c)?, states, limit, json).await?;
+                commands::runs_list(&client(&data_dir, c)?, states, &filters, limit, json).await?;
                 Ok(ExitCode::SUCCESS)
             }
             RunsCommand::Cancel {

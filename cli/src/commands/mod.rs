@@ -19,7 +19,9 @@ mod runs;
 
 pub use approvals::{ApprovalVerb, approvals_decide, approvals_execute, approvals_list};
 pub use evidence::evidence_verify;
-pub use runs::{ResolveInput, ResolveOptions, runs_cancel, runs_get, runs_list, runs_resolve};
+pub use runs::{
+    ListFilters, ResolveInput, ResolveOptions, runs_cancel, runs_get, runs_list, runs_resolve,
+};
 
 /// Prints a message in the protobuf JSON mapping.
 pub fn print_json<T: convene_proto::json::Named>(msg: &T) -> anyhow::Result<()> {

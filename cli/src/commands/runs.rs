@@ -1,5 +1,8 @@
 //! `convene runs`: read, list, cancel and resolve runs.
 
+use std::collections::HashMap;
+use std::time::SystemTime;
+
 use anyhow::Context as _;
 use convene_proto::v1;
 
@@ -34,19 +37,100 @@ pub async fn runs_get(
     Ok(run)
 }
 
+/// What `convene runs list` keeps besides the states: labels and a time window.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct ListFilters {
+    /// Only runs with this label, as KEY=VALUE (repeatable: a run must have every one).
+    /// The value matches exactly what the run spec's `labels` gave, e.g. `--label
+    /// service=payment-api --label incident=INC-20260723-0202`.
+    #[arg(long = "label", value_name = "KEY=VALUE", value_parser = parse_label)]
+    pub labels: Vec<(String, String)>,
+    /// Only runs started at or after TIME: an RFC 3339 time (`2026-07-23T02:00:00Z`,
+    /// `2026-07-23T04:00:00+02:00`) or how long ago (`30m`, `2h`, `7days`: that long
+    /// before now).
+    #[arg(long, value_name = "TIME", value_parser = parse_time)]
+    pub since: Option<SystemTime>,
+    /// Only runs started before TIME, given as for --since; with --since, it must be
+    /// the later of the two (`--since 1day --until 2h`: from a day ago to two hours
+    /// ago).
+    #[arg(long, value_name = "TIME", value_parser = parse_time)]
+    pub until: Option<SystemTime>,
+}
+
+impl ListFilters {
+    /// Whether any filter is set.
+    fn any(&self) -> bool {
+        !self.labels.is_empty() || self.since.is_some() || self.until.is_some()
+    }
+}
+
+/// Parses `--label KEY=VALUE`.
+fn parse_label(text: &str) -> Result<(String, String), String> {
+    match text.split_once('=') {
+        Some((key, value)) if !key.trim().is_empty() => {
+            Ok((key.trim().to_owned(), value.to_owned()))
+        }
+        _ => Err(format!(
+            "{text:?}: give KEY=VALUE, a label of the run spec, e.g. service=payment-api"
+        )),
+    }
+}
+
+/// Parses `--since` and `--until`: a duration before now, or an RFC 3339 time.
+fn parse_time(text: &str) -> Result<SystemTime, String> {
+    if let Ok(ago) = humantime::parse_duration(text) {
+        return SystemTime::now()
+            .checked_sub(ago)
+            .ok_or_else(|| format!("{text:?} ago is before any time this system can show"));
+    }
+    let invalid = || {
+        format!(
+            "{text:?}: give an RFC 3339 time (2026-07-23T02:00:00Z, or with an offset: \
+             2026-07-23T04:00:00+02:00) or how long ago (30m, 2h, 7days)"
+        )
+    };
+    let at: prost_types::Timestamp = text.parse().map_err(|_| invalid())?;
+    SystemTime::try_from(at).map_err(|_| invalid())
+}
+
 /// `convene runs list`.
 pub async fn runs_list(
     client: &Client,
     states: Vec<i32>,
+    filters: &ListFilters,
     limit: u32,
     json: bool,
 ) -> anyhow::Result<()> {
+    let mut labels = HashMap::new();
+    for (key, value) in &filters.labels {
+        if let Some(first) = labels.insert(key.clone(), value.clone())
+            && first != *value
+        {
+            anyhow::bail!(
+                "--label {key}={first} and --label {key}={value}: a run has one value per \
+                 label; give one of them"
+            );
+        }
+    }
+    if let (Some(since), Some(until)) = (filters.since, filters.until)
+        && since >= until
+    {
+        anyhow::bail!(
+            "--since ({}) is not before --until ({}): no run could match; give the earlier \
+             time to --since",
+            humantime::format_rfc3339_seconds(since),
+            humantime::format_rfc3339_seconds(until),
+        );
+    }
     let resp = client
         .supervisor()?
         .list_runs(client.request(v1::ListRunsRequest {
             page_size: limit,
             page_token: String::new(),
             states,
+            labels,
+            created_after: filters.since.map(prost_types::Timestamp::from),
+            created_before: filters.until.map(prost_types::Timestamp::from),
         }))
         .await
         .map_err(|s| client.explain(&s))?
@@ -55,7 +139,11 @@ pub async fn runs_list(
         return print_json(&resp);
     }
     if resp.runs.is_empty() {
-        println!("No runs.");
+        if filters.any() {
+            println!("No runs match.");
+        } else {
+            println!("No runs.");
+        }
     }
     for r in &resp.runs {
         let goal = r.spec.as_ref().map(|s| s.goal.clone()).unwrap_or_default();

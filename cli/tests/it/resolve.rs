@@ -2,7 +2,7 @@
 //! black-box: `run` stops at the wait and says what continues the run; a person with
 //! the `runs:resolve` role settles a conflict under the run's current ticket, recorded
 //! apart from the evidence; a stale ticket and a principal without the role are refused;
-//! a waiting run is cancelled once.
+//! a waiting run is cancelled once. And `runs list` finding runs by label and time.
 
 use crate::mesh::{ALICE, BOB, LIMIT, Mesh, ONCALL, json};
 use crate::support::{convene, wait_for};
@@ -348,4 +348,87 @@ fn cancel_ends_a_waiting_run_once_and_withdraws_its_requests() {
         ],
     );
     assert!(err.contains("does not wait for people"), "{err}");
+}
+
+/// `runs list --label` keeps the runs that have every label given, `--since` and
+/// `--until` those started in the window; a malformed label is refused with what to
+/// give instead.
+#[test]
+fn runs_list_keeps_the_runs_with_every_label_given() {
+    let mesh = Mesh::start();
+    let start = |key: &str, service: &str| -> String {
+        let spec = mesh.example_spec(key);
+        let text = std::fs::read_to_string(&spec).expect("the spec");
+        let label = "  service: payment-api\n";
+        assert!(text.contains(label), "the example spec has the label");
+        std::fs::write(
+            &spec,
+            text.replace(label, &format!("  service: {service}\n")),
+        )
+        .expect("spec written");
+        let started = json(&mesh.ok(
+            ONCALL,
+            &[
+                "run",
+                spec.to_str().expect("UTF-8 path"),
+                "--detach",
+                "--json",
+            ],
+        ));
+        started["runId"].as_str().expect("runId").to_owned()
+    };
+    let payment = start("list-payment", "payment-api");
+    let ledger = start("list-ledger", "ledger");
+    let listed = |args: &[&str]| -> Vec<String> {
+        let mut all = vec!["runs", "list", "--json"];
+        all.extend_from_slice(args);
+        let page = json(&mesh.ok(ONCALL, &all));
+        page["runs"]
+            .as_array()
+            .map(|runs| {
+                runs.iter()
+                    .map(|r| r["runId"].as_str().expect("runId").to_owned())
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+
+    assert_eq!(
+        listed(&["--label", "service=payment-api"]),
+        [payment.as_str()]
+    );
+    assert_eq!(
+        listed(&[
+            "--label",
+            "service=ledger",
+            "--label",
+            "incident=INC-20260723-0202"
+        ]),
+        [ledger.as_str()]
+    );
+    assert!(
+        listed(&["--label", "service=ledger", "--label", "incident=INC-1"]).is_empty(),
+        "every label must match"
+    );
+    assert_eq!(
+        listed(&["--label", "incident=INC-20260723-0202", "--since", "1h"]),
+        [ledger.as_str(), payment.as_str()],
+        "newest first"
+    );
+    assert!(listed(&["--until", "1h"]).is_empty(), "both started since");
+    let text = mesh.ok(ONCALL, &["runs", "list", "--label", "service=ledger"]);
+    assert!(text.contains(&ledger) && !text.contains(&payment), "{text}");
+    let text = mesh.ok(ONCALL, &["runs", "list", "--label", "service=billing"]);
+    assert_eq!(text.trim(), "No runs match.");
+
+    let err = mesh.refused(ONCALL, &["runs", "list", "--label", "service"]);
+    assert!(err.contains("give KEY=VALUE"), "{err}");
+    let err = mesh.refused(
+        ONCALL,
+        &["runs", "list", "--since", "2h", "--until", "1day"],
+    );
+    assert!(
+        err.contains("--since") && err.contains("is not before --until"),
+        "{err}"
+    );
 }

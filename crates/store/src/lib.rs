@@ -6,9 +6,9 @@
 //! migrations embedded in this crate, one file per service area
 //! (`migrations/{sqlite,postgres}/0001_supervisor.sql`, `0002_policy.sql`,
 //! `0003_approval.sql`, `0004_evidence.sql`, `0005_approval_events.sql`,
-//! `0006_run_commands.sql`, `0007_gateway.sql`); the two back ends share one schema whose
-//! column types differ only where they must (`BLOB`/`BYTEA`, `INTEGER`/`BIGINT`,
-//! autoincrement/identity).
+//! `0006_run_commands.sql`, `0007_gateway.sql`, `0008_run_labels.sql`); the two back
+//! ends share one schema whose column types differ only where they must
+//! (`BLOB`/`BYTEA`, `INTEGER`/`BIGINT`, autoincrement/identity).
 //!
 //! The services' stores are written once for both back ends: a [`Statement`] is SQL with
 //! `$n` placeholders and owned arguments, run on the [`Database`] (reads; a write in a

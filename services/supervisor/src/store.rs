@@ -13,6 +13,7 @@ use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
 use convene_proto::v1;
+use convene_store::time::micros;
 use tokio::sync::broadcast;
 
 /// Errors from a store.
@@ -74,6 +75,43 @@ pub struct Page {
     pub runs: Vec<v1::Run>,
     /// Cursor for the next page (the last run id), if more exist.
     pub next: Option<String>,
+}
+
+/// Which of a tenant's runs a listing returns: those that meet every condition set.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RunFilter {
+    /// Only runs in these states (`v1::RunState` values); empty: any state.
+    pub states: Vec<i32>,
+    /// Only runs whose spec has each of these labels with exactly this value.
+    pub labels: BTreeMap<String, String>,
+    /// Only runs created at or after this time.
+    pub created_after: Option<SystemTime>,
+    /// Only runs created before this time.
+    pub created_before: Option<SystemTime>,
+}
+
+impl RunFilter {
+    /// Whether `run` meets the filter. Times compare at microsecond precision, as the
+    /// SQL store keeps them.
+    pub fn matches(&self, run: &v1::Run) -> bool {
+        if !self.states.is_empty() && !self.states.contains(&run.state) {
+            return false;
+        }
+        let created = run.created_at.as_ref().map_or(0, |t| {
+            t.seconds
+                .saturating_mul(1_000_000)
+                .saturating_add(i64::from(t.nanos) / 1_000)
+        });
+        if self.created_after.is_some_and(|t| created < micros(t))
+            || self.created_before.is_some_and(|t| created >= micros(t))
+        {
+            return false;
+        }
+        let labels = run.spec.as_ref().map(|s| &s.labels);
+        self.labels
+            .iter()
+            .all(|(key, value)| labels.and_then(|l| l.get(key)) == Some(value))
+    }
 }
 
 /// Events produced by one change, committed with it.
@@ -181,11 +219,13 @@ pub trait RunStore: Send + Sync + 'static {
         Ok(self.get(run_id).await?.map(|run| run.tenant))
     }
 
-    /// A tenant's runs, newest first, after the cursor, filtered by state.
+    /// A tenant's runs that meet `filter`, newest first, after the cursor (the last run
+    /// of the previous page). The filter applies before the page is cut: a page holds
+    /// `page_size` matching runs when that many follow the cursor.
     async fn list(
         &self,
         tenant: &str,
-        states: &[i32],
+        filter: &RunFilter,
         page_size: usize,
         after: Option<&str>,
     ) -> Result<Page, StoreError>;
@@ -523,7 +563,7 @@ impl RunStore for MemoryStore {
     async fn list(
         &self,
         tenant: &str,
-        states: &[i32],
+        filter: &RunFilter,
         page_size: usize,
         after: Option<&str>,
     ) -> Result<Page, StoreError> {
@@ -545,7 +585,7 @@ impl RunStore for MemoryStore {
             let Some(run) = inner.runs.get(id) else {
                 continue;
             };
-            if !states.is_empty() && !states.contains(&run.state) {
+            if !filter.matches(run) {
                 continue;
             }
             if runs.len() == page_size {

@@ -23,7 +23,9 @@ use self::command::check_resume;
 use self::start::RunIdentity;
 use crate::error::Error;
 use crate::run::{self, DelegateAsk, Msg, RunActor};
-use crate::store::{CommandKind, Created, IdempotencyKey, is_final, is_terminal, is_waiting};
+use crate::store::{
+    CommandKind, Created, IdempotencyKey, RunFilter, is_final, is_terminal, is_waiting,
+};
 use crate::templates::Templates;
 use crate::watchers::RunWatchers;
 use crate::{Deps, events, trace};
@@ -180,6 +182,62 @@ fn summary(mut run: v1::Run) -> v1::Run {
     run.revisions.clear();
     run.received.clear();
     run
+}
+
+/// Label filters a ListRuns may carry at most.
+const MAX_LABEL_FILTERS: usize = 16;
+
+/// What a ListRuns keeps of the tenant's runs, checked: at most
+/// [`MAX_LABEL_FILTERS`] labels with non-empty keys, valid times, and a time window
+/// that can hold a run.
+fn list_filter(req: &v1::ListRunsRequest) -> Result<RunFilter, Error> {
+    if req.labels.len() > MAX_LABEL_FILTERS {
+        return Err(Error::invalid(
+            "labels",
+            format!(
+                "{} label filters; at most {MAX_LABEL_FILTERS} are allowed, keep the most \
+                 selective ones",
+                req.labels.len()
+            ),
+        ));
+    }
+    if req.labels.keys().any(|k| k.trim().is_empty()) {
+        return Err(Error::invalid(
+            "labels",
+            "a label filter's key must not be empty: name the label whose value it matches",
+        ));
+    }
+    let time = |ts: Option<&prost_types::Timestamp>, field: &str| {
+        ts.map(|t| convene_core::time::from_timestamp(t, field))
+            .transpose()
+    };
+    let created_after = time(req.created_after.as_ref(), "created_after")?;
+    let created_before = time(req.created_before.as_ref(), "created_before")?;
+    if let (Some(after), Some(before)) = (created_after, created_before)
+        && after >= before
+    {
+        let show =
+            |t: Option<&prost_types::Timestamp>| t.map(ToString::to_string).unwrap_or_default();
+        return Err(Error::invalid(
+            "created_after",
+            format!(
+                "{} is not before created_before ({}), so no run could match: send an \
+                 earlier created_after, a later created_before, or only one of them",
+                show(req.created_after.as_ref()),
+                show(req.created_before.as_ref()),
+            ),
+        ));
+    }
+    Ok(RunFilter {
+        states: req.states.clone(),
+        labels: req
+            .labels
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect(),
+        created_after,
+        created_before,
+    })
 }
 
 #[tonic::async_trait]
@@ -515,10 +573,11 @@ impl Supervisor for SupervisorService {
             }
             Some(req.page_token.as_str())
         };
+        let filter = list_filter(&req)?;
         let page = self
             .deps
             .store
-            .list(&principal.tenant, &req.states, page_size, after)
+            .list(&principal.tenant, &filter, page_size, after)
             .await
             .map_err(Error::from)?;
         Ok(Response::new(v1::ListRunsResponse {

@@ -1,6 +1,6 @@
-//! Writing runs: a new run with its idempotency key, a commit over the version it
-//! read, and the rows a commit appends (run events, outbox events, ledger rows, join
-//! decision revisions).
+//! Writing runs: a new run with its idempotency key and labels, a commit over the
+//! version it read, and the rows a commit appends (run events, outbox events, ledger
+//! rows, join decision revisions).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -11,6 +11,7 @@ use convene_store::time::micros;
 use convene_store::{Arg, Backend, InsertRows, Row, Statement, Tx, sql};
 use prost::Message as _;
 
+use super::labels::label_rows;
 use super::rows::{decode, ts_micros};
 use super::{Last, SqlRunStore};
 use crate::store::{
@@ -49,6 +50,7 @@ impl SqlRunStore {
         .bind(&run.trace_id)
         .bind(run.encode_to_vec());
         let appended = appends(run, events);
+        let labels = label_rows(run);
         let created = self
             .db
             .write::<_, StoreError, _>(move |tx| {
@@ -94,6 +96,9 @@ impl SqlRunStore {
                         }
                     }
                     tx.execute(insert).await?;
+                    for insert in labels {
+                        tx.execute(insert).await?;
+                    }
                     write_appends(tx, appended, None).await?;
                     Ok(Created::New)
                 })

@@ -26,13 +26,16 @@
 //!
 //! The store's code is split by concern: this module holds the store, its memory of
 //! the runs it committed and the [`RunStore`] implementation; `commit` writes runs and
-//! what a commit appends, `read` reads runs and their events, `leases` claims, renews
-//! and releases runs, `commands` keeps the commands for runs, `events` watches the event tables for other processes' commits
-//! and keeps the relay's cursor, and `rows` decodes stored rows.
+//! what a commit appends, `read` reads runs (pages of them through the filters of
+//! ListRuns) and their events, `labels` keeps the rows of run labels those filters read,
+//! `leases` claims, renews and releases runs, `commands` keeps the commands for runs,
+//! `events` watches the event tables for other processes' commits and keeps the relay's
+//! cursor, and `rows` decodes stored rows.
 
 mod commands;
 mod commit;
 mod events;
+mod labels;
 mod leases;
 mod read;
 mod rows;
@@ -51,7 +54,7 @@ use self::commit::latest_revision;
 use self::events::{ends, poll};
 use self::rows::{decode, narrow};
 use crate::store::{
-    CommandDone, Committed, Created, Events, IdempotencyKey, Page, RunCommand, RunStore,
+    CommandDone, Committed, Created, Events, IdempotencyKey, Page, RunCommand, RunFilter, RunStore,
     StoreError, is_terminal,
 };
 
@@ -149,10 +152,20 @@ impl SqlRunStore {
     /// called inside a Tokio runtime: it starts the poll that reports other processes'
     /// commits to subscribers, from the current end of the event tables.
     ///
+    /// The first open after the migration that added `run_labels` copies the labels of
+    /// the runs stored before it into that table, so ListRuns' label filter finds them.
+    ///
     /// # Errors
     ///
-    /// [`StoreError::Backend`] when the database cannot be read.
+    /// [`StoreError::Backend`] when the database cannot be read or written.
     pub async fn open(db: Database) -> Result<Self, StoreError> {
+        let copied = labels::backfill(&db).await?;
+        if copied > 0 {
+            tracing::info!(
+                runs = copied,
+                "labels of runs stored before run_labels copied"
+            );
+        }
         let (events_after, outbox_after) = ends(&db).await?;
         let notify = broadcast::channel(4096).0;
         let poller = tokio::spawn(poll(db.clone(), notify.clone(), events_after, outbox_after));
@@ -335,11 +348,11 @@ impl RunStore for SqlRunStore {
     async fn list(
         &self,
         tenant: &str,
-        states: &[i32],
+        filter: &RunFilter,
         page_size: usize,
         after: Option<&str>,
     ) -> Result<Page, StoreError> {
-        self.list_runs(tenant, states, page_size, after).await
+        self.list_runs(tenant, filter, page_size, after).await
     }
 
     async fn run_events(&self, run_id: &str, after: u64) -> Result<Vec<v1::RunEvent>, StoreError> {

@@ -1,11 +1,12 @@
 //! Reading runs, their pages and their events.
 
 use convene_proto::v1;
-use convene_store::{Statement, placeholders, sql};
+use convene_store::time::micros;
+use convene_store::{Arg, Statement, placeholders, sql};
 
 use super::SqlRunStore;
 use super::rows::decode;
-use crate::store::{Page, StoreError};
+use crate::store::{Page, RunFilter, StoreError};
 
 impl SqlRunStore {
     pub(super) async fn read_run(&self, run_id: &str) -> Result<Option<v1::Run>, StoreError> {
@@ -28,37 +29,16 @@ impl SqlRunStore {
     pub(super) async fn list_runs(
         &self,
         tenant: &str,
-        states: &[i32],
+        filter: &RunFilter,
         page_size: usize,
         after: Option<&str>,
     ) -> Result<Page, StoreError> {
-        let mut text = String::from("SELECT body FROM runs WHERE tenant = $1");
-        let mut args: Vec<String> = vec![tenant.to_owned()];
-        if let Some(cursor) = after {
-            args.push(cursor.to_owned());
-            text.push_str(&format!(" AND run_id < ${}", args.len()));
-        }
-        if !states.is_empty() {
-            let first = args.len() + 1;
-            text.push_str(&format!(
-                " AND state IN ({})",
-                placeholders(first, states.len())
-            ));
-        }
         // One more than asked tells whether another page exists.
         let limit = i64::try_from(page_size.saturating_add(1)).unwrap_or(i64::MAX);
-        text.push_str(&format!(
-            " ORDER BY run_id DESC LIMIT ${}",
-            args.len() + states.len() + 1
-        ));
-        let mut statement = Statement::built(text);
-        for a in args {
-            statement = statement.bind(a);
-        }
-        for s in states {
-            statement = statement.bind(*s);
-        }
-        let rows = self.db.fetch_all(statement.bind(limit)).await?;
+        let rows = self
+            .db
+            .fetch_all(list_statement(tenant, filter, after, limit))
+            .await?;
         let mut runs = rows
             .iter()
             .map(|r| decode::<v1::Run>(r, "runs"))
@@ -111,4 +91,51 @@ impl SqlRunStore {
         let rows = self.db.fetch_all(statement).await?;
         rows.iter().map(|r| decode(r, "outbox")).collect()
     }
+}
+
+/// The page of `tenant`'s runs after `after` that meet `filter`, newest first, at most
+/// `limit` of them. Every condition is part of the statement, so the database skips
+/// what does not match before the limit counts. The rows are read along
+/// `runs_by_tenant` (newest first, stopping once the page is full); each label asked
+/// for is one lookup of the run's row in `run_labels`.
+fn list_statement(tenant: &str, filter: &RunFilter, after: Option<&str>, limit: i64) -> Statement {
+    let mut text = String::from("SELECT body FROM runs WHERE tenant = $1");
+    let mut args: Vec<Arg> = vec![tenant.into()];
+    if let Some(cursor) = after {
+        let n = next(&mut args, cursor);
+        text.push_str(&format!(" AND run_id < ${n}"));
+    }
+    if !filter.states.is_empty() {
+        text.push_str(&format!(
+            " AND state IN ({})",
+            placeholders(args.len() + 1, filter.states.len())
+        ));
+        args.extend(filter.states.iter().map(|s| Arg::from(*s)));
+    }
+    if let Some(t) = filter.created_after {
+        let n = next(&mut args, micros(t));
+        text.push_str(&format!(" AND created_at >= ${n}"));
+    }
+    if let Some(t) = filter.created_before {
+        let n = next(&mut args, micros(t));
+        text.push_str(&format!(" AND created_at < ${n}"));
+    }
+    for (key, value) in &filter.labels {
+        let k = next(&mut args, key);
+        let v = next(&mut args, value);
+        text.push_str(&format!(
+            " AND EXISTS (SELECT 1 FROM run_labels l WHERE l.run_id = runs.run_id \
+             AND l.key = ${k} AND l.value = ${v})"
+        ));
+    }
+    let n = next(&mut args, limit);
+    text.push_str(&format!(" ORDER BY run_id DESC LIMIT ${n}"));
+    args.into_iter()
+        .fold(Statement::built(text), Statement::bind)
+}
+
+/// Adds `arg` after the arguments bound so far; the number of its placeholder.
+fn next(args: &mut Vec<Arg>, arg: impl Into<Arg>) -> usize {
+    args.push(arg.into());
+    args.len()
 }

@@ -1,7 +1,9 @@
 //! The `RunStore` contract, on every store: in memory, a SQLite file, and PostgreSQL
 //! when `CONVENE_TEST_POSTGRES_URL` names a server. Plus what only the SQL store does:
 //! the delegation ledger, join decision rows, relay cursors and other processes'
-//! commits reaching subscribers.
+//! commits reaching subscribers. Listing by label and time is in `filters`.
+
+mod filters;
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
@@ -11,7 +13,8 @@ use convene_core::time::to_timestamp;
 use convene_proto::v1;
 use convene_store::test_util::{TestDatabase, test_databases};
 use convene_supervisor::store::{
-    CommandDone, CommandKind, Created, Events, IdempotencyKey, RunCommand, RunStore, StoreError,
+    CommandDone, CommandKind, Created, Events, IdempotencyKey, RunCommand, RunFilter, RunStore,
+    StoreError,
 };
 use convene_supervisor::{MemoryStore, SqlRunStore};
 
@@ -109,6 +112,14 @@ fn next(run: &v1::Run, state: v1::RunState) -> v1::Run {
     }
 }
 
+/// A filter of these states only.
+fn in_states(states: &[v1::RunState]) -> RunFilter {
+    RunFilter {
+        states: states.iter().map(|s| *s as i32).collect(),
+        ..RunFilter::default()
+    }
+}
+
 async fn create(store: &dyn RunStore, run: &v1::Run) {
     let created = store
         .create(run, None, &events(run, 1, "started"))
@@ -133,30 +144,33 @@ async fn runs_are_listed_per_tenant_newest_first_in_pages() {
         create(store, &new_run("globex")).await;
         let newest_first: Vec<String> = acme.iter().rev().map(|r| r.run_id.clone()).collect();
 
-        let first = store.list("acme", &[], 2, None).await.unwrap();
+        let first = store
+            .list("acme", &RunFilter::default(), 2, None)
+            .await
+            .unwrap();
         let ids = |p: &[v1::Run]| p.iter().map(|r| r.run_id.clone()).collect::<Vec<_>>();
         assert_eq!(ids(&first.runs), newest_first[..2], "{}", s.label);
         let second = store
-            .list("acme", &[], 2, first.next.as_deref())
+            .list("acme", &RunFilter::default(), 2, first.next.as_deref())
             .await
             .unwrap();
         assert_eq!(ids(&second.runs), newest_first[2..4], "{}", s.label);
         let third = store
-            .list("acme", &[], 2, second.next.as_deref())
+            .list("acme", &RunFilter::default(), 2, second.next.as_deref())
             .await
             .unwrap();
         assert_eq!(ids(&third.runs), newest_first[4..], "{}", s.label);
         assert_eq!(third.next, None, "{}", s.label);
 
         let done = store
-            .list("acme", &[v1::RunState::Succeeded as i32], 10, None)
+            .list("acme", &in_states(&[v1::RunState::Succeeded]), 10, None)
             .await
             .unwrap();
         assert_eq!(ids(&done.runs), [acme[1].run_id.clone()], "{}", s.label);
         let open = store
             .list(
                 "acme",
-                &[v1::RunState::Running as i32, v1::RunState::Pending as i32],
+                &in_states(&[v1::RunState::Running, v1::RunState::Pending]),
                 10,
                 None,
             )
@@ -186,7 +200,7 @@ async fn runs_are_listed_per_tenant_newest_first_in_pages() {
         );
         assert!(
             store
-                .list("initech", &[], 10, None)
+                .list("initech", &RunFilter::default(), 10, None)
                 .await
                 .unwrap()
                 .runs
@@ -444,7 +458,11 @@ async fn fifty_concurrent_starts_with_one_key_store_one_run() {
             "{}: every other start returns it: {existing:?}",
             s.label
         );
-        let listed = s.store.list("acme", &[], 100, None).await.unwrap();
+        let listed = s
+            .store
+            .list("acme", &RunFilter::default(), 100, None)
+            .await
+            .unwrap();
         assert_eq!(listed.runs.len(), 1, "{}", s.label);
         assert_eq!(
             s.store.cloud_events(None, 100).await.unwrap().len(),

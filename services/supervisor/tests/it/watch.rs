@@ -15,7 +15,8 @@ use convene_proto::v1::supervisor_server::Supervisor as _;
 use convene_proto::v1::{self, run_event::Kind};
 use convene_server::Shutdown;
 use convene_supervisor::store::{
-    CommandDone, Committed, Created, Events, IdempotencyKey, Page, RunCommand, RunStore, StoreError,
+    CommandDone, Committed, Created, Events, IdempotencyKey, Page, RunCommand, RunFilter, RunStore,
+    StoreError,
 };
 use convene_supervisor::{Config, MemoryStore, MeshConnector, Parts};
 use futures::StreamExt as _;
@@ -48,11 +49,11 @@ impl RunStore for Counting {
     async fn list(
         &self,
         tenant: &str,
-        states: &[i32],
+        filter: &RunFilter,
         page_size: usize,
         after: Option<&str>,
     ) -> Result<Page, StoreError> {
-        self.inner.list(tenant, states, page_size, after).await
+        self.inner.list(tenant, filter, page_size, after).await
     }
     async fn run_events(&self, run_id: &str, after: u64) -> Result<Vec<v1::RunEvent>, StoreError> {
         self.run_reads.fetch_add(1, Ordering::SeqCst);

@@ -1,6 +1,6 @@
 //! A run's life after it started: its tokens revoked when it finishes, progress held
-//! back for one commit (and committed at shutdown), and StartRun calls that wait for the
-//! run's end.
+//! back for one commit (and committed at shutdown), StartRun calls that wait for the
+//! run's end, and finding runs again with ListRuns' filters.
 
 use std::collections::BTreeSet;
 use std::time::Duration;
@@ -388,4 +388,199 @@ async fn a_waiting_start_run_answers_unavailable_when_the_supervisor_shuts_down(
         "{}",
         status.message()
     );
+}
+
+/// One ListRuns call as `who`.
+async fn list_runs_as(
+    mesh: &TestMesh,
+    who: &str,
+    req: v1::ListRunsRequest,
+) -> Result<v1::ListRunsResponse, tonic::Status> {
+    mesh.supervisor()
+        .list_runs(request(req, &mesh.credential(who)))
+        .await
+        .map(tonic::Response::into_inner)
+}
+
+/// Every page ListRuns answers to `req`, as run ids, following next_page_token with the
+/// same filters.
+async fn listed_pages(
+    mesh: &TestMesh,
+    who: &str,
+    mut req: v1::ListRunsRequest,
+) -> Vec<Vec<String>> {
+    let mut pages = Vec::new();
+    loop {
+        let page = list_runs_as(mesh, who, req.clone())
+            .await
+            .expect("ListRuns");
+        pages.push(page.runs.iter().map(|r| r.run_id.clone()).collect());
+        if page.next_page_token.is_empty() || pages.len() > 10 {
+            return pages;
+        }
+        req.page_token = page.next_page_token;
+    }
+}
+
+/// ListRuns keeps the runs whose labels, state and creation time match, page by page,
+/// within the caller's tenant; filters it cannot apply are refused naming the field.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn list_runs_filters_by_label_state_and_time() {
+    let mesh = TestMesh::start(Mode::InProcess, MeshOptions::default()).await;
+    let labelled = |incident: &str, service: &str| {
+        let mut spec = example_spec();
+        spec.idempotency_key.clear();
+        spec.labels = [("incident", incident), ("service", service)]
+            .into_iter()
+            .map(|(k, v)| (k.to_owned(), v.to_owned()))
+            .collect();
+        spec
+    };
+    // One after the other, so their creation times are in this order.
+    let mut runs = Vec::new();
+    for (incident, service) in [
+        ("INC-1", "payment-api"),
+        ("INC-2", "payment-api"),
+        ("INC-1", "ledger"),
+        ("INC-1", "payment-api"),
+        ("INC-1", "payment-api"),
+    ] {
+        let started = mesh
+            .start_run(ONCALL, labelled(incident, service))
+            .await
+            .expect("StartRun");
+        runs.push(started.run.expect("run"));
+    }
+    let other = mesh
+        .start_run("analyst@globex", labelled("INC-1", "payment-api"))
+        .await
+        .expect("another tenant's StartRun")
+        .run
+        .expect("run");
+    for run in &runs {
+        mesh.wait_terminal(ONCALL, &run.run_id, LIMIT).await;
+    }
+    mesh.wait_terminal("analyst@globex", &other.run_id, LIMIT)
+        .await;
+    // The example stops waiting for input; cancel one of them.
+    mesh.supervisor()
+        .cancel_run(request(
+            v1::CancelRunRequest {
+                run_id: runs[3].run_id.clone(),
+                reason: "duplicate".to_owned(),
+            },
+            &mesh.credential(ONCALL),
+        ))
+        .await
+        .expect("CancelRun");
+    let id = |i: usize| runs[i].run_id.clone();
+    let created = |i: usize| runs[i].created_at;
+    let waiting = mesh.get_run(ONCALL, &id(0)).await.state;
+    assert_eq!(waiting, v1::RunState::WaitingInput as i32);
+    wait_for("the run to be cancelled", LIMIT, async || {
+        let run = mesh.get_run(ONCALL, &id(3)).await;
+        if run.state == v1::RunState::Cancelled as i32 {
+            Ok(())
+        } else {
+            Err(run)
+        }
+    })
+    .await;
+
+    let incident = |labels: &[(&str, &str)]| v1::ListRunsRequest {
+        page_size: 1,
+        labels: labels
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect(),
+        ..Default::default()
+    };
+    let inc1_payment = incident(&[("incident", "INC-1"), ("service", "payment-api")]);
+    assert_eq!(
+        listed_pages(&mesh, ONCALL, inc1_payment.clone()).await,
+        [vec![id(4)], vec![id(3)], vec![id(0)]],
+        "every label must match, newest first, a run a page"
+    );
+    assert_eq!(
+        listed_pages(
+            &mesh,
+            ONCALL,
+            v1::ListRunsRequest {
+                states: vec![v1::RunState::WaitingInput as i32],
+                ..inc1_payment.clone()
+            }
+        )
+        .await,
+        [vec![id(4)], vec![id(0)]],
+        "labels and state"
+    );
+    // From the second run's creation (inclusive) to the last one's (exclusive).
+    assert_eq!(
+        listed_pages(
+            &mesh,
+            ONCALL,
+            v1::ListRunsRequest {
+                page_size: 2,
+                states: vec![v1::RunState::WaitingInput as i32],
+                created_after: created(1),
+                created_before: created(4),
+                labels: [("incident".to_owned(), "INC-1".to_owned())].into(),
+                ..Default::default()
+            }
+        )
+        .await,
+        [vec![id(2)]],
+        "labels, state and time window"
+    );
+    assert_eq!(
+        listed_pages(
+            &mesh,
+            ONCALL,
+            v1::ListRunsRequest {
+                created_after: created(3),
+                ..inc1_payment.clone()
+            }
+        )
+        .await,
+        [vec![id(4)], vec![id(3)]],
+    );
+    // The other tenant's run with the same labels is its own.
+    assert_eq!(
+        listed_pages(&mesh, "analyst@globex", inc1_payment.clone()).await,
+        [vec![other.run_id.clone()]]
+    );
+
+    let too_many = v1::ListRunsRequest {
+        labels: (0..17).map(|i| (format!("k{i}"), "v".to_owned())).collect(),
+        ..Default::default()
+    };
+    let empty_key = incident(&[("", "INC-1")]);
+    let backwards = v1::ListRunsRequest {
+        created_after: created(4),
+        created_before: created(1),
+        ..Default::default()
+    };
+    let bad_time = v1::ListRunsRequest {
+        created_before: Some(prost_types::Timestamp {
+            seconds: 1,
+            nanos: -5,
+        }),
+        ..Default::default()
+    };
+    for (req, field) in [
+        (too_many, "labels"),
+        (empty_key, "labels"),
+        (backwards, "created_after"),
+        (bad_time, "created_before"),
+    ] {
+        let status = list_runs_as(&mesh, ONCALL, req)
+            .await
+            .expect_err("an invalid filter");
+        assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
+        assert!(
+            status.message().starts_with(&format!("invalid {field}: ")),
+            "{}",
+            status.message()
+        );
+    }
 }
