@@ -18,6 +18,14 @@ use crate::policy_file::{Policy, Principal};
 /// The metadata key carrying the credential.
 pub const AUTHORIZATION: &str = "authorization";
 
+/// The metadata key with which a trusted front end (the operator console) names the
+/// principal it acts for. Only a principal holding [`ACT_AS_ROLE`] may send it; the call
+/// is then checked as that principal's own: its tenant, its roles.
+pub const ACT_AS: &str = "x-convene-act-as";
+
+/// The role that lets a principal act for another ([`ACT_AS`]).
+pub const ACT_AS_ROLE: &str = "principals:act-as";
+
 /// The authenticated caller of an RPC.
 #[derive(Debug, Clone)]
 pub enum Caller {
@@ -248,10 +256,27 @@ impl Authenticator {
             let claims = keys.verify(credential, SystemTime::now()).await?;
             return Ok(Caller::Task(Arc::new(claims)));
         }
-        self.policy
+        let principal = self
+            .policy
             .principal_by_credential(credential)
+            .ok_or_else(|| Status::unauthenticated("unknown credential; check the credential you were given (the policy file lists its sha256)"))?;
+        let Some(acting_for) = request.metadata().get(ACT_AS) else {
+            return Ok(Caller::Principal(Arc::new(principal.clone())));
+        };
+        if !principal.has_role(ACT_AS_ROLE) {
+            return Err(Status::permission_denied(format!(
+                "principal {} lacks role {ACT_AS_ROLE} needed to act for another principal ({ACT_AS})",
+                principal.id
+            )));
+        }
+        acting_for
+            .to_str()
+            .ok()
+            .and_then(|id| self.policy.principal(id))
             .map(|p| Caller::Principal(Arc::new(p.clone())))
-            .ok_or_else(|| Status::unauthenticated("unknown credential; check the credential you were given (the policy file lists its sha256)"))
+            .ok_or_else(|| {
+                Status::unauthenticated(format!("{ACT_AS} names no principal of the policy file"))
+            })
     }
 }
 
@@ -343,6 +368,74 @@ mod tests {
         ));
         // No certificate: nothing to check here.
         assert!(require_peer_service(&Request::new(()), "supervisor", "issue tokens").is_ok());
+    }
+
+    /// Three principals: a console that may act for others, a person, and a service
+    /// that may not.
+    fn act_as_policy() -> Authenticator {
+        use crate::policy_file::{PolicyFile, credential_hash};
+        let yaml = format!(
+            "principals:\n\
+             - {{ id: console, tenant: system, kind: service, roles: [principals:act-as], credential_sha256: [{}] }}\n\
+             - {{ id: oncall@acme, tenant: acme, kind: human, roles: [runs:read], credential_sha256: [{}] }}\n\
+             - {{ id: worker-pool, tenant: system, kind: service, roles: [workers:register], credential_sha256: [{}] }}\n",
+            credential_hash("console-secret"),
+            credential_hash("oncall-secret"),
+            credential_hash("pool-secret"),
+        );
+        let policy = PolicyFile::parse(&yaml, Some("yaml"), "test")
+            .unwrap()
+            .compile("test")
+            .unwrap();
+        Authenticator::principals_only(Arc::new(policy))
+    }
+
+    fn acting(credential: &str, for_principal: &str) -> Request<()> {
+        let mut r = request((), credential);
+        r.metadata_mut()
+            .insert(ACT_AS, for_principal.parse().unwrap());
+        r
+    }
+
+    #[tokio::test]
+    async fn only_a_principal_holding_act_as_may_act_for_another() {
+        let auth = act_as_policy();
+        // The console acting for a person is that person, tenant and roles.
+        let caller = auth
+            .authenticate(&acting("console-secret", "oncall@acme"))
+            .await
+            .unwrap();
+        assert_eq!(caller.principal_id(), "oncall@acme");
+        assert_eq!(caller.tenant(), "acme");
+        assert!(caller.require_role("runs:read", "read runs").is_ok());
+        // Without the header it is itself.
+        let itself = auth
+            .authenticate(&request((), "console-secret"))
+            .await
+            .unwrap();
+        assert_eq!(itself.principal_id(), "console");
+
+        // Anyone else sending the header is refused, naming the role.
+        for credential in ["oncall-secret", "pool-secret"] {
+            let refused = auth
+                .authenticate(&acting(credential, "console"))
+                .await
+                .unwrap_err();
+            assert_eq!(refused.code(), tonic::Code::PermissionDenied);
+            assert!(refused.message().contains(ACT_AS_ROLE), "{refused:?}");
+        }
+        // An unknown principal is not made up.
+        let unknown = auth
+            .authenticate(&acting("console-secret", "mallory@acme"))
+            .await
+            .unwrap_err();
+        assert_eq!(unknown.code(), tonic::Code::Unauthenticated);
+        // And the credential still has to be right.
+        let wrong = auth
+            .authenticate(&acting("not-a-secret", "oncall@acme"))
+            .await
+            .unwrap_err();
+        assert_eq!(wrong.code(), tonic::Code::Unauthenticated);
     }
 
     #[test]

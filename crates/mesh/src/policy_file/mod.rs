@@ -398,6 +398,11 @@ impl Policy {
             .or_else(|| self.tools.get(action).map(|t| t.risk))
     }
 
+    /// The principal `id`.
+    pub fn principal(&self, id: &str) -> Option<&Principal> {
+        self.principals.get(id)
+    }
+
     /// The principal owning a bearer credential.
     pub fn principal_by_credential(&self, credential: &str) -> Option<&Principal> {
         let hash = credential_hash(credential);
