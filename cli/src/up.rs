@@ -203,6 +203,9 @@ pub struct Mesh {
     pub default_principal: String,
     /// Where the A2A gateway serves, unless it is off.
     pub a2a: Option<SocketAddr>,
+    /// Whether the operator console serves beside the gateway (the policy has principal
+    /// `console`).
+    pub console: bool,
     server: tokio::task::JoinHandle<Result<(), convene_server::ServeError>>,
     gateway: Option<tokio::task::JoinHandle<Result<(), convene_gateway::Error>>>,
     workers: std::sync::Mutex<Vec<tokio::task::JoinHandle<()>>>,
@@ -556,6 +559,7 @@ pub async fn start(args: &UpArgs, data_dir: &Path, shutdown: Shutdown) -> anyhow
     let server = tokio::spawn(server.serve(listener, shutdown.clone()));
 
     // The A2A gateway, on the in-process supervisor.
+    let mut console_on = false;
     let (a2a, gateway) = match convene_gateway::bind_http(args.http_listen).await? {
         Some(http) => {
             let a2a = http.local_addr()?;
@@ -563,12 +567,31 @@ pub async fn start(args: &UpArgs, data_dir: &Path, shutdown: Shutdown) -> anyhow
                 || format!("{}://{a2a}", scheme()),
                 |url| url.trim_end_matches('/').to_owned(),
             );
+            // The operator console acts with principal `console`'s development
+            // credential, when the policy has that principal.
+            let console = policy
+                .principal(convene_gateway::config::CONSOLE_PRINCIPAL)
+                .map(|_| {
+                    convene_mesh::policy_file::dev_credential(
+                        &data_dir.join(convene_server::CREDENTIALS_DIR),
+                        convene_gateway::config::CONSOLE_PRINCIPAL,
+                    )
+                })
+                .transpose()
+                .context("reading the console's development credential")?
+                .map(|credential| convene_gateway::ConsoleSettings {
+                    credential,
+                    session_ttl: convene_gateway::console::DEFAULT_SESSION_TTL,
+                    jaeger_url: std::env::var("CONVENE_JAEGER_URL").ok(),
+                });
+            console_on = console.is_some();
             let app = convene_gateway::build(
                 Arc::new(supervisor.clone()),
                 policy.clone(),
                 &gateway_templates,
                 gateway_database,
                 &base,
+                console,
             );
             let served = tokio::spawn(convene_gateway::serve_http(http, app, shutdown.clone()));
             (Some(a2a), Some(served))
@@ -591,6 +614,7 @@ pub async fn start(args: &UpArgs, data_dir: &Path, shutdown: Shutdown) -> anyhow
         supervisor,
         default_principal,
         a2a,
+        console: console_on,
         server,
         gateway,
         workers: std::sync::Mutex::new(workers),
@@ -624,6 +648,11 @@ pub async fn run(args: UpArgs, data_dir: &Path) -> anyhow::Result<()> {
             "convene up: A2A gateway on {}://{a2a} (Agent Card: {base}/.well-known/agent-card.json)",
             scheme()
         );
+        if mesh.console {
+            println!(
+                "convene up: operator console at {base}/console/ (sign in with a principal's credential)"
+            );
+        }
     }
     if let Some(endpoint) = telemetry.exporting_to() {
         println!("convene up: exporting traces over OTLP to {endpoint}");

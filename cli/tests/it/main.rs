@@ -7,6 +7,7 @@ mod approvals;
 mod bench;
 mod cli;
 mod clients;
+mod console;
 mod durable;
 mod isolation;
 mod mesh;

@@ -11,6 +11,7 @@ use std::fmt;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::str::FromStr;
+use std::time::Duration;
 
 use convene_mesh::policy_file::{Policy, PolicySource};
 use convene_server::{ServerSettings, ServiceCommon};
@@ -23,6 +24,9 @@ pub const DEFAULT_PORT: u16 = 7405;
 /// Where A2A is served by default.
 pub const DEFAULT_HTTP_LISTEN: SocketAddr =
     SocketAddr::new(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST), 7480);
+
+/// The principal whose development credential the console acts with by default.
+pub const CONSOLE_PRINCIPAL: &str = "console";
 
 /// Where the supervisor is by default.
 pub const DEFAULT_SUPERVISOR_ENDPOINT: &str = "http://127.0.0.1:7400";
@@ -103,6 +107,15 @@ pub struct Config {
     /// Unset: the payment-incident example's, unless `policy_file` is set (then none).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub templates_file: Option<PathBuf>,
+    /// File holding the credential the operator console acts with: a principal of the
+    /// policy file holding `principals:act-as`. Unset: the development credential of
+    /// principal `console` when `dev_credentials` is on and the policy has it; else
+    /// the console is off.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub console_credential_file: Option<PathBuf>,
+    /// How long a console session lasts.
+    #[serde(with = "convene_server::config::duration")]
+    pub console_session_ttl: Duration,
 }
 
 impl Default for Config {
@@ -113,6 +126,8 @@ impl Default for Config {
             public_url: None,
             supervisor_endpoint: DEFAULT_SUPERVISOR_ENDPOINT.to_owned(),
             templates_file: None,
+            console_credential_file: None,
+            console_session_ttl: crate::console::DEFAULT_SESSION_TTL,
         }
     }
 }
@@ -137,6 +152,46 @@ impl Config {
             (None, None) => Templates::example(policy),
             (None, Some(_)) => Ok(Templates::default()),
         }
+    }
+
+    /// The console's settings: its credential from `console_credential_file`, else the
+    /// development credential of principal [`CONSOLE_PRINCIPAL`] (when development
+    /// credentials are on and the policy has that principal); None: no console. Its
+    /// links to a run's trace go to Jaeger at `CONVENE_JAEGER_URL`, which the `convene`
+    /// client commands read too, when that variable is set.
+    ///
+    /// # Errors
+    ///
+    /// [`crate::Error::ConsoleCredential`] when the file cannot be read.
+    pub fn console(&self, policy: &Policy) -> Result<Option<crate::ConsoleSettings>, crate::Error> {
+        let credential = match &self.console_credential_file {
+            Some(path) => Some(
+                std::fs::read_to_string(path)
+                    .map(|s| s.trim().to_owned())
+                    .map_err(|source| crate::Error::ConsoleCredential {
+                        path: path.clone(),
+                        source,
+                    })?,
+            ),
+            None => self
+                .dev_credentials_dir()
+                .filter(|_| policy.principal(CONSOLE_PRINCIPAL).is_some())
+                .and_then(|dir| {
+                    convene_mesh::policy_file::dev_credential(&dir, CONSOLE_PRINCIPAL).ok()
+                }),
+        };
+        if credential.is_none() {
+            tracing::info!(
+                "the operator console is off: set console_credential_file to a principal's credential holding principals:act-as"
+            );
+        }
+        Ok(credential.map(|credential| crate::ConsoleSettings {
+            credential,
+            session_ttl: self.console_session_ttl,
+            jaeger_url: std::env::var("CONVENE_JAEGER_URL")
+                .ok()
+                .filter(|url| !url.trim().is_empty()),
+        }))
     }
 
     /// The base URL the card advertises: `public_url` without a trailing slash, else

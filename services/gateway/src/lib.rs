@@ -18,11 +18,15 @@
 //!
 //! The bindings are the official A2A Rust SDK's (`a2a-server-lf`), with
 //! [`handler::Gateway`] as their request handler.
+//!
+//! The same listener serves the operator console under `/console/` ([`console`]), when
+//! the gateway has a credential to act with.
 #![forbid(unsafe_code)]
 
 pub mod auth;
 pub mod card;
 pub mod config;
+pub mod console;
 pub mod convert;
 pub mod handler;
 pub mod tasks;
@@ -64,6 +68,16 @@ pub enum Error {
     Bind {
         /// The address.
         addr: SocketAddr,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// The console's credential file cannot be read.
+    #[error(
+        "cannot read console_credential_file {path}: {source}; point it at the file holding the console principal's credential"
+    )]
+    ConsoleCredential {
+        /// The file.
+        path: std::path::PathBuf,
         /// The I/O error.
         source: std::io::Error,
     },
@@ -116,32 +130,69 @@ pub async fn serve_http(
         Some(tls) => {
             let listener =
                 convene_server::tls::TlsListener::new(listener, tls).map_err(Error::Http)?;
-            axum::serve(listener, router)
-                .with_graceful_shutdown(shutdown.wait_owned())
-                .await
-                .map_err(Error::Http)
-        }
-        None => axum::serve(listener, router)
+            axum::serve(
+                listener,
+                router.into_make_service_with_connect_info::<console::ClientAddr>(),
+            )
             .with_graceful_shutdown(shutdown.wait_owned())
             .await
-            .map_err(Error::Http),
+            .map_err(Error::Http)
+        }
+        None => axum::serve(
+            listener,
+            router.into_make_service_with_connect_info::<console::ClientAddr>(),
+        )
+        .with_graceful_shutdown(shutdown.wait_owned())
+        .await
+        .map_err(Error::Http),
     }
 }
 
+/// What the operator console needs beyond the gateway's own parts.
+#[derive(Debug, Clone)]
+pub struct ConsoleSettings {
+    /// The credential the console acts with: a principal holding `principals:act-as`.
+    pub credential: String,
+    /// How long a session lasts.
+    pub session_ttl: std::time::Duration,
+    /// Jaeger's base URL, for links to a run's trace.
+    pub jaeger_url: Option<String>,
+}
+
 /// The HTTP application of a gateway starting runs on `supervisor` from `templates`,
-/// keeping its tasks in `database` (in memory without one), advertising `base` (the
-/// public URL, no trailing slash) on its card.
+/// keeping its tasks (and the console's sessions) in `database` (in memory without
+/// one), advertising `base` (the public URL, no trailing slash) on its card; with
+/// `console`, the operator console under `/console/` too.
 pub fn build(
     supervisor: SupervisorHandle,
     policy: Arc<Policy>,
     templates: &Templates,
     database: Option<convene_store::Database>,
     base: &str,
+    console: Option<ConsoleSettings>,
 ) -> axum::Router {
     let skills = templates.ids().into_iter().map(str::to_owned).collect();
     let card = card::agent_card(templates, base);
-    let gateway = Gateway::new(supervisor, policy.clone(), TaskMap::new(database), skills);
-    router(gateway, policy, card)
+    let gateway = Gateway::new(
+        supervisor.clone(),
+        policy.clone(),
+        TaskMap::new(database.clone()),
+        skills,
+    );
+    let app = router(gateway, policy.clone(), card);
+    match console {
+        None => app,
+        Some(settings) => app.merge(console::router(Arc::new(console::Console {
+            supervisor,
+            policy,
+            credential: settings.credential,
+            sessions: console::Sessions::new(database),
+            throttle: console::Throttle::default(),
+            secure: convene_server::tls::installed().is_some_and(|t| t.server.is_some()),
+            session_ttl: settings.session_ttl,
+            jaeger_url: settings.jaeger_url,
+        }))),
+    }
 }
 
 /// The standalone gateway, as the `convene-gateway` binary runs it: A2A on
@@ -159,12 +210,14 @@ pub async fn run(config: Config, shutdown: Shutdown) -> Result<(), Error> {
     let bound = http.as_ref().and_then(|l| l.local_addr().ok());
     let templates = config.templates(&policy)?;
     let database = convene_store::open(config.database_url.as_deref(), &config.data_dir).await?;
+    let console = config.console(&policy)?;
     let app = build(
         supervisor,
         policy,
         &templates,
         database,
         &config.public_base(bound),
+        console,
     );
     let grpc = convene_server::bind(config.server.listen).await?;
     match bound {

@@ -90,7 +90,10 @@ pub fn built_binary(name: &str) -> PathBuf {
 }
 
 /// Reserved variables (no configuration key, no flag) that a binary reads itself.
-const READ_WITHOUT_FLAG: &[(&str, &str)] = &[("convene-worker", "CONVENE_MODEL")];
+const READ_WITHOUT_FLAG: &[(&str, &str)] = &[
+    ("convene-worker", "CONVENE_MODEL"),
+    ("convene-gateway", "CONVENE_JAEGER_URL"),
+];
 
 /// How a service's listeners serve, as its flags and variables say.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -1,0 +1,248 @@
+//! The operator console over real HTTP on `convene up`'s listener: no page without a
+//! session, the session cookie's flags, CSRF on state-changing forms, throttled
+//! sign-ins, and another tenant's run answered as a missing one.
+
+use reqwest::header::{COOKIE, LOCATION, RETRY_AFTER, SET_COOKIE};
+use reqwest::{Client, StatusCode, redirect::Policy};
+
+use crate::mesh::{Mesh, ONCALL};
+
+const ANALYST: &str = "analyst@globex";
+
+fn client() -> Client {
+    // The workspace's reqwest brings no crypto provider of its own.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    Client::builder()
+        .redirect(Policy::none())
+        .build()
+        .expect("an HTTP client")
+}
+
+fn credential(mesh: &Mesh, principal: &str) -> String {
+    convene_mesh::policy_file::dev_credential(&mesh.data_dir().join("credentials"), principal)
+        .expect("a development credential")
+}
+
+/// Signs in as `principal`; the `Set-Cookie` header and the cookie to send.
+async fn sign_in(mesh: &Mesh, principal: &str) -> (String, String) {
+    let response = client()
+        .post(format!("{}/console/sign-in", mesh.a2a))
+        .form(&[("credential", credential(mesh, principal))])
+        .send()
+        .await
+        .expect("sign-in answers");
+    assert_eq!(response.status(), StatusCode::SEE_OTHER);
+    assert_eq!(response.headers()[LOCATION], "/console/runs");
+    let set = response.headers()[SET_COOKIE]
+        .to_str()
+        .expect("ASCII")
+        .to_owned();
+    let cookie = set.split(';').next().expect("a cookie").to_owned();
+    (set, cookie)
+}
+
+async fn get(mesh: &Mesh, path: &str, cookie: Option<&str>) -> reqwest::Response {
+    let mut request = client().get(format!("{}{path}", mesh.a2a));
+    if let Some(cookie) = cookie {
+        request = request.header(COOKIE, cookie);
+    }
+    request.send().await.expect("the console answers")
+}
+
+/// The CSRF token in a page's forms.
+fn csrf_of(page: &str) -> String {
+    let at = page
+        .find("name=\"csrf\" value=\"")
+        .expect("a form with the CSRF token")
+        + "name=\"csrf\" value=\"".len();
+    page[at..].split('"').next().expect("a value").to_owned()
+}
+
+/// A run of the example as ONCALL; its id.
+fn a_run(mesh: &Mesh, key: &str) -> String {
+    let (run, _) = mesh.incident(key);
+    run["runId"].as_str().expect("runId").to_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_page_answers_without_a_session() {
+    let mesh = Mesh::start();
+    let run_id = a_run(&mesh, "console-unsigned");
+    for path in [
+        "/console".to_owned(),
+        "/console/".to_owned(),
+        "/console/runs".to_owned(),
+        "/console/runs?state=running".to_owned(),
+        format!("/console/runs/{run_id}"),
+    ] {
+        for cookie in [None, Some("convene_session=0123abcd")] {
+            let response = get(&mesh, &path, cookie).await;
+            assert_eq!(
+                response.status(),
+                StatusCode::SEE_OTHER,
+                "{path} {cookie:?}"
+            );
+            assert_eq!(response.headers()[LOCATION], "/console/sign-in", "{path}");
+            let body = response.text().await.unwrap();
+            assert!(!body.contains(&run_id), "{path}: nothing of the run");
+        }
+    }
+    let response = client()
+        .post(format!("{}/console/sign-out", mesh.a2a))
+        .form(&[("csrf", "x")])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::SEE_OTHER);
+    assert_eq!(response.headers()[LOCATION], "/console/sign-in");
+
+    // The form itself answers, labelled.
+    let form = get(&mesh, "/console/sign-in", None).await;
+    assert_eq!(form.status(), StatusCode::OK);
+    let form = form.text().await.unwrap();
+    assert!(form.contains("<label for=\"credential\">"), "{form}");
+    assert!(form.contains("id=\"credential\""), "{form}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_cookie_is_http_only_strict_and_expires_and_shows_the_runs() {
+    let mesh = Mesh::start();
+    let run_id = a_run(&mesh, "console-signed");
+    let (set, cookie) = sign_in(&mesh, ONCALL).await;
+    for flag in [
+        "HttpOnly",
+        "SameSite=Strict",
+        "Path=/console",
+        "Max-Age=28800",
+    ] {
+        assert!(set.contains(flag), "{flag} in {set}");
+    }
+    assert!(!set.contains("Secure"), "plaintext listener: {set}");
+    assert!(!set.contains(&credential(&mesh, ONCALL)), "{set}");
+
+    let list = get(&mesh, "/console/runs", Some(&cookie)).await;
+    assert_eq!(list.status(), StatusCode::OK);
+    let list = list.text().await.unwrap();
+    assert!(list.contains(&run_id), "{list}");
+    assert!(
+        list.contains("Signed in as <strong>oncall@acme</strong>"),
+        "{list}"
+    );
+
+    // Filters: a state the run is not in hides it.
+    let none = get(&mesh, "/console/runs?state=succeeded", Some(&cookie)).await;
+    assert!(!none.text().await.unwrap().contains(&run_id));
+    let bad = get(&mesh, "/console/runs?label=nokeyvalue", Some(&cookie)).await;
+    assert_eq!(bad.status(), StatusCode::BAD_REQUEST);
+
+    // The run page: its delegations and the conflict with both sides.
+    let page = get(&mesh, &format!("/console/runs/{run_id}"), Some(&cookie)).await;
+    assert_eq!(page.status(), StatusCode::OK);
+    let page = page.text().await.unwrap();
+    for part in [
+        "Delegations",
+        "logs-investigator",
+        "Conflict: primary_cause",
+        "waiting input",
+        "CONFLICT_REQUIRES_HUMAN",
+    ] {
+        assert!(page.contains(part), "{part} in {page}");
+    }
+    assert!(page.matches("class=\"side\"").count() >= 2, "{page}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_tenants_run_is_not_found_as_a_missing_one() {
+    let mesh = Mesh::start();
+    let run_id = a_run(&mesh, "console-tenants");
+    let (_, cookie) = sign_in(&mesh, ANALYST).await;
+    let theirs = get(&mesh, &format!("/console/runs/{run_id}"), Some(&cookie)).await;
+    assert_eq!(theirs.status(), StatusCode::NOT_FOUND);
+    let made_up = "0190a1b2-c3d4-7e5f-8a9b-0c1d2e3f4a5b";
+    let missing = get(&mesh, &format!("/console/runs/{made_up}"), Some(&cookie)).await;
+    assert_eq!(missing.status(), StatusCode::NOT_FOUND);
+    assert_eq!(
+        theirs.text().await.unwrap().replace(&run_id, "RUN"),
+        missing.text().await.unwrap().replace(made_up, "RUN")
+    );
+    let list = get(&mesh, "/console/runs", Some(&cookie)).await;
+    assert_eq!(list.status(), StatusCode::OK);
+    assert!(!list.text().await.unwrap().contains(&run_id));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_form_without_the_sessions_csrf_token_is_refused() {
+    let mesh = Mesh::start();
+    let (_, cookie) = sign_in(&mesh, ONCALL).await;
+    let page = get(&mesh, "/console/runs", Some(&cookie))
+        .await
+        .text()
+        .await
+        .unwrap();
+    let csrf = csrf_of(&page);
+    let sign_out = |form: Vec<(&'static str, String)>| {
+        client()
+            .post(format!("{}/console/sign-out", mesh.a2a))
+            .header(COOKIE, cookie.clone())
+            .form(&form)
+            .send()
+    };
+    for form in [
+        vec![],
+        vec![("csrf", String::new())],
+        vec![("csrf", "0".repeat(64))],
+    ] {
+        let refused = sign_out(form).await.unwrap();
+        assert_eq!(refused.status(), StatusCode::FORBIDDEN);
+        assert!(refused.headers().get(SET_COOKIE).is_none());
+    }
+    // Still signed in.
+    assert_eq!(
+        get(&mesh, "/console/runs", Some(&cookie)).await.status(),
+        StatusCode::OK
+    );
+    let out = sign_out(vec![("csrf", csrf)]).await.unwrap();
+    assert_eq!(out.status(), StatusCode::SEE_OTHER);
+    assert!(
+        out.headers()[SET_COOKIE]
+            .to_str()
+            .unwrap()
+            .contains("Max-Age=0")
+    );
+    // The session is over on the server too: the old cookie no longer works.
+    let after = get(&mesh, "/console/runs", Some(&cookie)).await;
+    assert_eq!(after.status(), StatusCode::SEE_OTHER);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failed_sign_ins_are_throttled_and_roles_are_checked() {
+    let mesh = Mesh::start();
+    let attempt = |credential: String| {
+        client()
+            .post(format!("{}/console/sign-in", mesh.a2a))
+            .form(&[("credential", credential)])
+            .send()
+    };
+    // A principal that may not view runs is told which role it lacks.
+    let workers = attempt(credential(&mesh, "worker-pool")).await.unwrap();
+    assert_eq!(workers.status(), StatusCode::FORBIDDEN);
+    assert!(workers.text().await.unwrap().contains("runs:read"));
+
+    for _ in 0..5 {
+        let wrong = attempt("not-a-credential".to_owned()).await.unwrap();
+        assert_eq!(wrong.status(), StatusCode::UNAUTHORIZED);
+        assert!(wrong.headers().get(SET_COOKIE).is_none());
+    }
+    let throttled = attempt("not-a-credential".to_owned()).await.unwrap();
+    assert_eq!(throttled.status(), StatusCode::TOO_MANY_REQUESTS);
+    let wait: u64 = throttled.headers()[RETRY_AFTER]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!((1..=300).contains(&wait), "{wait}");
+    // Even the right credential waits now: nothing tells a guesser it was right.
+    let right = attempt(credential(&mesh, ONCALL)).await.unwrap();
+    assert_eq!(right.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert!(right.headers().get(SET_COOKIE).is_none());
+}

@@ -1,0 +1,486 @@
+//! The operator console under `/console/`, on the gateway's HTTP listener: people sign
+//! in with the credential they call the API with and look at runs in a browser.
+//!
+//! - **Sessions** ([`sessions`]): a sign-in opens a session stored in the database; the
+//!   browser gets an HttpOnly, SameSite=Strict cookie scoped to `/console` with the
+//!   session's expiry (Secure when served over TLS). Failed sign-ins are throttled per
+//!   client address ([`throttle`]). State-changing forms carry the session's CSRF
+//!   token; a request without it is refused (403).
+//! - **Acting for a person**: the console calls the mesh with its own credential (a
+//!   principal holding `principals:act-as`) and names the signed-in principal in
+//!   `x-convene-act-as` metadata ([`convene_mesh::auth::ACT_AS`]); each service then
+//!   checks that principal's tenant and roles as for its own call. Viewing needs
+//!   `runs:read`. No credential of a person is stored.
+//! - **Pages** ([`pages`]): server-rendered HTML, readable without JavaScript.
+//!   Without a session every page redirects to the sign-in form; another tenant's run
+//!   is "not found", as one that does not exist.
+
+pub mod pages;
+pub mod sessions;
+pub mod throttle;
+
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+use axum::Form;
+use axum::Router;
+use axum::extract::connect_info::{ConnectInfo, Connected};
+use axum::extract::{FromRequestParts, Path, Query, State};
+use axum::http::request::Parts;
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Redirect, Response};
+use axum::routing::{get, post};
+use convene_mesh::auth::{ACT_AS, request};
+use convene_mesh::handles::SupervisorHandle;
+use convene_mesh::policy_file::Policy;
+use convene_proto::v1;
+use maud::Markup;
+use tonic::Code;
+
+pub use sessions::{Session, Sessions};
+pub use throttle::Throttle;
+
+/// The session cookie's name.
+pub const COOKIE: &str = "convene_session";
+/// The role viewing the console needs.
+pub const VIEW_ROLE: &str = "runs:read";
+/// How long a session lasts by default.
+pub const DEFAULT_SESSION_TTL: Duration = Duration::from_secs(8 * 3600);
+/// Runs per page of the runs list.
+const PAGE_SIZE: u32 = 50;
+
+/// What the console serves with.
+pub struct Console {
+    /// The supervisor it reads runs from.
+    pub supervisor: SupervisorHandle,
+    /// The principals people sign in as.
+    pub policy: Arc<Policy>,
+    /// The console's own credential: a principal with `principals:act-as`.
+    pub credential: String,
+    /// Where sessions are kept.
+    pub sessions: Sessions,
+    /// Failed sign-ins per client address.
+    pub throttle: Throttle,
+    /// Whether the listener serves TLS (the cookie is then `Secure`).
+    pub secure: bool,
+    /// How long a session lasts.
+    pub session_ttl: Duration,
+    /// Jaeger's base URL, for links to a run's trace (`CONVENE_JAEGER_URL`).
+    pub jaeger_url: Option<String>,
+}
+
+impl std::fmt::Debug for Console {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Console")
+            .field("secure", &self.secure)
+            .field("session_ttl", &self.session_ttl)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The address a connection came from, for the sign-in throttle.
+#[derive(Debug, Clone, Copy)]
+pub struct ClientAddr(pub SocketAddr);
+
+impl Connected<axum::serve::IncomingStream<'_, tokio::net::TcpListener>> for ClientAddr {
+    fn connect_info(stream: axum::serve::IncomingStream<'_, tokio::net::TcpListener>) -> Self {
+        Self(*stream.remote_addr())
+    }
+}
+
+impl Connected<axum::serve::IncomingStream<'_, convene_server::tls::TlsListener>> for ClientAddr {
+    fn connect_info(
+        stream: axum::serve::IncomingStream<'_, convene_server::tls::TlsListener>,
+    ) -> Self {
+        Self(*stream.remote_addr())
+    }
+}
+
+fn now_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+}
+
+/// A page with its status.
+fn page(status: StatusCode, markup: Markup) -> Response {
+    (status, markup).into_response()
+}
+
+/// The console's routes, all under `/console`.
+pub fn router(console: Arc<Console>) -> Router {
+    Router::new()
+        .route("/console", get(home))
+        .route("/console/", get(home))
+        .route("/console/sign-in", get(sign_in_form).post(sign_in))
+        .route("/console/sign-out", post(sign_out))
+        .route("/console/runs", get(runs))
+        .route("/console/runs/{run_id}", get(run))
+        .route("/console/assets/console.css", get(stylesheet))
+        .with_state(console)
+}
+
+/// A signed-in request: the session of its cookie, still open, of a principal that
+/// still holds the viewing role. Without one, the request is sent to the sign-in form.
+pub struct Signed {
+    /// The session.
+    pub session: Session,
+    /// The cookie's token.
+    pub token: String,
+}
+
+/// Why a request has no session.
+pub enum NotSigned {
+    /// No session: to the sign-in form.
+    SignIn,
+    /// The sessions cannot be read.
+    Unavailable,
+}
+
+impl IntoResponse for NotSigned {
+    fn into_response(self) -> Response {
+        match self {
+            NotSigned::SignIn => Redirect::to("/console/sign-in").into_response(),
+            NotSigned::Unavailable => page(
+                StatusCode::SERVICE_UNAVAILABLE,
+                pages::problem(
+                    "Unavailable",
+                    "The console cannot read its sessions now; try again in a moment.",
+                    None,
+                ),
+            ),
+        }
+    }
+}
+
+/// The session token in a request's cookies.
+fn cookie_token(headers: &HeaderMap) -> Option<String> {
+    headers
+        .get_all(header::COOKIE)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(';'))
+        .filter_map(|pair| pair.trim().split_once('='))
+        .find(|(name, _)| *name == COOKIE)
+        .map(|(_, value)| value.to_owned())
+}
+
+impl FromRequestParts<Arc<Console>> for Signed {
+    type Rejection = NotSigned;
+
+    async fn from_request_parts(
+        parts: &mut Parts,
+        console: &Arc<Console>,
+    ) -> Result<Self, Self::Rejection> {
+        let token = cookie_token(&parts.headers).ok_or(NotSigned::SignIn)?;
+        let session = console
+            .sessions
+            .get(&token, now_ms())
+            .await
+            .map_err(|e| {
+                tracing::error!(error = %e, "console sessions cannot be read");
+                NotSigned::Unavailable
+            })?
+            .ok_or(NotSigned::SignIn)?;
+        // The policy may have changed since: the principal must still be there and see.
+        let still = console
+            .policy
+            .principal(&session.principal)
+            .is_some_and(|p| p.tenant == session.tenant && p.has_role(VIEW_ROLE));
+        if !still {
+            return Err(NotSigned::SignIn);
+        }
+        Ok(Self { session, token })
+    }
+}
+
+impl Console {
+    /// A request to the mesh acting for the session's principal.
+    fn request<T>(&self, session: &Session, message: T) -> tonic::Request<T> {
+        let mut request = request(message, &self.credential);
+        if let Ok(value) = session.principal.parse() {
+            request.metadata_mut().insert(ACT_AS, value);
+        }
+        request
+    }
+
+    /// The page for a refused call to the mesh.
+    fn refused(&self, status: &tonic::Status, session: &Session) -> Response {
+        let (code, title) = match status.code() {
+            Code::NotFound => (StatusCode::NOT_FOUND, "Not found"),
+            Code::PermissionDenied => (StatusCode::FORBIDDEN, "Not permitted"),
+            Code::InvalidArgument => (StatusCode::BAD_REQUEST, "Check the filters"),
+            Code::Unauthenticated => (StatusCode::UNAUTHORIZED, "Not signed in"),
+            _ => (StatusCode::BAD_GATEWAY, "The mesh did not answer"),
+        };
+        page(code, pages::problem(title, status.message(), Some(session)))
+    }
+
+    /// The `Set-Cookie` value of a new session.
+    fn cookie(&self, token: &str) -> String {
+        format!(
+            "{COOKIE}={token}; Path=/console; Max-Age={}; HttpOnly; SameSite=Strict{}",
+            self.session_ttl.as_secs(),
+            if self.secure { "; Secure" } else { "" }
+        )
+    }
+
+    /// The `Set-Cookie` value that ends the session in the browser.
+    fn cleared(&self) -> String {
+        format!(
+            "{COOKIE}=; Path=/console; Max-Age=0; HttpOnly; SameSite=Strict{}",
+            if self.secure { "; Secure" } else { "" }
+        )
+    }
+}
+
+async fn home(_: Signed) -> Redirect {
+    Redirect::to("/console/runs")
+}
+
+async fn stylesheet() -> impl IntoResponse {
+    (
+        [
+            (header::CONTENT_TYPE, "text/css; charset=utf-8"),
+            (header::CACHE_CONTROL, "max-age=3600"),
+        ],
+        pages::STYLESHEET,
+    )
+}
+
+async fn sign_in_form() -> Markup {
+    pages::sign_in(None)
+}
+
+/// The sign-in form's fields.
+#[derive(serde::Deserialize)]
+pub struct SignIn {
+    credential: String,
+}
+
+/// The client address a request came from, when the server recorded it.
+fn client_ip(parts: Option<ConnectInfo<ClientAddr>>) -> IpAddr {
+    parts.map_or(IpAddr::from([0, 0, 0, 0]), |ConnectInfo(ClientAddr(a))| {
+        a.ip()
+    })
+}
+
+async fn sign_in(
+    State(console): State<Arc<Console>>,
+    connect: Option<axum::Extension<ConnectInfo<ClientAddr>>>,
+    Form(form): Form<SignIn>,
+) -> Response {
+    let ip = client_ip(connect.map(|axum::Extension(c)| c));
+    if let Some(wait) = console.throttle.wait(ip, Instant::now()) {
+        let secs = wait.as_secs().max(1);
+        let mut response = page(
+            StatusCode::TOO_MANY_REQUESTS,
+            pages::sign_in(Some(&format!(
+                "Too many failed sign-ins from this address; try again in {secs} s."
+            ))),
+        );
+        response
+            .headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from(secs));
+        return response;
+    }
+    let Some(principal) = console
+        .policy
+        .principal_by_credential(form.credential.trim())
+    else {
+        console.throttle.failed(ip, Instant::now());
+        return page(
+            StatusCode::UNAUTHORIZED,
+            pages::sign_in(Some(
+                "That credential is not known: check the one you were given.",
+            )),
+        );
+    };
+    console.throttle.succeeded(ip);
+    if !principal.has_role(VIEW_ROLE) {
+        return page(
+            StatusCode::FORBIDDEN,
+            pages::sign_in(Some(&format!(
+                "Principal {} lacks role {VIEW_ROLE}, which viewing the console needs; add it \
+                 to the principal's roles in the policy file.",
+                principal.id
+            ))),
+        );
+    }
+    let now = now_ms();
+    let ttl = i64::try_from(console.session_ttl.as_millis()).unwrap_or(i64::MAX);
+    match console
+        .sessions
+        .open(
+            &principal.id,
+            &principal.tenant,
+            now,
+            now.saturating_add(ttl),
+        )
+        .await
+    {
+        Ok((token, _)) => {
+            tracing::info!(principal = %principal.id, tenant = %principal.tenant, "console sign-in");
+            let mut response = Redirect::to("/console/runs").into_response();
+            if let Ok(value) = HeaderValue::from_str(&console.cookie(&token)) {
+                response.headers_mut().insert(header::SET_COOKIE, value);
+            }
+            response
+        }
+        Err(e) => {
+            tracing::error!(error = %e, "a console session cannot be stored");
+            page(
+                StatusCode::SERVICE_UNAVAILABLE,
+                pages::sign_in(Some(
+                    "The console cannot store sessions now; try again in a moment.",
+                )),
+            )
+        }
+    }
+}
+
+/// A state-changing form's CSRF field.
+#[derive(serde::Deserialize)]
+pub struct Csrf {
+    #[serde(default)]
+    csrf: String,
+}
+
+/// Refuses a form whose CSRF token is not the session's.
+fn check_csrf(session: &Session, form: &Csrf) -> Result<(), Response> {
+    if !form.csrf.is_empty() && form.csrf == session.csrf {
+        return Ok(());
+    }
+    Err(page(
+        StatusCode::FORBIDDEN,
+        pages::problem(
+            "Refused",
+            "This form was not sent from this session's page (its CSRF token is missing or \
+             wrong); reload the page and try again.",
+            Some(session),
+        ),
+    ))
+}
+
+async fn sign_out(
+    State(console): State<Arc<Console>>,
+    signed: Signed,
+    Form(form): Form<Csrf>,
+) -> Response {
+    if let Err(refused) = check_csrf(&signed.session, &form) {
+        return refused;
+    }
+    if let Err(e) = console.sessions.close(&signed.token).await {
+        tracing::error!(error = %e, "a console session cannot be closed");
+        return page(
+            StatusCode::SERVICE_UNAVAILABLE,
+            pages::problem(
+                "Unavailable",
+                "Signing out failed; try again.",
+                Some(&signed.session),
+            ),
+        );
+    }
+    let mut response = Redirect::to("/console/sign-in").into_response();
+    if let Ok(value) = HeaderValue::from_str(&console.cleared()) {
+        response.headers_mut().insert(header::SET_COOKIE, value);
+    }
+    response
+}
+
+/// A ListRuns request for `filters`, or what is wrong with them.
+fn list_request(filters: &pages::RunFilters) -> Result<v1::ListRunsRequest, String> {
+    let mut request = v1::ListRunsRequest {
+        page_size: PAGE_SIZE,
+        page_token: filters.page.clone(),
+        ..Default::default()
+    };
+    if !filters.state.is_empty() {
+        let state = pages::STATES
+            .iter()
+            .find(|(value, _)| *value == filters.state)
+            .ok_or_else(|| format!("state {:?} is not one the list knows", filters.state))?;
+        request.states.push(state.1 as i32);
+    }
+    let label = filters.label.trim();
+    if !label.is_empty() {
+        let (key, value) = label
+            .split_once('=')
+            .ok_or_else(|| format!("label {label:?}: write it as key=value"))?;
+        request
+            .labels
+            .insert(key.trim().to_owned(), value.trim().to_owned());
+    }
+    let since = filters.since.trim();
+    if !since.is_empty() {
+        let at = match humantime::parse_duration(since) {
+            Ok(ago) => SystemTime::now() - ago,
+            Err(_) => humantime::parse_rfc3339_weak(since).map_err(|_| {
+                format!("since {since:?}: give a time such as 2026-12-06T02:00:00Z or a duration such as 2h")
+            })?,
+        };
+        request.created_after = Some(prost_types::Timestamp::from(at));
+    }
+    Ok(request)
+}
+
+async fn runs(
+    State(console): State<Arc<Console>>,
+    signed: Signed,
+    Query(filters): Query<pages::RunFilters>,
+) -> Response {
+    let request = match list_request(&filters) {
+        Ok(r) => r,
+        Err(message) => {
+            return page(
+                StatusCode::BAD_REQUEST,
+                pages::problem("Check the filters", &message, Some(&signed.session)),
+            );
+        }
+    };
+    match console
+        .supervisor
+        .list_runs(console.request(&signed.session, request))
+        .await
+    {
+        Ok(listed) => {
+            let listed = listed.into_inner();
+            pages::runs(
+                &signed.session,
+                &filters,
+                &listed.runs,
+                &listed.next_page_token,
+            )
+            .into_response()
+        }
+        Err(status) => console.refused(&status, &signed.session),
+    }
+}
+
+async fn run(
+    State(console): State<Arc<Console>>,
+    signed: Signed,
+    Path(run_id): Path<String>,
+) -> Response {
+    match console
+        .supervisor
+        .get_run(console.request(&signed.session, v1::GetRunRequest { run_id }))
+        .await
+    {
+        Ok(got) => match got.into_inner().run {
+            Some(run) => {
+                pages::run(&signed.session, &run, console.jaeger_url.as_deref()).into_response()
+            }
+            None => page(
+                StatusCode::BAD_GATEWAY,
+                pages::problem(
+                    "The mesh did not answer",
+                    "GetRun returned no run.",
+                    Some(&signed.session),
+                ),
+            ),
+        },
+        Err(status) => console.refused(&status, &signed.session),
+    }
+}
