@@ -499,7 +499,7 @@ pub async fn start(args: &UpArgs, data_dir: &Path, shutdown: Shutdown) -> anyhow
     let (supervisor, registry) = convene_supervisor::build(convene_supervisor::Parts {
         policy: policy_handle.clone(),
         evidence: evidence_handle.clone(),
-        approval: approval_handle,
+        approval: approval_handle.clone(),
         policy_file: policy.clone(),
         credential: dev_credential(&creds, "supervisor").context("supervisor credential")?,
         store: run_store,
@@ -580,6 +580,8 @@ pub async fn start(args: &UpArgs, data_dir: &Path, shutdown: Shutdown) -> anyhow
                 .transpose()
                 .context("reading the console's development credential")?
                 .map(|credential| convene_gateway::ConsoleSettings {
+                    approval: approval_handle.clone(),
+                    evidence: evidence_handle.clone(),
                     credential,
                     session_ttl: convene_gateway::console::DEFAULT_SESSION_TTL,
                     jaeger_url: std::env::var("CONVENE_JAEGER_URL").ok(),

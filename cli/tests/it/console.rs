@@ -5,7 +5,7 @@
 use reqwest::header::{COOKIE, LOCATION, RETRY_AFTER, SET_COOKIE};
 use reqwest::{Client, StatusCode, redirect::Policy};
 
-use crate::mesh::{Mesh, ONCALL};
+use crate::mesh::{ALICE, BOB, Mesh, ONCALL};
 
 const ANALYST: &str = "analyst@globex";
 
@@ -245,4 +245,249 @@ async fn failed_sign_ins_are_throttled_and_roles_are_checked() {
     let right = attempt(credential(&mesh, ONCALL)).await.unwrap();
     assert_eq!(right.status(), StatusCode::TOO_MANY_REQUESTS);
     assert!(right.headers().get(SET_COOKIE).is_none());
+}
+
+/// The value of the first input named `name` in a page.
+fn field(page: &str, name: &str) -> String {
+    let at = page
+        .find(&format!("name=\"{name}\""))
+        .unwrap_or_else(|| panic!("a field {name} in {page}"));
+    let tag = &page[at..page[at..].find('>').map_or(page.len(), |end| at + end)];
+    let value = tag
+        .split("value=\"")
+        .nth(1)
+        .unwrap_or_else(|| panic!("field {name} has a value: {tag}"));
+    value.split('"').next().expect("a value").to_owned()
+}
+
+async fn post(mesh: &Mesh, path: &str, cookie: &str, form: &[(&str, String)]) -> reqwest::Response {
+    client()
+        .post(format!("{}{path}", mesh.a2a))
+        .header(COOKIE, cookie)
+        .form(form)
+        .send()
+        .await
+        .expect("the console answers")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_people_approve_an_r3_action_in_two_sessions_then_it_is_executed() {
+    let mesh = Mesh::start();
+    let (_, approval_id) = mesh.incident("console-approvals");
+    let path = format!("/console/approvals/{approval_id}");
+
+    // The requester may not vote: oncall@acme lacks approvals:decide.
+    let (_, oncall) = sign_in(&mesh, ONCALL).await;
+    let page = get(&mesh, &path, Some(&oncall)).await.text().await.unwrap();
+    let hash = field(&page, "parameters_hash");
+    assert!(hash.starts_with("sha256:"), "{hash}");
+    assert!(page.contains("rule:rollback"), "{page}");
+    let refused = post(
+        &mesh,
+        &format!("{path}/decide"),
+        &oncall,
+        &[
+            ("csrf", field(&page, "csrf")),
+            ("parameters_hash", hash.clone()),
+            ("decision", "approve".into()),
+        ],
+    )
+    .await;
+    assert_eq!(refused.status(), StatusCode::FORBIDDEN);
+    assert!(refused.text().await.unwrap().contains("approvals:decide"));
+
+    // alice and bob, each in a session of their own.
+    let (_, alice) = sign_in(&mesh, ALICE).await;
+    let (_, bob) = sign_in(&mesh, BOB).await;
+    let queue = get(&mesh, "/console/approvals", Some(&alice))
+        .await
+        .text()
+        .await
+        .unwrap();
+    assert!(queue.contains(&approval_id), "{queue}");
+
+    // A vote pinned to other parameters is refused and counts nothing.
+    let alice_page = get(&mesh, &path, Some(&alice)).await.text().await.unwrap();
+    let stale = post(
+        &mesh,
+        &format!("{path}/decide"),
+        &alice,
+        &[
+            ("csrf", field(&alice_page, "csrf")),
+            ("parameters_hash", format!("sha256:{}", "0".repeat(64))),
+            ("decision", "approve".into()),
+        ],
+    )
+    .await;
+    assert!(stale.status().is_client_error(), "{}", stale.status());
+
+    for (who, cookie) in [(ALICE, &alice), (BOB, &bob)] {
+        let page = get(&mesh, &path, Some(cookie)).await.text().await.unwrap();
+        let voted = post(
+            &mesh,
+            &format!("{path}/decide"),
+            cookie,
+            &[
+                ("csrf", field(&page, "csrf")),
+                ("parameters_hash", field(&page, "parameters_hash")),
+                ("decision", "approve".into()),
+                ("comment", format!("checked by {who}")),
+            ],
+        )
+        .await;
+        assert_eq!(voted.status(), StatusCode::SEE_OTHER, "{who}");
+    }
+    let approved = get(&mesh, &path, Some(&bob)).await.text().await.unwrap();
+    assert!(approved.contains("approved"), "{approved}");
+    assert!(approved.contains("checked by alice@acme") && approved.contains("checked by bob@acme"));
+    assert!(
+        !approved.contains("class=\"decide\""),
+        "no more votes once approved"
+    );
+
+    let executed = post(
+        &mesh,
+        &format!("{path}/execute"),
+        &bob,
+        &[
+            ("csrf", field(&approved, "csrf")),
+            ("parameters_hash", field(&approved, "parameters_hash")),
+        ],
+    )
+    .await;
+    assert_eq!(executed.status(), StatusCode::SEE_OTHER);
+    let done = get(&mesh, &path, Some(&bob)).await.text().await.unwrap();
+    assert!(done.contains("Executed by bob@acme"), "{done}");
+    assert!(!done.contains("class=\"execute\""), "executed once");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiting_run_is_settled_from_its_page() {
+    let mesh = Mesh::start();
+    let run_id = a_run(&mesh, "console-settle");
+    let (_, cookie) = sign_in(&mesh, ONCALL).await;
+    let path = format!("/console/runs/{run_id}");
+    let page = get(&mesh, &path, Some(&cookie)).await.text().await.unwrap();
+    assert!(page.contains("Which side of"), "{page}");
+    let side = field(&page, "delegation_id");
+
+    // The page follows the run: its event stream, opened before anything changes.
+    let live = page
+        .split("data-live=\"")
+        .nth(1)
+        .and_then(|rest| rest.split('"').next())
+        .expect("a live stream on the run page")
+        .replace("&amp;", "&");
+    let unsigned = get(&mesh, &live, None).await;
+    assert_eq!(
+        unsigned.status(),
+        StatusCode::SEE_OTHER,
+        "no stream without a session"
+    );
+    let mut stream = get(&mesh, &live, Some(&cookie)).await;
+    assert_eq!(stream.status(), StatusCode::OK);
+    assert_eq!(
+        stream.headers()[reqwest::header::CONTENT_TYPE],
+        "text/event-stream"
+    );
+    let script = get(&mesh, "/console/assets/console.js", None).await;
+    assert_eq!(script.status(), StatusCode::OK);
+    assert!(script.text().await.unwrap().contains("EventSource"));
+    let settled = post(
+        &mesh,
+        &format!("{path}/resume"),
+        &cookie,
+        &[
+            ("csrf", field(&page, "csrf")),
+            ("ticket_id", field(&page, "ticket_id")),
+            ("ticket_version", field(&page, "ticket_version")),
+            ("kind", "settle".into()),
+            ("topic", field(&page, "topic")),
+            ("delegation_id", side),
+            ("rationale", "the pool ran dry first".into()),
+        ],
+    )
+    .await;
+    assert_eq!(settled.status(), StatusCode::SEE_OTHER);
+    // The stream says so, without the page being asked again.
+    let mut seen = String::new();
+    let changed = tokio::time::timeout(std::time::Duration::from_secs(60), async {
+        while let Some(chunk) = stream.chunk().await.expect("the stream goes on") {
+            seen.push_str(&String::from_utf8_lossy(&chunk));
+            if seen.contains("event: changed") {
+                return true;
+            }
+        }
+        false
+    })
+    .await;
+    assert_eq!(changed, Ok(true), "{seen}");
+    // The run goes on; its page no longer asks which side holds.
+    let mut after = String::new();
+    for _ in 0..50 {
+        after = get(&mesh, &path, Some(&cookie)).await.text().await.unwrap();
+        if !after.contains("waiting input") {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+    assert!(!after.contains("waiting input"), "{after}");
+    assert!(!after.contains("Which side of"), "{after}");
+
+    // The same ticket again is refused by the supervisor, with its reason.
+    let again = post(
+        &mesh,
+        &format!("{path}/resume"),
+        &cookie,
+        &[
+            ("csrf", field(&page, "csrf")),
+            ("ticket_id", field(&page, "ticket_id")),
+            ("ticket_version", field(&page, "ticket_version")),
+            ("kind", "close".into()),
+            ("rationale", "again".into()),
+        ],
+    )
+    .await;
+    assert!(again.status().is_client_error(), "{}", again.status());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claims_evidence_leads_to_its_artifact_whose_hash_verifies() {
+    let mesh = Mesh::start();
+    let run_id = a_run(&mesh, "console-evidence");
+    let (_, cookie) = sign_in(&mesh, ONCALL).await;
+    let page = get(&mesh, &format!("/console/runs/{run_id}"), Some(&cookie))
+        .await
+        .text()
+        .await
+        .unwrap();
+    let link = page
+        .split("href=\"/console/evidence?")
+        .nth(1)
+        .and_then(|rest| rest.split('"').next())
+        .expect("a claim's evidence link")
+        .replace("&amp;", "&");
+    let evidence = get(&mesh, &format!("/console/evidence?{link}"), Some(&cookie)).await;
+    assert_eq!(evidence.status(), StatusCode::OK);
+    let evidence = evidence.text().await.unwrap();
+    assert!(evidence.contains("Recorded hash"), "{evidence}");
+    assert!(evidence.contains("sha256:"), "{evidence}");
+    assert!(evidence.contains("Artifact content"), "{evidence}");
+    assert!(!evidence.contains("Verified:"), "checked only on request");
+
+    let verified = get(
+        &mesh,
+        &format!("/console/evidence?{link}&verify=1"),
+        Some(&cookie),
+    )
+    .await;
+    assert_eq!(verified.status(), StatusCode::OK);
+    let verified = verified.text().await.unwrap();
+    assert!(verified.contains("Verified: the artifact"), "{verified}");
+
+    // Another tenant sees none of it.
+    let (_, analyst) = sign_in(&mesh, ANALYST).await;
+    let theirs = get(&mesh, &format!("/console/evidence?{link}"), Some(&analyst)).await;
+    assert_eq!(theirs.status(), StatusCode::NOT_FOUND);
+    assert!(!theirs.text().await.unwrap().contains("sha256:"));
 }

@@ -28,6 +28,12 @@ pub const DEFAULT_HTTP_LISTEN: SocketAddr =
 /// The principal whose development credential the console acts with by default.
 pub const CONSOLE_PRINCIPAL: &str = "console";
 
+/// Where the evidence store is by default.
+pub const DEFAULT_EVIDENCE_ENDPOINT: &str = "http://127.0.0.1:7402";
+
+/// Where the approval service is by default.
+pub const DEFAULT_APPROVAL_ENDPOINT: &str = "http://127.0.0.1:7403";
+
 /// Where the supervisor is by default.
 pub const DEFAULT_SUPERVISOR_ENDPOINT: &str = "http://127.0.0.1:7400";
 
@@ -103,6 +109,12 @@ pub struct Config {
     pub public_url: Option<String>,
     /// The supervisor (or its Service) the gateway starts and follows runs on.
     pub supervisor_endpoint: String,
+    /// The approval service (or its Service), whose requests the console shows, votes
+    /// on and executes.
+    pub approval_endpoint: String,
+    /// The evidence store (or its Service), whose evidence and artifacts the console
+    /// shows.
+    pub evidence_endpoint: String,
     /// Run templates offered as the card's skills: the supervisor's `templates_file`.
     /// Unset: the payment-incident example's, unless `policy_file` is set (then none).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -125,6 +137,8 @@ impl Default for Config {
             http_listen: HttpListen::default(),
             public_url: None,
             supervisor_endpoint: DEFAULT_SUPERVISOR_ENDPOINT.to_owned(),
+            approval_endpoint: DEFAULT_APPROVAL_ENDPOINT.to_owned(),
+            evidence_endpoint: DEFAULT_EVIDENCE_ENDPOINT.to_owned(),
             templates_file: None,
             console_credential_file: None,
             console_session_ttl: crate::console::DEFAULT_SESSION_TTL,
@@ -163,7 +177,12 @@ impl Config {
     /// # Errors
     ///
     /// [`crate::Error::ConsoleCredential`] when the file cannot be read.
-    pub fn console(&self, policy: &Policy) -> Result<Option<crate::ConsoleSettings>, crate::Error> {
+    pub fn console(
+        &self,
+        policy: &Policy,
+        approval: convene_mesh::handles::ApprovalHandle,
+        evidence: convene_mesh::handles::EvidenceHandle,
+    ) -> Result<Option<crate::ConsoleSettings>, crate::Error> {
         let credential = match &self.console_credential_file {
             Some(path) => Some(
                 std::fs::read_to_string(path)
@@ -186,6 +205,8 @@ impl Config {
             );
         }
         Ok(credential.map(|credential| crate::ConsoleSettings {
+            approval,
+            evidence,
             credential,
             session_ttl: self.console_session_ttl,
             jaeger_url: std::env::var("CONVENE_JAEGER_URL")

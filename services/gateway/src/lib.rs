@@ -149,8 +149,12 @@ pub async fn serve_http(
 }
 
 /// What the operator console needs beyond the gateway's own parts.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct ConsoleSettings {
+    /// The approval service.
+    pub approval: convene_mesh::handles::ApprovalHandle,
+    /// The evidence store.
+    pub evidence: convene_mesh::handles::EvidenceHandle,
     /// The credential the console acts with: a principal holding `principals:act-as`.
     pub credential: String,
     /// How long a session lasts.
@@ -184,6 +188,8 @@ pub fn build(
         None => app,
         Some(settings) => app.merge(console::router(Arc::new(console::Console {
             supervisor,
+            approval: settings.approval,
+            evidence: settings.evidence,
             policy,
             credential: settings.credential,
             sessions: console::Sessions::new(database),
@@ -210,7 +216,13 @@ pub async fn run(config: Config, shutdown: Shutdown) -> Result<(), Error> {
     let bound = http.as_ref().and_then(|l| l.local_addr().ok());
     let templates = config.templates(&policy)?;
     let database = convene_store::open(config.database_url.as_deref(), &config.data_dir).await?;
-    let console = config.console(&policy)?;
+    let approval: convene_mesh::handles::ApprovalHandle = Arc::new(
+        convene_mesh::handles::GrpcApproval::connect(&config.approval_endpoint)?,
+    );
+    let evidence: convene_mesh::handles::EvidenceHandle = Arc::new(
+        convene_mesh::handles::GrpcEvidenceStore::connect(&config.evidence_endpoint)?,
+    );
+    let console = config.console(&policy, approval, evidence)?;
     let app = build(
         supervisor,
         policy,

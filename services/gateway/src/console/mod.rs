@@ -15,7 +15,11 @@
 //!   Without a session every page redirects to the sign-in form; another tenant's run
 //!   is "not found", as one that does not exist.
 
+pub mod approvals;
+pub mod evidence;
+pub mod live;
 pub mod pages;
+pub mod resume;
 pub mod sessions;
 pub mod throttle;
 
@@ -32,7 +36,7 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Redirect, Response};
 use axum::routing::{get, post};
 use convene_mesh::auth::{ACT_AS, request};
-use convene_mesh::handles::SupervisorHandle;
+use convene_mesh::handles::{ApprovalHandle, EvidenceHandle, SupervisorHandle};
 use convene_mesh::policy_file::Policy;
 use convene_proto::v1;
 use maud::Markup;
@@ -52,8 +56,12 @@ const PAGE_SIZE: u32 = 50;
 
 /// What the console serves with.
 pub struct Console {
-    /// The supervisor it reads runs from.
+    /// The supervisor it reads and settles runs on.
     pub supervisor: SupervisorHandle,
+    /// The approval service whose requests it shows, votes on and executes.
+    pub approval: ApprovalHandle,
+    /// The evidence store whose evidence and artifacts it shows.
+    pub evidence: EvidenceHandle,
     /// The principals people sign in as.
     pub policy: Arc<Policy>,
     /// The console's own credential: a principal with `principals:act-as`.
@@ -117,6 +125,20 @@ pub fn router(console: Arc<Console>) -> Router {
         .route("/console/sign-out", post(sign_out))
         .route("/console/runs", get(runs))
         .route("/console/runs/{run_id}", get(run))
+        .route("/console/runs/{run_id}/resume", post(resume::resume))
+        .route("/console/runs/{run_id}/events", get(live::events))
+        .route("/console/assets/console.js", get(live::script))
+        .route("/console/evidence", get(evidence::show))
+        .route("/console/approvals", get(approvals::queue))
+        .route("/console/approvals/{approval_id}", get(approvals::show))
+        .route(
+            "/console/approvals/{approval_id}/decide",
+            post(approvals::decide),
+        )
+        .route(
+            "/console/approvals/{approval_id}/execute",
+            post(approvals::execute),
+        )
         .route("/console/assets/console.css", get(stylesheet))
         .with_state(console)
 }
@@ -212,6 +234,13 @@ impl Console {
             Code::PermissionDenied => (StatusCode::FORBIDDEN, "Not permitted"),
             Code::InvalidArgument => (StatusCode::BAD_REQUEST, "Check the filters"),
             Code::Unauthenticated => (StatusCode::UNAUTHORIZED, "Not signed in"),
+            Code::FailedPrecondition | Code::Aborted | Code::AlreadyExists => {
+                (StatusCode::CONFLICT, "Refused")
+            }
+            Code::ResourceExhausted => (StatusCode::TOO_MANY_REQUESTS, "Busy"),
+            Code::Unavailable | Code::DeadlineExceeded => {
+                (StatusCode::SERVICE_UNAVAILABLE, "Unavailable")
+            }
             _ => (StatusCode::BAD_GATEWAY, "The mesh did not answer"),
         };
         page(code, pages::problem(title, status.message(), Some(session)))
@@ -347,9 +376,9 @@ pub struct Csrf {
     csrf: String,
 }
 
-/// Refuses a form whose CSRF token is not the session's.
-fn check_csrf(session: &Session, form: &Csrf) -> Result<(), Response> {
-    if !form.csrf.is_empty() && form.csrf == session.csrf {
+/// Refuses a form whose CSRF token (`given`) is not the session's.
+fn check_csrf(session: &Session, given: &str) -> Result<(), Response> {
+    if !given.is_empty() && given == session.csrf {
         return Ok(());
     }
     Err(page(
@@ -368,7 +397,7 @@ async fn sign_out(
     signed: Signed,
     Form(form): Form<Csrf>,
 ) -> Response {
-    if let Err(refused) = check_csrf(&signed.session, &form) {
+    if let Err(refused) = check_csrf(&signed.session, &form.csrf) {
         return refused;
     }
     if let Err(e) = console.sessions.close(&signed.token).await {

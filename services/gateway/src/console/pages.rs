@@ -40,7 +40,8 @@ fn delegation_state(state: i32) -> &'static str {
         .trim_start_matches("DELEGATION_STATE_")
 }
 
-fn time(ts: Option<&prost_types::Timestamp>) -> String {
+/// A timestamp as people read it (UTC), or nothing.
+pub fn time(ts: Option<&prost_types::Timestamp>) -> String {
     ts.and_then(|t| {
         chrono::DateTime::from_timestamp(t.seconds, u32::try_from(t.nanos).unwrap_or(0))
     })
@@ -58,6 +59,7 @@ pub fn layout(title: &str, session: Option<&Session>, body: &Markup) -> Markup {
                 meta name="viewport" content="width=device-width, initial-scale=1";
                 title { (title) " · convene" }
                 link rel="stylesheet" href="/console/assets/console.css";
+                script src="/console/assets/console.js" defer {}
             }
             body {
                 a.skip href="#main" { "Skip to content" }
@@ -66,6 +68,7 @@ pub fn layout(title: &str, session: Option<&Session>, body: &Markup) -> Markup {
                         span.brand { "convene" }
                         @if let Some(session) = session {
                             a href="/console/runs" { "Runs" }
+                            a href="/console/approvals" { "Approvals" }
                             span.who { "Signed in as " strong { (session.principal) } " (" (session.tenant) ")" }
                             form.inline method="post" action="/console/sign-out" {
                                 input type="hidden" name="csrf" value=(session.csrf);
@@ -217,6 +220,7 @@ pub fn run(session: &Session, run: &v1::Run, jaeger: Option<&str>) -> Markup {
         Some(session),
         &html! {
             h1 { "Run " code { (run.run_id) } }
+            div hidden data-live={ "/console/runs/" (run.run_id) "/events?after=" (run.version) } {}
             dl.summary {
                 dt { "State" } dd { span class={ "state state-" (run.state) } { (run_state(run.state)) } }
                 dt { "Goal" } dd { (run.spec.as_ref().map_or("", |s| s.goal.as_str())) }
@@ -254,6 +258,10 @@ pub fn run(session: &Session, run: &v1::Run, jaeger: Option<&str>) -> Markup {
                     }
                 }
             }
+            @if !run.approval_ids.is_empty() {
+                h2 { "Approval requests" }
+                ul { @for id in &run.approval_ids { li { a href={ "/console/approvals/" (id) } { code { (id) } } } } }
+            }
             h2 { "Decision" }
             @match decision {
                 None => p { "The join has not decided yet." },
@@ -286,7 +294,9 @@ pub fn run(session: &Session, run: &v1::Run, jaeger: Option<&str>) -> Markup {
                                         p { (claim.statement) }
                                         @if !claim.evidence_refs.is_empty() {
                                             p { "Evidence:" }
-                                            ul { @for e in &claim.evidence_refs { li { code { (e) } } } }
+                                            ul { @for e in &claim.evidence_refs {
+                                                li { a href={ "/console/evidence?" (url::form_urlencoded::Serializer::new(String::new()).append_pair("id", e).finish()) } { code { (e) } } }
+                                            } }
                                         }
                                     }
                                 }
@@ -295,6 +305,7 @@ pub fn run(session: &Session, run: &v1::Run, jaeger: Option<&str>) -> Markup {
                     }
                 }
             }
+            (super::resume::forms(run, &session.csrf))
         },
     )
 }

@@ -1,0 +1,106 @@
+//! Live updates: a run page's events as server-sent events
+//! (`/console/runs/{id}/events`, from `WatchRun`), and the few lines of script that,
+//! where scripts run, fetch the page again when one arrives and swap its content in.
+//! Without scripts the page is whole as loaded; a reload shows what changed.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::{Path, Query, State};
+use axum::http::header;
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use convene_proto::v1;
+use futures::StreamExt as _;
+
+use super::{Console, Signed};
+
+/// The script, served at `/console/assets/console.js`.
+pub const SCRIPT: &str = include_str!("console.js");
+
+/// The name of an event's kind, as the stream sends it (`dispatched`, `terminal`, ...).
+fn kind_name(event: &v1::RunEvent) -> &'static str {
+    use v1::run_event::Kind;
+    match &event.kind {
+        Some(Kind::Dispatched(_)) => "dispatched",
+        Some(Kind::Completed(_)) => "completed",
+        Some(Kind::Terminal(_)) => "terminal",
+        Some(Kind::Waiting(_)) => "waiting",
+        Some(_) => "changed",
+        None => "unknown",
+    }
+}
+
+/// Where a stream starts.
+#[derive(Debug, Default, serde::Deserialize)]
+pub struct After {
+    /// The last event the page shows (the run's version when it was rendered); unset:
+    /// from now on.
+    pub after: Option<u64>,
+}
+
+/// `GET /console/runs/{id}/events?after=N`: one `changed` event per run event after
+/// the `N`th, its data the event's kind and sequence.
+pub async fn events(
+    State(console): State<Arc<Console>>,
+    signed: Signed,
+    Path(run_id): Path<String>,
+    Query(after): Query<After>,
+) -> Response {
+    let after_sequence = match after.after {
+        Some(n) => n,
+        None => match console
+            .supervisor
+            .get_run(console.request(
+                &signed.session,
+                v1::GetRunRequest {
+                    run_id: run_id.clone(),
+                },
+            ))
+            .await
+        {
+            Ok(got) => got.into_inner().run.map_or(0, |r| r.version),
+            Err(status) => return console.refused(&status, &signed.session),
+        },
+    };
+    let watched = console
+        .supervisor
+        .watch_run(console.request(
+            &signed.session,
+            v1::WatchRunRequest {
+                run_id,
+                after_sequence,
+            },
+        ))
+        .await;
+    match watched {
+        Ok(stream) => {
+            let events = stream.into_inner().filter_map(|item| async move {
+                let event = item.ok()?.event?;
+                Some(Ok::<_, Infallible>(
+                    Event::default().event("changed").data(format!(
+                        "{} {}",
+                        kind_name(&event),
+                        event.sequence
+                    )),
+                ))
+            });
+            Sse::new(events)
+                .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
+                .into_response()
+        }
+        Err(status) => console.refused(&status, &signed.session),
+    }
+}
+
+/// `GET /console/assets/console.js`.
+pub async fn script() -> impl IntoResponse {
+    (
+        [
+            (header::CONTENT_TYPE, "text/javascript; charset=utf-8"),
+            (header::CACHE_CONTROL, "max-age=3600"),
+        ],
+        SCRIPT,
+    )
+}
