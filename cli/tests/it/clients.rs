@@ -24,7 +24,7 @@ const PYTHON_IMPORTS: &str = "import grpc, grpc_tools, yaml";
 
 /// Reports that the running test cannot run without `what`: a skip line, or, when
 /// services are required, a panic saying how to provide it (`fix`).
-fn unavailable(what: &str, fix: &str) {
+pub(crate) fn unavailable(what: &str, fix: &str) {
     let test = current_test();
     assert!(
         !services_required(),
@@ -82,7 +82,7 @@ fn python_with_grpc() -> Option<PathBuf> {
 }
 
 /// Whether `program --version` runs.
-fn runs(program: &str) -> bool {
+pub(crate) fn runs(program: &str) -> bool {
     Command::new(program)
         .arg("--version")
         .stdout(Stdio::null())
@@ -92,7 +92,7 @@ fn runs(program: &str) -> bool {
 }
 
 /// Output of a helper command that must succeed.
-fn succeeded(what: &str, out: std::io::Result<Output>) -> Output {
+pub(crate) fn succeeded(what: &str, out: std::io::Result<Output>) -> Output {
     let out = out.unwrap_or_else(|e| panic!("{what} does not start: {e}"));
     assert!(
         out.status.success(),

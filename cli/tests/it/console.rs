@@ -9,6 +9,17 @@ use crate::mesh::{ALICE, BOB, Mesh, ONCALL};
 
 const ANALYST: &str = "analyst@globex";
 
+/// Runs `future` to its end on a runtime of its own: the mesh is started (and its
+/// PostgreSQL database made) outside of it.
+fn block<F: std::future::Future>(future: F) -> F::Output {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("a Tokio runtime")
+        .block_on(future)
+}
+
 fn client() -> Client {
     // The workspace's reqwest brings no crypto provider of its own.
     let _ = rustls::crypto::ring::default_provider().install_default();
@@ -64,187 +75,197 @@ fn a_run(mesh: &Mesh, key: &str) -> String {
     run["runId"].as_str().expect("runId").to_owned()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn no_page_answers_without_a_session() {
+#[test]
+fn no_page_answers_without_a_session() {
     let mesh = Mesh::start();
     let run_id = a_run(&mesh, "console-unsigned");
-    for path in [
-        "/console".to_owned(),
-        "/console/".to_owned(),
-        "/console/runs".to_owned(),
-        "/console/runs?state=running".to_owned(),
-        format!("/console/runs/{run_id}"),
-    ] {
-        for cookie in [None, Some("convene_session=0123abcd")] {
-            let response = get(&mesh, &path, cookie).await;
-            assert_eq!(
-                response.status(),
-                StatusCode::SEE_OTHER,
-                "{path} {cookie:?}"
-            );
-            assert_eq!(response.headers()[LOCATION], "/console/sign-in", "{path}");
-            let body = response.text().await.unwrap();
-            assert!(!body.contains(&run_id), "{path}: nothing of the run");
+    block(async {
+        for path in [
+            "/console".to_owned(),
+            "/console/".to_owned(),
+            "/console/runs".to_owned(),
+            "/console/runs?state=running".to_owned(),
+            format!("/console/runs/{run_id}"),
+        ] {
+            for cookie in [None, Some("convene_session=0123abcd")] {
+                let response = get(&mesh, &path, cookie).await;
+                assert_eq!(
+                    response.status(),
+                    StatusCode::SEE_OTHER,
+                    "{path} {cookie:?}"
+                );
+                assert_eq!(response.headers()[LOCATION], "/console/sign-in", "{path}");
+                let body = response.text().await.unwrap();
+                assert!(!body.contains(&run_id), "{path}: nothing of the run");
+            }
         }
-    }
-    let response = client()
-        .post(format!("{}/console/sign-out", mesh.a2a))
-        .form(&[("csrf", "x")])
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(response.status(), StatusCode::SEE_OTHER);
-    assert_eq!(response.headers()[LOCATION], "/console/sign-in");
+        let response = client()
+            .post(format!("{}/console/sign-out", mesh.a2a))
+            .form(&[("csrf", "x")])
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), StatusCode::SEE_OTHER);
+        assert_eq!(response.headers()[LOCATION], "/console/sign-in");
 
-    // The form itself answers, labelled.
-    let form = get(&mesh, "/console/sign-in", None).await;
-    assert_eq!(form.status(), StatusCode::OK);
-    let form = form.text().await.unwrap();
-    assert!(form.contains("<label for=\"credential\">"), "{form}");
-    assert!(form.contains("id=\"credential\""), "{form}");
+        // The form itself answers, labelled.
+        let form = get(&mesh, "/console/sign-in", None).await;
+        assert_eq!(form.status(), StatusCode::OK);
+        let form = form.text().await.unwrap();
+        assert!(form.contains("<label for=\"credential\">"), "{form}");
+        assert!(form.contains("id=\"credential\""), "{form}");
+    });
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_session_cookie_is_http_only_strict_and_expires_and_shows_the_runs() {
+#[test]
+fn a_session_cookie_is_http_only_strict_and_expires_and_shows_the_runs() {
     let mesh = Mesh::start();
     let run_id = a_run(&mesh, "console-signed");
-    let (set, cookie) = sign_in(&mesh, ONCALL).await;
-    for flag in [
-        "HttpOnly",
-        "SameSite=Strict",
-        "Path=/console",
-        "Max-Age=28800",
-    ] {
-        assert!(set.contains(flag), "{flag} in {set}");
-    }
-    assert!(!set.contains("Secure"), "plaintext listener: {set}");
-    assert!(!set.contains(&credential(&mesh, ONCALL)), "{set}");
+    block(async {
+        let (set, cookie) = sign_in(&mesh, ONCALL).await;
+        for flag in [
+            "HttpOnly",
+            "SameSite=Strict",
+            "Path=/console",
+            "Max-Age=28800",
+        ] {
+            assert!(set.contains(flag), "{flag} in {set}");
+        }
+        assert!(!set.contains("Secure"), "plaintext listener: {set}");
+        assert!(!set.contains(&credential(&mesh, ONCALL)), "{set}");
 
-    let list = get(&mesh, "/console/runs", Some(&cookie)).await;
-    assert_eq!(list.status(), StatusCode::OK);
-    let list = list.text().await.unwrap();
-    assert!(list.contains(&run_id), "{list}");
-    assert!(
-        list.contains("Signed in as <strong>oncall@acme</strong>"),
-        "{list}"
-    );
+        let list = get(&mesh, "/console/runs", Some(&cookie)).await;
+        assert_eq!(list.status(), StatusCode::OK);
+        let list = list.text().await.unwrap();
+        assert!(list.contains(&run_id), "{list}");
+        assert!(
+            list.contains("Signed in as <strong>oncall@acme</strong>"),
+            "{list}"
+        );
 
-    // Filters: a state the run is not in hides it.
-    let none = get(&mesh, "/console/runs?state=succeeded", Some(&cookie)).await;
-    assert!(!none.text().await.unwrap().contains(&run_id));
-    let bad = get(&mesh, "/console/runs?label=nokeyvalue", Some(&cookie)).await;
-    assert_eq!(bad.status(), StatusCode::BAD_REQUEST);
+        // Filters: a state the run is not in hides it.
+        let none = get(&mesh, "/console/runs?state=succeeded", Some(&cookie)).await;
+        assert!(!none.text().await.unwrap().contains(&run_id));
+        let bad = get(&mesh, "/console/runs?label=nokeyvalue", Some(&cookie)).await;
+        assert_eq!(bad.status(), StatusCode::BAD_REQUEST);
 
-    // The run page: its delegations and the conflict with both sides.
-    let page = get(&mesh, &format!("/console/runs/{run_id}"), Some(&cookie)).await;
-    assert_eq!(page.status(), StatusCode::OK);
-    let page = page.text().await.unwrap();
-    for part in [
-        "Delegations",
-        "logs-investigator",
-        "Conflict: primary_cause",
-        "waiting input",
-        "CONFLICT_REQUIRES_HUMAN",
-    ] {
-        assert!(page.contains(part), "{part} in {page}");
-    }
-    assert!(page.matches("class=\"side\"").count() >= 2, "{page}");
+        // The run page: its delegations and the conflict with both sides.
+        let page = get(&mesh, &format!("/console/runs/{run_id}"), Some(&cookie)).await;
+        assert_eq!(page.status(), StatusCode::OK);
+        let page = page.text().await.unwrap();
+        for part in [
+            "Delegations",
+            "logs-investigator",
+            "Conflict: primary_cause",
+            "waiting input",
+            "CONFLICT_REQUIRES_HUMAN",
+        ] {
+            assert!(page.contains(part), "{part} in {page}");
+        }
+        assert!(page.matches("class=\"side\"").count() >= 2, "{page}");
+    });
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn another_tenants_run_is_not_found_as_a_missing_one() {
+#[test]
+fn another_tenants_run_is_not_found_as_a_missing_one() {
     let mesh = Mesh::start();
     let run_id = a_run(&mesh, "console-tenants");
-    let (_, cookie) = sign_in(&mesh, ANALYST).await;
-    let theirs = get(&mesh, &format!("/console/runs/{run_id}"), Some(&cookie)).await;
-    assert_eq!(theirs.status(), StatusCode::NOT_FOUND);
-    let made_up = "0190a1b2-c3d4-7e5f-8a9b-0c1d2e3f4a5b";
-    let missing = get(&mesh, &format!("/console/runs/{made_up}"), Some(&cookie)).await;
-    assert_eq!(missing.status(), StatusCode::NOT_FOUND);
-    assert_eq!(
-        theirs.text().await.unwrap().replace(&run_id, "RUN"),
-        missing.text().await.unwrap().replace(made_up, "RUN")
-    );
-    let list = get(&mesh, "/console/runs", Some(&cookie)).await;
-    assert_eq!(list.status(), StatusCode::OK);
-    assert!(!list.text().await.unwrap().contains(&run_id));
+    block(async {
+        let (_, cookie) = sign_in(&mesh, ANALYST).await;
+        let theirs = get(&mesh, &format!("/console/runs/{run_id}"), Some(&cookie)).await;
+        assert_eq!(theirs.status(), StatusCode::NOT_FOUND);
+        let made_up = "0190a1b2-c3d4-7e5f-8a9b-0c1d2e3f4a5b";
+        let missing = get(&mesh, &format!("/console/runs/{made_up}"), Some(&cookie)).await;
+        assert_eq!(missing.status(), StatusCode::NOT_FOUND);
+        assert_eq!(
+            theirs.text().await.unwrap().replace(&run_id, "RUN"),
+            missing.text().await.unwrap().replace(made_up, "RUN")
+        );
+        let list = get(&mesh, "/console/runs", Some(&cookie)).await;
+        assert_eq!(list.status(), StatusCode::OK);
+        assert!(!list.text().await.unwrap().contains(&run_id));
+    });
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_form_without_the_sessions_csrf_token_is_refused() {
+#[test]
+fn a_form_without_the_sessions_csrf_token_is_refused() {
     let mesh = Mesh::start();
-    let (_, cookie) = sign_in(&mesh, ONCALL).await;
-    let page = get(&mesh, "/console/runs", Some(&cookie))
-        .await
-        .text()
-        .await
-        .unwrap();
-    let csrf = csrf_of(&page);
-    let sign_out = |form: Vec<(&'static str, String)>| {
-        client()
-            .post(format!("{}/console/sign-out", mesh.a2a))
-            .header(COOKIE, cookie.clone())
-            .form(&form)
-            .send()
-    };
-    for form in [
-        vec![],
-        vec![("csrf", String::new())],
-        vec![("csrf", "0".repeat(64))],
-    ] {
-        let refused = sign_out(form).await.unwrap();
-        assert_eq!(refused.status(), StatusCode::FORBIDDEN);
-        assert!(refused.headers().get(SET_COOKIE).is_none());
-    }
-    // Still signed in.
-    assert_eq!(
-        get(&mesh, "/console/runs", Some(&cookie)).await.status(),
-        StatusCode::OK
-    );
-    let out = sign_out(vec![("csrf", csrf)]).await.unwrap();
-    assert_eq!(out.status(), StatusCode::SEE_OTHER);
-    assert!(
-        out.headers()[SET_COOKIE]
+    block(async {
+        let (_, cookie) = sign_in(&mesh, ONCALL).await;
+        let page = get(&mesh, "/console/runs", Some(&cookie))
+            .await
+            .text()
+            .await
+            .unwrap();
+        let csrf = csrf_of(&page);
+        let sign_out = |form: Vec<(&'static str, String)>| {
+            client()
+                .post(format!("{}/console/sign-out", mesh.a2a))
+                .header(COOKIE, cookie.clone())
+                .form(&form)
+                .send()
+        };
+        for form in [
+            vec![],
+            vec![("csrf", String::new())],
+            vec![("csrf", "0".repeat(64))],
+        ] {
+            let refused = sign_out(form).await.unwrap();
+            assert_eq!(refused.status(), StatusCode::FORBIDDEN);
+            assert!(refused.headers().get(SET_COOKIE).is_none());
+        }
+        // Still signed in.
+        assert_eq!(
+            get(&mesh, "/console/runs", Some(&cookie)).await.status(),
+            StatusCode::OK
+        );
+        let out = sign_out(vec![("csrf", csrf)]).await.unwrap();
+        assert_eq!(out.status(), StatusCode::SEE_OTHER);
+        assert!(
+            out.headers()[SET_COOKIE]
+                .to_str()
+                .unwrap()
+                .contains("Max-Age=0")
+        );
+        // The session is over on the server too: the old cookie no longer works.
+        let after = get(&mesh, "/console/runs", Some(&cookie)).await;
+        assert_eq!(after.status(), StatusCode::SEE_OTHER);
+    });
+}
+
+#[test]
+fn failed_sign_ins_are_throttled_and_roles_are_checked() {
+    let mesh = Mesh::start();
+    block(async {
+        let attempt = |credential: String| {
+            client()
+                .post(format!("{}/console/sign-in", mesh.a2a))
+                .form(&[("credential", credential)])
+                .send()
+        };
+        // A principal that may not view runs is told which role it lacks.
+        let workers = attempt(credential(&mesh, "worker-pool")).await.unwrap();
+        assert_eq!(workers.status(), StatusCode::FORBIDDEN);
+        assert!(workers.text().await.unwrap().contains("runs:read"));
+
+        for _ in 0..5 {
+            let wrong = attempt("not-a-credential".to_owned()).await.unwrap();
+            assert_eq!(wrong.status(), StatusCode::UNAUTHORIZED);
+            assert!(wrong.headers().get(SET_COOKIE).is_none());
+        }
+        let throttled = attempt("not-a-credential".to_owned()).await.unwrap();
+        assert_eq!(throttled.status(), StatusCode::TOO_MANY_REQUESTS);
+        let wait: u64 = throttled.headers()[RETRY_AFTER]
             .to_str()
             .unwrap()
-            .contains("Max-Age=0")
-    );
-    // The session is over on the server too: the old cookie no longer works.
-    let after = get(&mesh, "/console/runs", Some(&cookie)).await;
-    assert_eq!(after.status(), StatusCode::SEE_OTHER);
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn failed_sign_ins_are_throttled_and_roles_are_checked() {
-    let mesh = Mesh::start();
-    let attempt = |credential: String| {
-        client()
-            .post(format!("{}/console/sign-in", mesh.a2a))
-            .form(&[("credential", credential)])
-            .send()
-    };
-    // A principal that may not view runs is told which role it lacks.
-    let workers = attempt(credential(&mesh, "worker-pool")).await.unwrap();
-    assert_eq!(workers.status(), StatusCode::FORBIDDEN);
-    assert!(workers.text().await.unwrap().contains("runs:read"));
-
-    for _ in 0..5 {
-        let wrong = attempt("not-a-credential".to_owned()).await.unwrap();
-        assert_eq!(wrong.status(), StatusCode::UNAUTHORIZED);
-        assert!(wrong.headers().get(SET_COOKIE).is_none());
-    }
-    let throttled = attempt("not-a-credential".to_owned()).await.unwrap();
-    assert_eq!(throttled.status(), StatusCode::TOO_MANY_REQUESTS);
-    let wait: u64 = throttled.headers()[RETRY_AFTER]
-        .to_str()
-        .unwrap()
-        .parse()
-        .unwrap();
-    assert!((1..=300).contains(&wait), "{wait}");
-    // Even the right credential waits now: nothing tells a guesser it was right.
-    let right = attempt(credential(&mesh, ONCALL)).await.unwrap();
-    assert_eq!(right.status(), StatusCode::TOO_MANY_REQUESTS);
-    assert!(right.headers().get(SET_COOKIE).is_none());
+            .parse()
+            .unwrap();
+        assert!((1..=300).contains(&wait), "{wait}");
+        // Even the right credential waits now: nothing tells a guesser it was right.
+        let right = attempt(credential(&mesh, ONCALL)).await.unwrap();
+        assert_eq!(right.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert!(right.headers().get(SET_COOKIE).is_none());
+    });
 }
 
 /// The value of the first input named `name` in a page.
@@ -270,224 +291,234 @@ async fn post(mesh: &Mesh, path: &str, cookie: &str, form: &[(&str, String)]) ->
         .expect("the console answers")
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn two_people_approve_an_r3_action_in_two_sessions_then_it_is_executed() {
+#[test]
+fn two_people_approve_an_r3_action_in_two_sessions_then_it_is_executed() {
     let mesh = Mesh::start();
     let (_, approval_id) = mesh.incident("console-approvals");
-    let path = format!("/console/approvals/{approval_id}");
+    block(async {
+        let path = format!("/console/approvals/{approval_id}");
 
-    // The requester may not vote: oncall@acme lacks approvals:decide.
-    let (_, oncall) = sign_in(&mesh, ONCALL).await;
-    let page = get(&mesh, &path, Some(&oncall)).await.text().await.unwrap();
-    let hash = field(&page, "parameters_hash");
-    assert!(hash.starts_with("sha256:"), "{hash}");
-    assert!(page.contains("rule:rollback"), "{page}");
-    let refused = post(
-        &mesh,
-        &format!("{path}/decide"),
-        &oncall,
-        &[
-            ("csrf", field(&page, "csrf")),
-            ("parameters_hash", hash.clone()),
-            ("decision", "approve".into()),
-        ],
-    )
-    .await;
-    assert_eq!(refused.status(), StatusCode::FORBIDDEN);
-    assert!(refused.text().await.unwrap().contains("approvals:decide"));
-
-    // alice and bob, each in a session of their own.
-    let (_, alice) = sign_in(&mesh, ALICE).await;
-    let (_, bob) = sign_in(&mesh, BOB).await;
-    let queue = get(&mesh, "/console/approvals", Some(&alice))
-        .await
-        .text()
-        .await
-        .unwrap();
-    assert!(queue.contains(&approval_id), "{queue}");
-
-    // A vote pinned to other parameters is refused and counts nothing.
-    let alice_page = get(&mesh, &path, Some(&alice)).await.text().await.unwrap();
-    let stale = post(
-        &mesh,
-        &format!("{path}/decide"),
-        &alice,
-        &[
-            ("csrf", field(&alice_page, "csrf")),
-            ("parameters_hash", format!("sha256:{}", "0".repeat(64))),
-            ("decision", "approve".into()),
-        ],
-    )
-    .await;
-    assert!(stale.status().is_client_error(), "{}", stale.status());
-
-    for (who, cookie) in [(ALICE, &alice), (BOB, &bob)] {
-        let page = get(&mesh, &path, Some(cookie)).await.text().await.unwrap();
-        let voted = post(
+        // The requester may not vote: oncall@acme lacks approvals:decide.
+        let (_, oncall) = sign_in(&mesh, ONCALL).await;
+        let page = get(&mesh, &path, Some(&oncall)).await.text().await.unwrap();
+        let hash = field(&page, "parameters_hash");
+        assert!(hash.starts_with("sha256:"), "{hash}");
+        assert!(page.contains("rule:rollback"), "{page}");
+        let refused = post(
             &mesh,
             &format!("{path}/decide"),
-            cookie,
+            &oncall,
             &[
                 ("csrf", field(&page, "csrf")),
-                ("parameters_hash", field(&page, "parameters_hash")),
+                ("parameters_hash", hash.clone()),
                 ("decision", "approve".into()),
-                ("comment", format!("checked by {who}")),
             ],
         )
         .await;
-        assert_eq!(voted.status(), StatusCode::SEE_OTHER, "{who}");
-    }
-    let approved = get(&mesh, &path, Some(&bob)).await.text().await.unwrap();
-    assert!(approved.contains("approved"), "{approved}");
-    assert!(approved.contains("checked by alice@acme") && approved.contains("checked by bob@acme"));
-    assert!(
-        !approved.contains("class=\"decide\""),
-        "no more votes once approved"
-    );
+        assert_eq!(refused.status(), StatusCode::FORBIDDEN);
+        assert!(refused.text().await.unwrap().contains("approvals:decide"));
 
-    let executed = post(
-        &mesh,
-        &format!("{path}/execute"),
-        &bob,
-        &[
-            ("csrf", field(&approved, "csrf")),
-            ("parameters_hash", field(&approved, "parameters_hash")),
-        ],
-    )
-    .await;
-    assert_eq!(executed.status(), StatusCode::SEE_OTHER);
-    let done = get(&mesh, &path, Some(&bob)).await.text().await.unwrap();
-    assert!(done.contains("Executed by bob@acme"), "{done}");
-    assert!(!done.contains("class=\"execute\""), "executed once");
+        // alice and bob, each in a session of their own.
+        let (_, alice) = sign_in(&mesh, ALICE).await;
+        let (_, bob) = sign_in(&mesh, BOB).await;
+        let queue = get(&mesh, "/console/approvals", Some(&alice))
+            .await
+            .text()
+            .await
+            .unwrap();
+        assert!(queue.contains(&approval_id), "{queue}");
+
+        // A vote pinned to other parameters is refused and counts nothing.
+        let alice_page = get(&mesh, &path, Some(&alice)).await.text().await.unwrap();
+        let stale = post(
+            &mesh,
+            &format!("{path}/decide"),
+            &alice,
+            &[
+                ("csrf", field(&alice_page, "csrf")),
+                ("parameters_hash", format!("sha256:{}", "0".repeat(64))),
+                ("decision", "approve".into()),
+            ],
+        )
+        .await;
+        assert!(stale.status().is_client_error(), "{}", stale.status());
+
+        for (who, cookie) in [(ALICE, &alice), (BOB, &bob)] {
+            let page = get(&mesh, &path, Some(cookie)).await.text().await.unwrap();
+            let voted = post(
+                &mesh,
+                &format!("{path}/decide"),
+                cookie,
+                &[
+                    ("csrf", field(&page, "csrf")),
+                    ("parameters_hash", field(&page, "parameters_hash")),
+                    ("decision", "approve".into()),
+                    ("comment", format!("checked by {who}")),
+                ],
+            )
+            .await;
+            assert_eq!(voted.status(), StatusCode::SEE_OTHER, "{who}");
+        }
+        let approved = get(&mesh, &path, Some(&bob)).await.text().await.unwrap();
+        assert!(approved.contains("approved"), "{approved}");
+        assert!(
+            approved.contains("checked by alice@acme") && approved.contains("checked by bob@acme")
+        );
+        assert!(
+            !approved.contains("class=\"decide\""),
+            "no more votes once approved"
+        );
+
+        let executed = post(
+            &mesh,
+            &format!("{path}/execute"),
+            &bob,
+            &[
+                ("csrf", field(&approved, "csrf")),
+                ("parameters_hash", field(&approved, "parameters_hash")),
+            ],
+        )
+        .await;
+        assert_eq!(executed.status(), StatusCode::SEE_OTHER);
+        let done = get(&mesh, &path, Some(&bob)).await.text().await.unwrap();
+        assert!(done.contains("Executed by bob@acme"), "{done}");
+        assert!(!done.contains("class=\"execute\""), "executed once");
+    });
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_waiting_run_is_settled_from_its_page() {
+#[test]
+fn a_waiting_run_is_settled_from_its_page() {
     let mesh = Mesh::start();
     let run_id = a_run(&mesh, "console-settle");
-    let (_, cookie) = sign_in(&mesh, ONCALL).await;
-    let path = format!("/console/runs/{run_id}");
-    let page = get(&mesh, &path, Some(&cookie)).await.text().await.unwrap();
-    assert!(page.contains("Which side of"), "{page}");
-    let side = field(&page, "delegation_id");
+    block(async {
+        let (_, cookie) = sign_in(&mesh, ONCALL).await;
+        let path = format!("/console/runs/{run_id}");
+        let page = get(&mesh, &path, Some(&cookie)).await.text().await.unwrap();
+        assert!(page.contains("Which side of"), "{page}");
+        let side = field(&page, "delegation_id");
 
-    // The page follows the run: its event stream, opened before anything changes.
-    let live = page
-        .split("data-live=\"")
-        .nth(1)
-        .and_then(|rest| rest.split('"').next())
-        .expect("a live stream on the run page")
-        .replace("&amp;", "&");
-    let unsigned = get(&mesh, &live, None).await;
-    assert_eq!(
-        unsigned.status(),
-        StatusCode::SEE_OTHER,
-        "no stream without a session"
-    );
-    let mut stream = get(&mesh, &live, Some(&cookie)).await;
-    assert_eq!(stream.status(), StatusCode::OK);
-    assert_eq!(
-        stream.headers()[reqwest::header::CONTENT_TYPE],
-        "text/event-stream"
-    );
-    let script = get(&mesh, "/console/assets/console.js", None).await;
-    assert_eq!(script.status(), StatusCode::OK);
-    assert!(script.text().await.unwrap().contains("EventSource"));
-    let settled = post(
-        &mesh,
-        &format!("{path}/resume"),
-        &cookie,
-        &[
-            ("csrf", field(&page, "csrf")),
-            ("ticket_id", field(&page, "ticket_id")),
-            ("ticket_version", field(&page, "ticket_version")),
-            ("kind", "settle".into()),
-            ("topic", field(&page, "topic")),
-            ("delegation_id", side),
-            ("rationale", "the pool ran dry first".into()),
-        ],
-    )
-    .await;
-    assert_eq!(settled.status(), StatusCode::SEE_OTHER);
-    // The stream says so, without the page being asked again.
-    let mut seen = String::new();
-    let changed = tokio::time::timeout(std::time::Duration::from_secs(60), async {
-        while let Some(chunk) = stream.chunk().await.expect("the stream goes on") {
-            seen.push_str(&String::from_utf8_lossy(&chunk));
-            if seen.contains("event: changed") {
-                return true;
+        // The page follows the run: its event stream, opened before anything changes.
+        let live = page
+            .split("data-live=\"")
+            .nth(1)
+            .and_then(|rest| rest.split('"').next())
+            .expect("a live stream on the run page")
+            .replace("&amp;", "&");
+        let unsigned = get(&mesh, &live, None).await;
+        assert_eq!(
+            unsigned.status(),
+            StatusCode::SEE_OTHER,
+            "no stream without a session"
+        );
+        let mut stream = get(&mesh, &live, Some(&cookie)).await;
+        assert_eq!(stream.status(), StatusCode::OK);
+        assert_eq!(
+            stream.headers()[reqwest::header::CONTENT_TYPE],
+            "text/event-stream"
+        );
+        let script = get(&mesh, "/console/assets/console.js", None).await;
+        assert_eq!(script.status(), StatusCode::OK);
+        assert!(script.text().await.unwrap().contains("EventSource"));
+        let settled = post(
+            &mesh,
+            &format!("{path}/resume"),
+            &cookie,
+            &[
+                ("csrf", field(&page, "csrf")),
+                ("ticket_id", field(&page, "ticket_id")),
+                ("ticket_version", field(&page, "ticket_version")),
+                ("kind", "settle".into()),
+                ("topic", field(&page, "topic")),
+                ("delegation_id", side),
+                ("rationale", "the pool ran dry first".into()),
+            ],
+        )
+        .await;
+        assert_eq!(settled.status(), StatusCode::SEE_OTHER);
+        // The stream says so, without the page being asked again.
+        let mut seen = String::new();
+        let changed = tokio::time::timeout(std::time::Duration::from_secs(60), async {
+            while let Some(chunk) = stream.chunk().await.expect("the stream goes on") {
+                seen.push_str(&String::from_utf8_lossy(&chunk));
+                if seen.contains("event: changed") {
+                    return true;
+                }
             }
+            false
+        })
+        .await;
+        assert_eq!(changed, Ok(true), "{seen}");
+        // The run goes on; its page no longer asks which side holds.
+        let mut after = String::new();
+        for _ in 0..50 {
+            after = get(&mesh, &path, Some(&cookie)).await.text().await.unwrap();
+            if !after.contains("waiting input") {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
         }
-        false
-    })
-    .await;
-    assert_eq!(changed, Ok(true), "{seen}");
-    // The run goes on; its page no longer asks which side holds.
-    let mut after = String::new();
-    for _ in 0..50 {
-        after = get(&mesh, &path, Some(&cookie)).await.text().await.unwrap();
-        if !after.contains("waiting input") {
-            break;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
-    }
-    assert!(!after.contains("waiting input"), "{after}");
-    assert!(!after.contains("Which side of"), "{after}");
+        assert!(!after.contains("waiting input"), "{after}");
+        assert!(!after.contains("Which side of"), "{after}");
+        assert!(after.contains("Decisions people took"), "{after}");
+        assert!(after.contains("the pool ran dry first"), "{after}");
 
-    // The same ticket again is refused by the supervisor, with its reason.
-    let again = post(
-        &mesh,
-        &format!("{path}/resume"),
-        &cookie,
-        &[
-            ("csrf", field(&page, "csrf")),
-            ("ticket_id", field(&page, "ticket_id")),
-            ("ticket_version", field(&page, "ticket_version")),
-            ("kind", "close".into()),
-            ("rationale", "again".into()),
-        ],
-    )
-    .await;
-    assert!(again.status().is_client_error(), "{}", again.status());
+        // The same ticket again is refused by the supervisor, with its reason.
+        let again = post(
+            &mesh,
+            &format!("{path}/resume"),
+            &cookie,
+            &[
+                ("csrf", field(&page, "csrf")),
+                ("ticket_id", field(&page, "ticket_id")),
+                ("ticket_version", field(&page, "ticket_version")),
+                ("kind", "close".into()),
+                ("rationale", "again".into()),
+            ],
+        )
+        .await;
+        assert!(again.status().is_client_error(), "{}", again.status());
+    });
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_claims_evidence_leads_to_its_artifact_whose_hash_verifies() {
+#[test]
+fn a_claims_evidence_leads_to_its_artifact_whose_hash_verifies() {
     let mesh = Mesh::start();
     let run_id = a_run(&mesh, "console-evidence");
-    let (_, cookie) = sign_in(&mesh, ONCALL).await;
-    let page = get(&mesh, &format!("/console/runs/{run_id}"), Some(&cookie))
-        .await
-        .text()
-        .await
-        .unwrap();
-    let link = page
-        .split("href=\"/console/evidence?")
-        .nth(1)
-        .and_then(|rest| rest.split('"').next())
-        .expect("a claim's evidence link")
-        .replace("&amp;", "&");
-    let evidence = get(&mesh, &format!("/console/evidence?{link}"), Some(&cookie)).await;
-    assert_eq!(evidence.status(), StatusCode::OK);
-    let evidence = evidence.text().await.unwrap();
-    assert!(evidence.contains("Recorded hash"), "{evidence}");
-    assert!(evidence.contains("sha256:"), "{evidence}");
-    assert!(evidence.contains("Artifact content"), "{evidence}");
-    assert!(!evidence.contains("Verified:"), "checked only on request");
+    block(async {
+        let (_, cookie) = sign_in(&mesh, ONCALL).await;
+        let page = get(&mesh, &format!("/console/runs/{run_id}"), Some(&cookie))
+            .await
+            .text()
+            .await
+            .unwrap();
+        let link = page
+            .split("href=\"/console/evidence?")
+            .nth(1)
+            .and_then(|rest| rest.split('"').next())
+            .expect("a claim's evidence link")
+            .replace("&amp;", "&");
+        let evidence = get(&mesh, &format!("/console/evidence?{link}"), Some(&cookie)).await;
+        assert_eq!(evidence.status(), StatusCode::OK);
+        let evidence = evidence.text().await.unwrap();
+        assert!(evidence.contains("Recorded hash"), "{evidence}");
+        assert!(evidence.contains("sha256:"), "{evidence}");
+        assert!(evidence.contains("Artifact content"), "{evidence}");
+        assert!(!evidence.contains("Verified:"), "checked only on request");
 
-    let verified = get(
-        &mesh,
-        &format!("/console/evidence?{link}&verify=1"),
-        Some(&cookie),
-    )
-    .await;
-    assert_eq!(verified.status(), StatusCode::OK);
-    let verified = verified.text().await.unwrap();
-    assert!(verified.contains("Verified: the artifact"), "{verified}");
+        let verified = get(
+            &mesh,
+            &format!("/console/evidence?{link}&verify=1"),
+            Some(&cookie),
+        )
+        .await;
+        assert_eq!(verified.status(), StatusCode::OK);
+        let verified = verified.text().await.unwrap();
+        assert!(verified.contains("Verified: the artifact"), "{verified}");
 
-    // Another tenant sees none of it.
-    let (_, analyst) = sign_in(&mesh, ANALYST).await;
-    let theirs = get(&mesh, &format!("/console/evidence?{link}"), Some(&analyst)).await;
-    assert_eq!(theirs.status(), StatusCode::NOT_FOUND);
-    assert!(!theirs.text().await.unwrap().contains("sha256:"));
+        // Another tenant sees none of it.
+        let (_, analyst) = sign_in(&mesh, ANALYST).await;
+        let theirs = get(&mesh, &format!("/console/evidence?{link}"), Some(&analyst)).await;
+        assert_eq!(theirs.status(), StatusCode::NOT_FOUND);
+        assert!(!theirs.text().await.unwrap().contains("sha256:"));
+    });
 }

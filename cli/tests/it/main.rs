@@ -8,6 +8,7 @@ mod bench;
 mod cli;
 mod clients;
 mod console;
+mod console_browser;
 mod durable;
 mod isolation;
 mod mesh;

@@ -262,6 +262,22 @@ pub fn run(session: &Session, run: &v1::Run, jaeger: Option<&str>) -> Markup {
                 h2 { "Approval requests" }
                 ul { @for id in &run.approval_ids { li { a href={ "/console/approvals/" (id) } { code { (id) } } } } }
             }
+            @if !run.human_decisions.is_empty() {
+                h2 { "Decisions people took" }
+                ul.human {
+                    @for h in &run.human_decisions {
+                        li {
+                            strong { (h.decided_by) } " "
+                            (v1::HumanDecisionKind::try_from(h.kind).map_or("UNSPECIFIED", |k| k.as_str_name()).trim_start_matches("HUMAN_DECISION_KIND_").to_ascii_lowercase())
+                            @if !h.topic.is_empty() { " " code { (h.topic) } }
+                            @if !h.value.is_empty() { ": " strong { (h.value) } }
+                            @if !h.goal.is_empty() { ": " (h.goal) }
+                            " at " (time(h.decided_at.as_ref()))
+                            @if !h.rationale.is_empty() { " — " (h.rationale) }
+                        }
+                    }
+                }
+            }
             h2 { "Decision" }
             @match decision {
                 None => p { "The join has not decided yet." },
