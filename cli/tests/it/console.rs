@@ -119,8 +119,11 @@ fn no_page_answers_without_a_session() {
 
 #[test]
 fn a_session_cookie_is_http_only_strict_and_expires_and_shows_the_runs() {
-    let mesh = Mesh::start();
+    let mesh = Mesh::start_with(|cmd| {
+        cmd.env("CONVENE_JAEGER_URL", "http://jaeger.example:16686/");
+    });
     let run_id = a_run(&mesh, "console-signed");
+    let trace_id = mesh.get_run(&run_id).trace_id;
     block(async {
         let (set, cookie) = sign_in(&mesh, ONCALL).await;
         for flag in [
@@ -148,6 +151,14 @@ fn a_session_cookie_is_http_only_strict_and_expires_and_shows_the_runs() {
         assert!(!none.text().await.unwrap().contains(&run_id));
         let bad = get(&mesh, "/console/runs?label=nokeyvalue", Some(&cookie)).await;
         assert_eq!(bad.status(), StatusCode::BAD_REQUEST);
+        // Time: created in the last hour, not before an hour ago; a window backwards is
+        // refused.
+        let recent = get(&mesh, "/console/runs?since=1h", Some(&cookie)).await;
+        assert!(recent.text().await.unwrap().contains(&run_id));
+        let old = get(&mesh, "/console/runs?until=1h", Some(&cookie)).await;
+        assert!(!old.text().await.unwrap().contains(&run_id));
+        let backwards = get(&mesh, "/console/runs?since=1h&until=2h", Some(&cookie)).await;
+        assert_eq!(backwards.status(), StatusCode::BAD_REQUEST);
 
         // The run page: its delegations and the conflict with both sides.
         let page = get(&mesh, &format!("/console/runs/{run_id}"), Some(&cookie)).await;
@@ -163,6 +174,12 @@ fn a_session_cookie_is_http_only_strict_and_expires_and_shows_the_runs() {
             assert!(page.contains(part), "{part} in {page}");
         }
         assert!(page.matches("class=\"side\"").count() >= 2, "{page}");
+        assert!(
+            page.contains(&format!(
+                "href=\"http://jaeger.example:16686/trace/{trace_id}\""
+            )),
+            "a link to the run's trace: {page}"
+        );
     });
 }
 
@@ -343,6 +360,15 @@ fn two_people_approve_an_r3_action_in_two_sessions_then_it_is_executed() {
         .await;
         assert!(stale.status().is_client_error(), "{}", stale.status());
 
+        // alice's page follows the request: bob's vote shows up on its stream.
+        let live = alice_page
+            .split("data-live=\"")
+            .nth(1)
+            .and_then(|rest| rest.split('"').next())
+            .expect("a live stream on the request's page")
+            .replace("&amp;", "&");
+        let mut stream = get(&mesh, &live, Some(&alice)).await;
+        assert_eq!(stream.status(), StatusCode::OK);
         for (who, cookie) in [(ALICE, &alice), (BOB, &bob)] {
             let page = get(&mesh, &path, Some(cookie)).await.text().await.unwrap();
             let voted = post(
@@ -359,6 +385,18 @@ fn two_people_approve_an_r3_action_in_two_sessions_then_it_is_executed() {
             .await;
             assert_eq!(voted.status(), StatusCode::SEE_OTHER, "{who}");
         }
+        let mut seen = String::new();
+        let changed = tokio::time::timeout(std::time::Duration::from_secs(60), async {
+            while let Some(chunk) = stream.chunk().await.expect("the stream goes on") {
+                seen.push_str(&String::from_utf8_lossy(&chunk));
+                if seen.matches("event: changed").count() >= 2 {
+                    return true;
+                }
+            }
+            false
+        })
+        .await;
+        assert_eq!(changed, Ok(true), "both votes on the stream: {seen}");
         let approved = get(&mesh, &path, Some(&bob)).await.text().await.unwrap();
         assert!(approved.contains("approved"), "{approved}");
         assert!(

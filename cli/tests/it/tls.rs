@@ -1,5 +1,6 @@
 //! TLS as a user meets it: plaintext off loopback refused at start unless `--insecure`,
-//! and a mesh served over TLS that client commands reach with `--tls-ca` only.
+//! and a mesh served over TLS that client commands reach with `--tls-ca` only, whose
+//! console marks its session cookie Secure.
 
 use std::process::Stdio;
 use std::time::Duration;
@@ -115,6 +116,7 @@ fn a_mesh_over_tls_is_reached_with_the_ca_and_refused_without_it() {
     std::fs::write(tls.join("ca.crt"), ca.pem()).expect("write");
 
     let port = free_port();
+    let http = free_port();
     let data = dir.path().join("data");
     let mut up = convene()
         .args([
@@ -122,7 +124,7 @@ fn a_mesh_over_tls_is_reached_with_the_ca_and_refused_without_it() {
             "--listen",
             &format!("127.0.0.1:{port}"),
             "--http-listen",
-            "off",
+            &format!("127.0.0.1:{http}"),
         ])
         .arg("--tls-cert")
         .arg(tls.join("tls.crt"))
@@ -136,9 +138,39 @@ fn a_mesh_over_tls_is_reached_with_the_ca_and_refused_without_it() {
         .expect("convene up starts");
     wait_until("convene up to listen", Duration::from_secs(60), || {
         std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+            && std::net::TcpStream::connect(("127.0.0.1", http)).is_ok()
             && data.join("credentials/default-principal").exists()
     });
     let endpoint = format!("https://127.0.0.1:{port}");
+
+    // The console over TLS: its session cookie is Secure as well.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let credential =
+        convene_mesh::policy_file::dev_credential(&data.join("credentials"), "oncall@acme")
+            .expect("a development credential");
+    let set_cookie = tokio::runtime::Runtime::new()
+        .expect("a runtime")
+        .block_on(async {
+            reqwest::Client::builder()
+                .add_root_certificate(
+                    reqwest::Certificate::from_pem(ca.pem().as_bytes()).expect("the CA"),
+                )
+                .redirect(reqwest::redirect::Policy::none())
+                .build()
+                .expect("a client")
+                .post(format!("https://localhost:{http}/console/sign-in"))
+                .form(&[("credential", credential)])
+                .send()
+                .await
+                .expect("the console answers over TLS")
+                .headers()[reqwest::header::SET_COOKIE]
+                .to_str()
+                .expect("ASCII")
+                .to_owned()
+        });
+    for flag in ["Secure", "HttpOnly", "SameSite=Strict"] {
+        assert!(set_cookie.contains(flag), "{flag} in {set_cookie}");
+    }
     let runs = |extra: &[&std::ffi::OsStr]| {
         convene()
             .args(["runs", "list", "--endpoint", &endpoint])

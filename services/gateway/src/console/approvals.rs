@@ -164,6 +164,9 @@ fn request_page(signed: &Signed, a: &v1::ApprovalRequest) -> Markup {
         Some(&signed.session),
         &html! {
             h1 { "Approval request " code { (a.approval_id) } }
+            @if !a.run_id.is_empty() {
+                div hidden data-live={ "/console/approvals/" (a.approval_id) "/events?since=" (super::now_ms()) } {}
+            }
             dl.summary {
                 dt { "Action" } dd { code { (a.action) } }
                 dt { "Risk" } dd { (risk(a.risk_level)) }

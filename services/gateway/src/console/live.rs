@@ -1,5 +1,7 @@
 //! Live updates: a run page's events as server-sent events
-//! (`/console/runs/{id}/events`, from `WatchRun`), and the few lines of script that,
+//! (`/console/runs/{id}/events`, from `WatchRun`), an approval request's
+//! (`/console/approvals/{id}/events`, from the approval service's `WatchEvents` for its
+//! run), and the few lines of script that,
 //! where scripts run, fetch the page again when one arrives and swap its content in.
 //! Without scripts the page is whole as loaded; a reload shows what changed.
 
@@ -85,6 +87,68 @@ pub async fn events(
                         event.sequence
                     )),
                 ))
+            });
+            Sse::new(events)
+                .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
+                .into_response()
+        }
+        Err(status) => console.refused(&status, &signed.session),
+    }
+}
+
+/// Where an approval request's stream starts.
+#[derive(Debug, Default, serde::Deserialize)]
+pub struct Since {
+    /// When the page was rendered, in milliseconds since the Unix epoch: earlier events
+    /// are what the page shows already.
+    #[serde(default)]
+    pub since: i64,
+}
+
+fn millis(ts: Option<&prost_types::Timestamp>) -> i64 {
+    ts.map_or(0, |t| {
+        t.seconds
+            .saturating_mul(1000)
+            .saturating_add(i64::from(t.nanos) / 1_000_000)
+    })
+}
+
+/// `GET /console/approvals/{id}/events?since=MS`: one `changed` event per approval
+/// event of the request's run from `since` on (votes, executions, expiries), from the
+/// approval service's `WatchEvents` (following, for that run only).
+pub async fn approval_events(
+    State(console): State<Arc<Console>>,
+    signed: Signed,
+    Path(approval_id): Path<String>,
+    Query(since): Query<Since>,
+) -> Response {
+    let approval = match console
+        .approval
+        .get_approval(console.request(&signed.session, v1::GetApprovalRequest { approval_id }))
+        .await
+    {
+        Ok(got) => got.into_inner().approval.unwrap_or_default(),
+        Err(status) => return console.refused(&status, &signed.session),
+    };
+    let watched = console
+        .approval
+        .watch_events(console.request(
+            &signed.session,
+            v1::ApprovalWatchEventsRequest {
+                after_event_id: String::new(),
+                follow: true,
+                run_id: approval.run_id,
+            },
+        ))
+        .await;
+    match watched {
+        Ok(stream) => {
+            let from = since.since;
+            let events = stream.into_inner().filter_map(move |item| async move {
+                let event = item.ok()?.event?;
+                (millis(event.time.as_ref()) >= from).then(|| {
+                    Ok::<_, Infallible>(Event::default().event("changed").data(event.r#type))
+                })
             });
             Sse::new(events)
                 .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))

@@ -132,6 +132,10 @@ pub fn router(console: Arc<Console>) -> Router {
         .route("/console/approvals", get(approvals::queue))
         .route("/console/approvals/{approval_id}", get(approvals::show))
         .route(
+            "/console/approvals/{approval_id}/events",
+            get(live::approval_events),
+        )
+        .route(
             "/console/approvals/{approval_id}/decide",
             post(approvals::decide),
         )
@@ -418,6 +422,20 @@ async fn sign_out(
     response
 }
 
+/// A time filter: RFC 3339, or a duration before now (`2h`); None when empty.
+fn when(name: &str, value: &str) -> Result<Option<SystemTime>, String> {
+    let value = value.trim();
+    if value.is_empty() {
+        return Ok(None);
+    }
+    match humantime::parse_duration(value) {
+        Ok(ago) => Ok(Some(SystemTime::now() - ago)),
+        Err(_) => humantime::parse_rfc3339_weak(value).map(Some).map_err(|_| {
+            format!("{name} {value:?}: give a time such as 2026-12-06T02:00:00Z or a duration such as 2h")
+        }),
+    }
+}
+
 /// A ListRuns request for `filters`, or what is wrong with them.
 fn list_request(filters: &pages::RunFilters) -> Result<v1::ListRunsRequest, String> {
     let mut request = v1::ListRunsRequest {
@@ -441,15 +459,12 @@ fn list_request(filters: &pages::RunFilters) -> Result<v1::ListRunsRequest, Stri
             .labels
             .insert(key.trim().to_owned(), value.trim().to_owned());
     }
-    let since = filters.since.trim();
-    if !since.is_empty() {
-        let at = match humantime::parse_duration(since) {
-            Ok(ago) => SystemTime::now() - ago,
-            Err(_) => humantime::parse_rfc3339_weak(since).map_err(|_| {
-                format!("since {since:?}: give a time such as 2026-12-06T02:00:00Z or a duration such as 2h")
-            })?,
-        };
-        request.created_after = Some(prost_types::Timestamp::from(at));
+    request.created_after = when("since", &filters.since)?.map(prost_types::Timestamp::from);
+    request.created_before = when("until", &filters.until)?.map(prost_types::Timestamp::from);
+    if let (Some(after), Some(before)) = (&request.created_after, &request.created_before)
+        && (after.seconds, after.nanos) >= (before.seconds, before.nanos)
+    {
+        return Err("since must be before until".to_owned());
     }
     Ok(request)
 }

@@ -128,6 +128,9 @@ pub struct RunFilters {
     /// RFC 3339 or a duration ago (`2h`); empty: any time.
     #[serde(default)]
     pub since: String,
+    /// Runs created before this (RFC 3339 or a duration ago); empty: up to now.
+    #[serde(default)]
+    pub until: String,
     /// The page to show (ListRuns' page token); empty: the first.
     #[serde(default)]
     pub page: String,
@@ -141,6 +144,7 @@ impl RunFilters {
             ("state", &self.state),
             ("label", &self.label),
             ("since", &self.since),
+            ("until", &self.until),
         ] {
             if !v.is_empty() {
                 q.append_pair(k, v);
@@ -172,6 +176,8 @@ pub fn runs(session: &Session, filters: &RunFilters, runs: &[v1::Run], next: &st
                 input #label name="label" value=(filters.label) placeholder="service=payment-api";
                 label for="since" { "Since" }
                 input #since name="since" value=(filters.since) placeholder="2h or 2026-12-06T02:00:00Z";
+                label for="until" { "Until" }
+                input #until name="until" value=(filters.until) placeholder="30m or 2026-12-06T03:00:00Z";
                 button type="submit" { "Filter" }
             }
             @if runs.is_empty() {
@@ -298,6 +304,16 @@ pub fn run(session: &Session, run: &v1::Run, jaeger: Option<&str>) -> Markup {
                     @if !decision.missing_required.is_empty() {
                         h3 { "Missing" }
                         ul { @for m in &decision.missing_required { li { (m) } } }
+                    }
+                    @if !decision.missing_evidence_kinds.is_empty() {
+                        h3 { "Missing evidence" }
+                        ul { @for k in &decision.missing_evidence_kinds { li { "no accepted result cites evidence of kind " code { (k) } } } }
+                    }
+                    @if !decision.shared_evidence.is_empty() {
+                        h3 { "Evidence shared by several results" }
+                        ul { @for shared in &decision.shared_evidence {
+                            li { code { (shared.content_hash) } ", cited by " (shared.delegation_ids.iter().map(|id| name_of(id)).collect::<Vec<_>>().join(", ")) }
+                        } }
                     }
                     @for conflict in &decision.conflicts {
                         section.conflict aria-label={ "Conflict on " (conflict.topic) } {
