@@ -123,6 +123,7 @@ fn a_session_cookie_is_http_only_strict_and_expires_and_shows_the_runs() {
         cmd.env("CONVENE_JAEGER_URL", "http://jaeger.example:16686/");
     });
     let run_id = a_run(&mesh, "console-signed");
+    a_run(&mesh, "console-signed-2");
     let trace_id = mesh.get_run(&run_id).trace_id;
     block(async {
         let (set, cookie) = sign_in(&mesh, ONCALL).await;
@@ -149,6 +150,24 @@ fn a_session_cookie_is_http_only_strict_and_expires_and_shows_the_runs() {
         // Filters: a state the run is not in hides it.
         let none = get(&mesh, "/console/runs?state=succeeded", Some(&cookie)).await;
         assert!(!none.text().await.unwrap().contains(&run_id));
+        // A page at a time: with one run per page, the next page's link leads on, and
+        // the filters travel with it.
+        let first = get(&mesh, "/console/runs?size=1&since=1h", Some(&cookie)).await;
+        let first = first.text().await.unwrap();
+        let next = first
+            .split("rel=\"next\" href=\"")
+            .nth(1)
+            .and_then(|rest| rest.split('"').next())
+            .expect("a next page's link")
+            .replace("&amp;", "&");
+        assert!(
+            next.contains("size=1") && next.contains("since=1h"),
+            "{next}"
+        );
+        let second = get(&mesh, &next, Some(&cookie)).await.text().await.unwrap();
+        let listed = |page: &str| page.matches("href=\"/console/runs/").count();
+        assert_eq!((listed(&first), listed(&second)), (1, 1));
+        assert_ne!(first, second);
         let bad = get(&mesh, "/console/runs?label=nokeyvalue", Some(&cookie)).await;
         assert_eq!(bad.status(), StatusCode::BAD_REQUEST);
         // Time: created in the last hour, not before an hour ago; a window backwards is

@@ -439,7 +439,7 @@ fn when(name: &str, value: &str) -> Result<Option<SystemTime>, String> {
 /// A ListRuns request for `filters`, or what is wrong with them.
 fn list_request(filters: &pages::RunFilters) -> Result<v1::ListRunsRequest, String> {
     let mut request = v1::ListRunsRequest {
-        page_size: PAGE_SIZE,
+        page_size: filters.size.unwrap_or(PAGE_SIZE).clamp(1, 100),
         page_token: filters.page.clone(),
         ..Default::default()
     };

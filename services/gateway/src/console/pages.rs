@@ -134,6 +134,9 @@ pub struct RunFilters {
     /// The page to show (ListRuns' page token); empty: the first.
     #[serde(default)]
     pub page: String,
+    /// Runs per page (1 to 100); unset: 50.
+    #[serde(default)]
+    pub size: Option<u32>,
 }
 
 impl RunFilters {
@@ -149,6 +152,9 @@ impl RunFilters {
             if !v.is_empty() {
                 q.append_pair(k, v);
             }
+        }
+        if let Some(size) = self.size {
+            q.append_pair("size", &size.to_string());
         }
         if !page.is_empty() {
             q.append_pair("page", page);
