@@ -304,6 +304,23 @@ fn failed_sign_ins_are_throttled_and_roles_are_checked() {
     });
 }
 
+/// Reads a console event stream until it has sent `count` `changed` events (`what`
+/// caused them), for at most a minute.
+async fn live_events(stream: &mut reqwest::Response, count: usize, what: &str) {
+    let mut seen = String::new();
+    let arrived = tokio::time::timeout(std::time::Duration::from_secs(60), async {
+        while let Some(chunk) = stream.chunk().await.expect("the stream goes on") {
+            seen.push_str(&String::from_utf8_lossy(&chunk));
+            if seen.matches("event: changed").count() >= count {
+                return true;
+            }
+        }
+        false
+    })
+    .await;
+    assert_eq!(arrived, Ok(true), "{what} on the stream: {seen}");
+}
+
 /// The value of the first input named `name` in a page.
 fn field(page: &str, name: &str) -> String {
     let at = page
@@ -404,18 +421,7 @@ fn two_people_approve_an_r3_action_in_two_sessions_then_it_is_executed() {
             .await;
             assert_eq!(voted.status(), StatusCode::SEE_OTHER, "{who}");
         }
-        let mut seen = String::new();
-        let changed = tokio::time::timeout(std::time::Duration::from_secs(60), async {
-            while let Some(chunk) = stream.chunk().await.expect("the stream goes on") {
-                seen.push_str(&String::from_utf8_lossy(&chunk));
-                if seen.matches("event: changed").count() >= 2 {
-                    return true;
-                }
-            }
-            false
-        })
-        .await;
-        assert_eq!(changed, Ok(true), "both votes on the stream: {seen}");
+        live_events(&mut stream, 2, "both votes").await;
         let approved = get(&mesh, &path, Some(&bob)).await.text().await.unwrap();
         assert!(approved.contains("approved"), "{approved}");
         assert!(
@@ -493,18 +499,7 @@ fn a_waiting_run_is_settled_from_its_page() {
         .await;
         assert_eq!(settled.status(), StatusCode::SEE_OTHER);
         // The stream says so, without the page being asked again.
-        let mut seen = String::new();
-        let changed = tokio::time::timeout(std::time::Duration::from_secs(60), async {
-            while let Some(chunk) = stream.chunk().await.expect("the stream goes on") {
-                seen.push_str(&String::from_utf8_lossy(&chunk));
-                if seen.contains("event: changed") {
-                    return true;
-                }
-            }
-            false
-        })
-        .await;
-        assert_eq!(changed, Ok(true), "{seen}");
+        live_events(&mut stream, 1, "the settlement").await;
         // The run goes on; its page no longer asks which side holds.
         let mut after = String::new();
         for _ in 0..50 {
