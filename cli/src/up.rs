@@ -102,7 +102,7 @@ pub struct UpArgs {
     /// Address the A2A gateway serves on over HTTP (its Agent Card at
     /// /.well-known/agent-card.json, JSON-RPC and HTTP+JSON bindings), or `off`. Other
     /// agents start runs from the run templates there, with a principal credential as
-    /// the bearer.
+    /// the bearer; people sign in to the operator console at /console/.
     #[arg(
         long,
         env = "CONVENE_HTTP_LISTEN",

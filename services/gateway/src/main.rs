@@ -15,6 +15,8 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 /// The convene A2A gateway: other agents find convene's run templates as skills on its
 /// Agent Card (/.well-known/agent-card.json) and start, follow and cancel runs over A2A
 /// 1.0 (JSON-RPC and HTTP+JSON), authenticating with a principal credential as a bearer.
+/// People sign in to the operator console on the same listener, at /console/, when the
+/// gateway has a credential to act for them with (`console_credential_file`).
 ///
 /// Without --config it starts on the development settings of the payment-incident
 /// example: A2A on 127.0.0.1:7480, gRPC health on 127.0.0.1:7405, the supervisor at
@@ -25,7 +27,8 @@ struct Cli {
     #[command(flatten)]
     common: ServiceArgs,
 
-    /// Address A2A is served on over HTTP (the Agent Card and both bindings), or `off`.
+    /// Address A2A and the operator console are served on over HTTP (the Agent Card,
+    /// both bindings, /console/), or `off`.
     /// Overrides `http_listen` and CONVENE_HTTP_LISTEN. [default: 127.0.0.1:7480]
     #[arg(long, value_name = "ADDR|off")]
     http_listen: Option<HttpListen>,
