@@ -78,19 +78,7 @@ fn parse_label(text: &str) -> Result<(String, String), String> {
 
 /// Parses `--since` and `--until`: a duration before now, or an RFC 3339 time.
 fn parse_time(text: &str) -> Result<SystemTime, String> {
-    if let Ok(ago) = humantime::parse_duration(text) {
-        return SystemTime::now()
-            .checked_sub(ago)
-            .ok_or_else(|| format!("{text:?} ago is before any time this system can show"));
-    }
-    let invalid = || {
-        format!(
-            "{text:?}: give an RFC 3339 time (2026-07-23T02:00:00Z, or with an offset: \
-             2026-07-23T04:00:00+02:00) or how long ago (30m, 2h, 7days)"
-        )
-    };
-    let at: prost_types::Timestamp = text.parse().map_err(|_| invalid())?;
-    SystemTime::try_from(at).map_err(|_| invalid())
+    convene_core::time::time_or_ago(text, SystemTime::now())
 }
 
 /// `convene runs list`.

@@ -23,6 +23,28 @@ pub fn from_timestamp(
     Ok(UNIX_EPOCH + Duration::new(ts.seconds as u64, ts.nanos as u32))
 }
 
+/// A time as people write it in a filter: an RFC 3339 time (with `Z` or an offset) or
+/// how long before `now` (`30m`, `2h`, `7days`). The error says what to write.
+///
+/// # Errors
+///
+/// Text that is neither, or a duration reaching before any time this system can show.
+pub fn time_or_ago(text: &str, now: SystemTime) -> Result<SystemTime, String> {
+    if let Ok(ago) = humantime::parse_duration(text) {
+        return now
+            .checked_sub(ago)
+            .ok_or_else(|| format!("{text:?} ago is before any time this system can show"));
+    }
+    let invalid = || {
+        format!(
+            "{text:?}: give an RFC 3339 time (2026-07-23T02:00:00Z, or with an offset: \
+             2026-07-23T04:00:00+02:00) or how long ago (30m, 2h, 7days)"
+        )
+    };
+    let at: prost_types::Timestamp = text.parse().map_err(|_| invalid())?;
+    SystemTime::try_from(at).map_err(|_| invalid())
+}
+
 /// Converts a `SystemTime` into a wire timestamp.
 pub fn to_timestamp(t: SystemTime) -> prost_types::Timestamp {
     prost_types::Timestamp::from(t)
@@ -138,6 +160,26 @@ impl From<ManualClock> for Clock {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_filter_time_is_rfc_3339_or_a_duration_ago_and_never_panics() {
+        let now = UNIX_EPOCH + Duration::from_secs(1_800_000_000);
+        assert_eq!(time_or_ago("2h", now), Ok(now - Duration::from_secs(7200)));
+        assert_eq!(
+            time_or_ago("2027-01-15T08:00:00+02:00", now),
+            Ok(UNIX_EPOCH + Duration::from_secs(1_799_992_800))
+        );
+        assert!(
+            time_or_ago("500000000000years", now)
+                .unwrap_err()
+                .contains("before any time")
+        );
+        assert!(
+            time_or_ago("yesterday-ish", now)
+                .unwrap_err()
+                .contains("RFC 3339")
+        );
+    }
 
     #[test]
     fn the_system_clock_follows_the_wall_clock() {

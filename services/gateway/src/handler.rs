@@ -130,7 +130,8 @@ fn span(operation: &'static str, params: &ServiceParams) -> tracing::Span {
     span
 }
 
-fn now_millis() -> i64 {
+/// Now, in milliseconds since the Unix epoch.
+pub(crate) fn now_millis() -> i64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))

@@ -106,9 +106,7 @@ impl Connected<axum::serve::IncomingStream<'_, convene_server::tls::TlsListener>
 }
 
 fn now_ms() -> i64 {
-    SystemTime::now()
-        .duration_since(SystemTime::UNIX_EPOCH)
-        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+    crate::handler::now_millis()
 }
 
 /// A page with its status.
@@ -422,18 +420,15 @@ async fn sign_out(
     response
 }
 
-/// A time filter: RFC 3339, or a duration before now (`2h`); None when empty.
+/// A time filter ([`convene_core::time::time_or_ago`]); None when empty.
 fn when(name: &str, value: &str) -> Result<Option<SystemTime>, String> {
     let value = value.trim();
     if value.is_empty() {
         return Ok(None);
     }
-    match humantime::parse_duration(value) {
-        Ok(ago) => Ok(Some(SystemTime::now() - ago)),
-        Err(_) => humantime::parse_rfc3339_weak(value).map(Some).map_err(|_| {
-            format!("{name} {value:?}: give a time such as 2026-12-06T02:00:00Z or a duration such as 2h")
-        }),
-    }
+    convene_core::time::time_or_ago(value, SystemTime::now())
+        .map(Some)
+        .map_err(|e| format!("{name} {e}"))
 }
 
 /// A ListRuns request for `filters`, or what is wrong with them.
