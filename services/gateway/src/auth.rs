@@ -7,6 +7,7 @@
 //! (or `runs:resolve`, to answer a task that waits for input); reading tasks
 //! `runs:read` or `runs:start`; cancelling `runs:start`.
 
+use std::borrow::Cow;
 use std::sync::Arc;
 
 use axum::body::Body;
@@ -15,6 +16,7 @@ use axum::http::{HeaderValue, StatusCode, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use convene_mesh::policy_file::Policy;
+use percent_encoding::percent_decode_str;
 use serde_json::{Value, json};
 
 /// The realm of the `WWW-Authenticate` challenge.
@@ -50,11 +52,19 @@ impl Operation {
         }
     }
 
-    /// The operation of an HTTP+JSON path (below the binding's mount).
+    /// The operation of an HTTP+JSON path (below the binding's mount), as the binding's
+    /// router reads it: split into segments at the raw path's `/`, each segment
+    /// percent-decoded once. So `/tasks/ID%3Acancel` is the cancel it is routed to,
+    /// while `/tasks/ID%2Fcancel` stays one segment (task `ID/cancel`), as it is routed.
     pub fn of_path(path: &str) -> Self {
-        if path.contains("message:") {
+        let segments: Vec<Cow<'_, str>> = path
+            .split('/')
+            .map(|segment| percent_decode_str(segment).decode_utf8_lossy())
+            .collect();
+        let last = segments.last().map_or("", |s| s.as_ref());
+        if segments.iter().any(|s| s.starts_with("message:")) {
             Operation::Send
-        } else if path.ends_with(":cancel") || path.ends_with("/cancel") {
+        } else if last.ends_with(":cancel") || last == "cancel" {
             Operation::Cancel
         } else {
             Operation::Read
@@ -239,6 +249,34 @@ mod tests {
         assert_eq!(Operation::of_path("/tasks/abc:cancel"), Operation::Cancel);
         assert_eq!(Operation::of_path("/tasks/abc/cancel"), Operation::Cancel);
         assert_eq!(Operation::of_path("/tasks/abc"), Operation::Read);
+        assert_eq!(Operation::of_path("/tasks"), Operation::Read);
+        assert_eq!(Operation::of_path("/tasks/abc:subscribe"), Operation::Read);
+    }
+
+    #[test]
+    fn paths_are_classified_as_the_router_decodes_them() {
+        // `:` percent-encoded, either case: still the cancel the binding routes it to.
+        for path in [
+            "/tasks/abc%3Acancel",
+            "/tasks/abc%3acancel",
+            "/tasks/abc%3A%63ancel",
+            "/tasks/%61bc%3Acancel",
+        ] {
+            assert_eq!(Operation::of_path(path), Operation::Cancel, "{path}");
+        }
+        assert_eq!(Operation::of_path("/message%3Asend"), Operation::Send);
+        assert_eq!(Operation::of_path("/message%3astream"), Operation::Send);
+        // Decoded once: `%253A` is the text `%3A`, a task id, not a cancel.
+        assert_eq!(Operation::of_path("/tasks/abc%253Acancel"), Operation::Read);
+        // `%2F` does not split a segment: `abc/cancel` is one task id, read.
+        assert_eq!(Operation::of_path("/tasks/abc%2Fcancel"), Operation::Read);
+        assert_eq!(Operation::of_path("/tasks/abc%2fcancel"), Operation::Read);
+        // ... unless the id itself ends the way a cancel does.
+        assert_eq!(
+            Operation::of_path("/tasks/abc%2Fx%3Acancel"),
+            Operation::Cancel
+        );
+        assert_eq!(Operation::of_path("/tasks/abc/%63ancel"), Operation::Cancel);
         assert_eq!(
             Operation::of_method("SendStreamingMessage"),
             Operation::Send
