@@ -128,6 +128,12 @@ pub struct Config {
     /// How long a console session lasts.
     #[serde(with = "convene_server::config::duration")]
     pub console_session_ttl: Duration,
+    /// How often the console's live streams check that their session is still open and
+    /// its principal still holds `runs:read`; they end at the first check that finds it
+    /// not (and at once at a sign-out on the same replica, or the session's expiry).
+    /// `convene up` reads `CONVENE_CONSOLE_LIVE_RECHECK` for it.
+    #[serde(with = "convene_server::config::duration")]
+    pub console_live_recheck: Duration,
 }
 
 impl Default for Config {
@@ -142,6 +148,7 @@ impl Default for Config {
             templates_file: None,
             console_credential_file: None,
             console_session_ttl: crate::console::DEFAULT_SESSION_TTL,
+            console_live_recheck: crate::console::DEFAULT_LIVE_RECHECK,
         }
     }
 }

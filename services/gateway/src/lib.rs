@@ -166,7 +166,9 @@ pub struct ConsoleSettings {
 /// The HTTP application of a gateway starting runs on `supervisor` from `templates`,
 /// keeping its tasks (and the console's sessions) in `database` (in memory without
 /// one), advertising `base` (the public URL, no trailing slash) on its card; with
-/// `console`, the operator console under `/console/` too.
+/// `console`, the operator console under `/console/` too. Its cookies are `Secure` when
+/// the process serves TLS or `base` is `https://`; its live streams check their session
+/// every [`console::live_recheck_from_env`].
 pub fn build(
     supervisor: SupervisorHandle,
     policy: Arc<Policy>,
@@ -174,6 +176,34 @@ pub fn build(
     database: Option<convene_store::Database>,
     base: &str,
     console: Option<ConsoleSettings>,
+) -> axum::Router {
+    assemble(
+        supervisor,
+        policy,
+        templates,
+        database,
+        base,
+        console.map(|settings| (settings, console::live_recheck_from_env())),
+    )
+}
+
+/// Whether browsers reach a gateway advertising `base` over HTTPS: it serves TLS, or
+/// `base` is an `https://` URL (TLS ending at an ingress in front of it).
+pub fn https(base: &str) -> bool {
+    convene_server::tls::installed().is_some_and(|t| t.server.is_some())
+        || base
+            .get(..8)
+            .is_some_and(|scheme| scheme.eq_ignore_ascii_case("https://"))
+}
+
+/// [`build`], the console's live streams checking their session every `live_recheck`.
+fn assemble(
+    supervisor: SupervisorHandle,
+    policy: Arc<Policy>,
+    templates: &Templates,
+    database: Option<convene_store::Database>,
+    base: &str,
+    console: Option<(ConsoleSettings, std::time::Duration)>,
 ) -> axum::Router {
     let skills = templates.ids().into_iter().map(str::to_owned).collect();
     let card = card::agent_card(templates, base);
@@ -186,7 +216,7 @@ pub fn build(
     let app = router(gateway, policy.clone(), card);
     match console {
         None => app,
-        Some(settings) => app.merge(console::router(Arc::new(console::Console {
+        Some((settings, live_recheck)) => app.merge(console::router(Arc::new(console::Console {
             supervisor,
             approval: settings.approval,
             evidence: settings.evidence,
@@ -194,9 +224,11 @@ pub fn build(
             credential: settings.credential,
             sessions: console::Sessions::new(database),
             throttle: console::Throttle::default(),
-            secure: convene_server::tls::installed().is_some_and(|t| t.server.is_some()),
+            secure: https(base),
             session_ttl: settings.session_ttl,
             jaeger_url: settings.jaeger_url,
+            live_recheck,
+            sign_outs: console::SignOuts::default(),
         }))),
     }
 }
@@ -223,13 +255,13 @@ pub async fn run(config: Config, shutdown: Shutdown) -> Result<(), Error> {
         convene_mesh::handles::GrpcEvidenceStore::connect(&config.evidence_endpoint)?,
     );
     let console = config.console(&policy, approval, evidence)?;
-    let app = build(
+    let app = assemble(
         supervisor,
         policy,
         &templates,
         database,
         &config.public_base(bound),
-        console,
+        console.map(|settings| (settings, config.console_live_recheck)),
     );
     let grpc = convene_server::bind(config.server.listen).await?;
     match bound {

@@ -4,8 +4,13 @@
 //! run), and the few lines of script that,
 //! where scripts run, fetch the page again when one arrives and swap its content in.
 //! Without scripts the page is whole as loaded; a reload shows what changed.
+//!
+//! A stream lasts as long as its session ([`while_signed`]): it ends at sign-out, at the
+//! session's expiry, and when a check every [`Console::live_recheck`] finds the session
+//! closed (on another replica) or its principal without the viewing role.
 
 use std::convert::Infallible;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -14,7 +19,9 @@ use axum::http::header;
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use convene_proto::v1;
-use futures::StreamExt as _;
+use futures::{Stream, StreamExt as _};
+use tokio::sync::watch;
+use tokio::time::{Instant, Interval, MissedTickBehavior};
 
 use super::{Console, Signed};
 
@@ -32,6 +39,71 @@ fn kind_name(event: &v1::RunEvent) -> &'static str {
         Some(_) => "changed",
         None => "unknown",
     }
+}
+
+/// What a live stream follows its session with.
+struct Follow {
+    events: Pin<Box<dyn Stream<Item = Result<Event, Infallible>> + Send>>,
+    console: Arc<Console>,
+    token: String,
+    expires: Instant,
+    recheck: Interval,
+    sign_outs: watch::Receiver<u64>,
+}
+
+/// Whether the session of `token` still holds; sessions that cannot be read end the
+/// stream (the browser reconnects and is answered as its session is then).
+async fn still_signed(console: &Console, token: &str) -> bool {
+    match console.signed(token).await {
+        Ok(session) => session.is_some(),
+        Err(e) => {
+            tracing::warn!(error = %e, "console sessions cannot be read: a live stream ends");
+            false
+        }
+    }
+}
+
+/// `events` for as long as `signed`'s session lasts: they end at its expiry, at a
+/// sign-out on this replica that closed it, and at the first check (every
+/// [`Console::live_recheck`]) that finds it closed or its principal without the
+/// viewing role.
+pub fn while_signed(
+    console: Arc<Console>,
+    signed: &Signed,
+    events: impl Stream<Item = Result<Event, Infallible>> + Send + 'static,
+) -> impl Stream<Item = Result<Event, Infallible>> + Send + 'static {
+    let left = signed.session.expires_at.saturating_sub(super::now_ms());
+    let expires = Instant::now() + Duration::from_millis(u64::try_from(left).unwrap_or(0));
+    let every = console.live_recheck.max(Duration::from_millis(1));
+    let mut recheck = tokio::time::interval_at(Instant::now() + every, every);
+    recheck.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    let mut sign_outs = console.sign_outs.subscribe();
+    sign_outs.mark_unchanged();
+    let follow = Follow {
+        events: Box::pin(events),
+        console,
+        token: signed.token.clone(),
+        expires,
+        recheck,
+        sign_outs,
+    };
+    futures::stream::unfold(follow, |mut follow| async move {
+        loop {
+            tokio::select! {
+                event = follow.events.next() => return event.map(|e| (e, follow)),
+                () = tokio::time::sleep_until(follow.expires) => return None,
+                _ = follow.recheck.tick() => {}
+                changed = follow.sign_outs.changed() => {
+                    if changed.is_err() {
+                        return None;
+                    }
+                }
+            }
+            if !still_signed(&follow.console, &follow.token).await {
+                return None;
+            }
+        }
+    })
 }
 
 /// Where a stream starts.
@@ -88,7 +160,7 @@ pub async fn events(
                     )),
                 ))
             });
-            Sse::new(events)
+            Sse::new(while_signed(console.clone(), &signed, events))
                 .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
                 .into_response()
         }
@@ -150,7 +222,7 @@ pub async fn approval_events(
                     Ok::<_, Infallible>(Event::default().event("changed").data(event.r#type))
                 })
             });
-            Sse::new(events)
+            Sse::new(while_signed(console.clone(), &signed, events))
                 .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
                 .into_response()
         }

@@ -3,9 +3,19 @@
 //!
 //! - **Sessions** ([`sessions`]): a sign-in opens a session stored in the database; the
 //!   browser gets an HttpOnly, SameSite=Strict cookie scoped to `/console` with the
-//!   session's expiry (Secure when served over TLS). Failed sign-ins are throttled per
-//!   client address ([`throttle`]). State-changing forms carry the session's CSRF
-//!   token; a request without it is refused (403).
+//!   session's expiry (Secure when served over TLS or when the public URL is
+//!   `https://`, TLS then ending at an ingress). Sign-in attempts are throttled per
+//!   client address and in total ([`throttle`]). State-changing forms carry the
+//!   session's CSRF token; the sign-in form carries the token of a pre-session cookie
+//!   (double submit). A form without its token is refused (403), a sign-in before any
+//!   credential is looked at.
+//! - **Headers**: every response under `/console` (pages, redirects, errors, assets,
+//!   streams) says [`CONTENT_SECURITY_POLICY`], `X-Frame-Options: DENY`,
+//!   `X-Content-Type-Options: nosniff` and `Referrer-Policy: same-origin`; all but the
+//!   static assets `Cache-Control: no-store`.
+//! - **Live streams** ([`live`]) end when their session does: at sign-out (at once on
+//!   this replica), at its expiry, and when a check every [`Console::live_recheck`]
+//!   finds it closed or its principal without the viewing role.
 //! - **Acting for a person**: the console calls the mesh with its own credential (a
 //!   principal holding `principals:act-as`) and names the signed-in principal in
 //!   `x-convene-act-as` metadata ([`convene_mesh::auth::ACT_AS`]); each service then
@@ -34,19 +44,32 @@ use axum::extract::{FromRequestParts, Path, Query, State};
 use axum::http::request::Parts;
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Redirect, Response};
-use axum::routing::{get, post};
+use axum::routing::{any, get, post};
 use convene_mesh::auth::{ACT_AS, request};
 use convene_mesh::handles::{ApprovalHandle, EvidenceHandle, SupervisorHandle};
 use convene_mesh::policy_file::Policy;
 use convene_proto::v1;
 use maud::Markup;
 use tonic::Code;
+use tower_http::set_header::SetResponseHeaderLayer;
 
 pub use sessions::{Session, Sessions};
 pub use throttle::Throttle;
 
 /// The session cookie's name.
 pub const COOKIE: &str = "convene_session";
+/// The pre-session cookie whose token the sign-in form carries.
+pub const SIGN_IN_COOKIE: &str = "convene_sign_in";
+/// How long a sign-in form's token lasts.
+const SIGN_IN_TTL: Duration = Duration::from_secs(3600);
+/// The `Content-Security-Policy` of every console response: scripts, styles and
+/// connections from the gateway only, nothing inline, no framing, forms posted here.
+pub const CONTENT_SECURITY_POLICY: &str = "default-src 'self'; base-uri 'none'; \
+     form-action 'self'; frame-ancestors 'none'; object-src 'none'";
+/// How often a live stream checks its session by default.
+pub const DEFAULT_LIVE_RECHECK: Duration = Duration::from_secs(30);
+/// The variable setting [`Console::live_recheck`] for [`crate::build`], e.g. `30s`.
+pub const LIVE_RECHECK_ENV: &str = "CONVENE_CONSOLE_LIVE_RECHECK";
 /// The role viewing the console needs.
 pub const VIEW_ROLE: &str = "runs:read";
 /// How long a session lasts by default.
@@ -68,14 +91,70 @@ pub struct Console {
     pub credential: String,
     /// Where sessions are kept.
     pub sessions: Sessions,
-    /// Failed sign-ins per client address.
+    /// Sign-in attempts per client address and in total.
     pub throttle: Throttle,
-    /// Whether the listener serves TLS (the cookie is then `Secure`).
+    /// Whether browsers reach the console over HTTPS (the cookies are then `Secure`):
+    /// the listener serves TLS, or the public URL is `https://`.
     pub secure: bool,
     /// How long a session lasts.
     pub session_ttl: Duration,
     /// Jaeger's base URL, for links to a run's trace (`CONVENE_JAEGER_URL`).
     pub jaeger_url: Option<String>,
+    /// How often a live stream checks that its session is still open and its principal
+    /// still holds the viewing role.
+    pub live_recheck: Duration,
+    /// Sign-outs on this replica, for their sessions' streams to end at once.
+    pub sign_outs: SignOuts,
+}
+
+/// Tells the live streams of this replica that a session was closed.
+#[derive(Debug)]
+pub struct SignOuts(tokio::sync::watch::Sender<u64>);
+
+impl Default for SignOuts {
+    fn default() -> Self {
+        Self(tokio::sync::watch::channel(0).0)
+    }
+}
+
+impl SignOuts {
+    /// A session was closed: every stream checks its own.
+    pub fn closed(&self) {
+        self.0.send_modify(|n| *n = n.wrapping_add(1));
+    }
+
+    /// Changes on each sign-out.
+    pub fn subscribe(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.0.subscribe()
+    }
+}
+
+/// [`LIVE_RECHECK_ENV`] as a duration; [`DEFAULT_LIVE_RECHECK`] when unset, or (with a
+/// warning) when it is not a duration.
+pub fn live_recheck_from_env() -> Duration {
+    use serde::de::IntoDeserializer as _;
+    let Ok(text) = std::env::var(LIVE_RECHECK_ENV) else {
+        return DEFAULT_LIVE_RECHECK;
+    };
+    let parsed: Result<Duration, serde::de::value::Error> =
+        convene_server::config::duration::deserialize(text.as_str().into_deserializer());
+    match parsed {
+        Ok(every) if !every.is_zero() => every,
+        Ok(_) => {
+            tracing::warn!(
+                "{LIVE_RECHECK_ENV} is zero; live streams check their session every {}s",
+                DEFAULT_LIVE_RECHECK.as_secs()
+            );
+            DEFAULT_LIVE_RECHECK
+        }
+        Err(e) => {
+            tracing::warn!(
+                "{LIVE_RECHECK_ENV}: {e}; live streams check their session every {}s",
+                DEFAULT_LIVE_RECHECK.as_secs()
+            );
+            DEFAULT_LIVE_RECHECK
+        }
+    }
 }
 
 impl std::fmt::Debug for Console {
@@ -114,9 +193,11 @@ fn page(status: StatusCode, markup: Markup) -> Response {
     (status, markup).into_response()
 }
 
-/// The console's routes, all under `/console`.
+/// The console's routes, all under `/console`, every response with the console's
+/// security headers; every response but the static assets' `Cache-Control: no-store`
+/// (over the `no-cache` of the event streams too).
 pub fn router(console: Arc<Console>) -> Router {
-    Router::new()
+    let pages = Router::new()
         .route("/console", get(home))
         .route("/console/", get(home))
         .route("/console/sign-in", get(sign_in_form).post(sign_in))
@@ -125,7 +206,6 @@ pub fn router(console: Arc<Console>) -> Router {
         .route("/console/runs/{run_id}", get(run))
         .route("/console/runs/{run_id}/resume", post(resume::resume))
         .route("/console/runs/{run_id}/events", get(live::events))
-        .route("/console/assets/console.js", get(live::script))
         .route("/console/evidence", get(evidence::show))
         .route("/console/approvals", get(approvals::queue))
         .route("/console/approvals/{approval_id}", get(approvals::show))
@@ -141,8 +221,48 @@ pub fn router(console: Arc<Console>) -> Router {
             "/console/approvals/{approval_id}/execute",
             post(approvals::execute),
         )
-        .route("/console/assets/console.css", get(stylesheet))
-        .with_state(console)
+        .route("/console/{*rest}", any(not_found))
+        .layer(SetResponseHeaderLayer::overriding(
+            header::CACHE_CONTROL,
+            HeaderValue::from_static("no-store"),
+        ));
+    // The assets say how long they may be kept.
+    let assets = Router::new()
+        .route("/console/assets/console.js", get(live::script))
+        .route("/console/assets/console.css", get(stylesheet));
+    secured(pages.merge(assets).with_state(console))
+}
+
+/// `router` with the console's security headers on every response.
+fn secured(router: Router) -> Router {
+    router
+        .layer(SetResponseHeaderLayer::overriding(
+            header::CONTENT_SECURITY_POLICY,
+            HeaderValue::from_static(CONTENT_SECURITY_POLICY),
+        ))
+        .layer(SetResponseHeaderLayer::overriding(
+            header::X_FRAME_OPTIONS,
+            HeaderValue::from_static("DENY"),
+        ))
+        .layer(SetResponseHeaderLayer::overriding(
+            header::X_CONTENT_TYPE_OPTIONS,
+            HeaderValue::from_static("nosniff"),
+        ))
+        .layer(SetResponseHeaderLayer::overriding(
+            header::REFERRER_POLICY,
+            HeaderValue::from_static("same-origin"),
+        ))
+}
+
+async fn not_found() -> Response {
+    page(
+        StatusCode::NOT_FOUND,
+        pages::problem(
+            "Not found",
+            "The console has no page at this address.",
+            None,
+        ),
+    )
 }
 
 /// A signed-in request: the session of its cookie, still open, of a principal that
@@ -178,16 +298,32 @@ impl IntoResponse for NotSigned {
     }
 }
 
-/// The session token in a request's cookies.
-fn cookie_token(headers: &HeaderMap) -> Option<String> {
+/// The value of cookie `name` in a request's cookies.
+fn cookie_value(headers: &HeaderMap, name: &str) -> Option<String> {
     headers
         .get_all(header::COOKIE)
         .iter()
         .filter_map(|v| v.to_str().ok())
         .flat_map(|v| v.split(';'))
         .filter_map(|pair| pair.trim().split_once('='))
-        .find(|(name, _)| *name == COOKIE)
+        .find(|(n, _)| *n == name)
         .map(|(_, value)| value.to_owned())
+}
+
+/// The token of the sign-in form's pre-session cookie, when it is one the console made
+/// (64 hex digits).
+fn sign_in_token(headers: &HeaderMap) -> Option<String> {
+    cookie_value(headers, SIGN_IN_COOKIE)
+        .filter(|t| t.len() == 64 && t.bytes().all(|b| b.is_ascii_hexdigit()))
+}
+
+/// Whether two tokens are equal, in a time that does not depend on where they differ.
+fn same_token(a: &str, b: &str) -> bool {
+    a.len() == b.len()
+        && a.bytes()
+            .zip(b.bytes())
+            .fold(0u8, |acc, (x, y)| acc | (x ^ y))
+            == 0
 }
 
 impl FromRequestParts<Arc<Console>> for Signed {
@@ -197,29 +333,37 @@ impl FromRequestParts<Arc<Console>> for Signed {
         parts: &mut Parts,
         console: &Arc<Console>,
     ) -> Result<Self, Self::Rejection> {
-        let token = cookie_token(&parts.headers).ok_or(NotSigned::SignIn)?;
+        let token = cookie_value(&parts.headers, COOKIE).ok_or(NotSigned::SignIn)?;
         let session = console
-            .sessions
-            .get(&token, now_ms())
+            .signed(&token)
             .await
             .map_err(|e| {
                 tracing::error!(error = %e, "console sessions cannot be read");
                 NotSigned::Unavailable
             })?
             .ok_or(NotSigned::SignIn)?;
-        // The policy may have changed since: the principal must still be there and see.
-        let still = console
-            .policy
-            .principal(&session.principal)
-            .is_some_and(|p| p.tenant == session.tenant && p.has_role(VIEW_ROLE));
-        if !still {
-            return Err(NotSigned::SignIn);
-        }
         Ok(Self { session, token })
     }
 }
 
 impl Console {
+    /// The session of cookie token `token` if it is still open and its principal still
+    /// holds the viewing role in the session's tenant (the policy may have changed).
+    ///
+    /// # Errors
+    ///
+    /// When the sessions cannot be read.
+    pub async fn signed(&self, token: &str) -> Result<Option<Session>, sessions::StoreError> {
+        let Some(session) = self.sessions.get(token, now_ms()).await? else {
+            return Ok(None);
+        };
+        let still = self
+            .policy
+            .principal(&session.principal)
+            .is_some_and(|p| p.tenant == session.tenant && p.has_role(VIEW_ROLE));
+        Ok(still.then_some(session))
+    }
+
     /// A request to the mesh acting for the session's principal.
     fn request<T>(&self, session: &Session, message: T) -> tonic::Request<T> {
         let mut request = request(message, &self.credential);
@@ -248,21 +392,36 @@ impl Console {
         page(code, pages::problem(title, status.message(), Some(session)))
     }
 
-    /// The `Set-Cookie` value of a new session.
-    fn cookie(&self, token: &str) -> String {
-        format!(
-            "{COOKIE}={token}; Path=/console; Max-Age={}; HttpOnly; SameSite=Strict{}",
-            self.session_ttl.as_secs(),
+    /// A `Set-Cookie` value: `name=value` for `path`, for `max_age`, HttpOnly,
+    /// SameSite=Strict, Secure when the console is reached over HTTPS.
+    fn set_cookie(&self, name: &str, value: &str, path: &str, max_age: Duration) -> HeaderValue {
+        let text = format!(
+            "{name}={value}; Path={path}; Max-Age={}; HttpOnly; SameSite=Strict{}",
+            max_age.as_secs(),
             if self.secure { "; Secure" } else { "" }
-        )
+        );
+        HeaderValue::from_str(&text).expect("cookie tokens are hex")
+    }
+
+    /// The `Set-Cookie` value of a new session.
+    fn cookie(&self, token: &str) -> HeaderValue {
+        self.set_cookie(COOKIE, token, "/console", self.session_ttl)
     }
 
     /// The `Set-Cookie` value that ends the session in the browser.
-    fn cleared(&self) -> String {
-        format!(
-            "{COOKIE}=; Path=/console; Max-Age=0; HttpOnly; SameSite=Strict{}",
-            if self.secure { "; Secure" } else { "" }
-        )
+    fn cleared(&self) -> HeaderValue {
+        self.set_cookie(COOKIE, "", "/console", Duration::ZERO)
+    }
+
+    /// The sign-in form with `error`, carrying `token`, and the pre-session cookie
+    /// holding it.
+    fn sign_in_page(&self, status: StatusCode, error: Option<&str>, token: &str) -> Response {
+        let mut response = page(status, pages::sign_in(error, token));
+        response.headers_mut().append(
+            header::SET_COOKIE,
+            self.set_cookie(SIGN_IN_COOKIE, token, "/console/sign-in", SIGN_IN_TTL),
+        );
+        response
     }
 }
 
@@ -280,14 +439,20 @@ async fn stylesheet() -> impl IntoResponse {
     )
 }
 
-async fn sign_in_form() -> Markup {
-    pages::sign_in(None)
+/// The sign-in form, with the token of the browser's pre-session cookie (a new one
+/// when it has none).
+async fn sign_in_form(State(console): State<Arc<Console>>, headers: HeaderMap) -> Response {
+    let token = sign_in_token(&headers).unwrap_or_else(sessions::random_token);
+    console.sign_in_page(StatusCode::OK, None, &token)
 }
 
 /// The sign-in form's fields.
 #[derive(serde::Deserialize)]
 pub struct SignIn {
+    #[serde(default)]
     credential: String,
+    #[serde(default)]
+    csrf: String,
 }
 
 /// The client address a request came from, when the server recorded it.
@@ -297,19 +462,36 @@ fn client_ip(parts: Option<ConnectInfo<ClientAddr>>) -> IpAddr {
     })
 }
 
+/// A sign-in: first the form's token against the pre-session cookie's (refused with
+/// 403 before anything else), then the throttle (the attempt is counted as it is let
+/// through), then the credential and the viewing role. Only a session opened takes the
+/// address's count back.
 async fn sign_in(
     State(console): State<Arc<Console>>,
     connect: Option<axum::Extension<ConnectInfo<ClientAddr>>>,
+    headers: HeaderMap,
     Form(form): Form<SignIn>,
 ) -> Response {
+    let Some(token) = sign_in_token(&headers).filter(|t| same_token(t, &form.csrf)) else {
+        let fresh = sign_in_token(&headers).unwrap_or_else(sessions::random_token);
+        return console.sign_in_page(
+            StatusCode::FORBIDDEN,
+            Some(
+                "This sign-in was not sent from this console's form (its CSRF token is \
+                 missing or wrong); sign in again.",
+            ),
+            &fresh,
+        );
+    };
     let ip = client_ip(connect.map(|axum::Extension(c)| c));
-    if let Some(wait) = console.throttle.wait(ip, Instant::now()) {
+    if let Err(wait) = console.throttle.attempt(ip, Instant::now()) {
         let secs = wait.as_secs().max(1);
-        let mut response = page(
+        let mut response = console.sign_in_page(
             StatusCode::TOO_MANY_REQUESTS,
-            pages::sign_in(Some(&format!(
-                "Too many failed sign-ins from this address; try again in {secs} s."
-            ))),
+            Some(&format!(
+                "Too many sign-ins from this address; try again in {secs} s."
+            )),
+            &token,
         );
         response
             .headers_mut()
@@ -320,23 +502,21 @@ async fn sign_in(
         .policy
         .principal_by_credential(form.credential.trim())
     else {
-        console.throttle.failed(ip, Instant::now());
-        return page(
+        return console.sign_in_page(
             StatusCode::UNAUTHORIZED,
-            pages::sign_in(Some(
-                "That credential is not known: check the one you were given.",
-            )),
+            Some("That credential is not known: check the one you were given."),
+            &token,
         );
     };
-    console.throttle.succeeded(ip);
     if !principal.has_role(VIEW_ROLE) {
-        return page(
+        return console.sign_in_page(
             StatusCode::FORBIDDEN,
-            pages::sign_in(Some(&format!(
+            Some(&format!(
                 "Principal {} lacks role {VIEW_ROLE}, which viewing the console needs; add it \
                  to the principal's roles in the policy file.",
                 principal.id
-            ))),
+            )),
+            &token,
         );
     }
     let now = now_ms();
@@ -351,21 +531,24 @@ async fn sign_in(
         )
         .await
     {
-        Ok((token, _)) => {
+        Ok((session_token, _)) => {
+            console.throttle.succeeded(ip);
             tracing::info!(principal = %principal.id, tenant = %principal.tenant, "console sign-in");
             let mut response = Redirect::to("/console/runs").into_response();
-            if let Ok(value) = HeaderValue::from_str(&console.cookie(&token)) {
-                response.headers_mut().insert(header::SET_COOKIE, value);
-            }
+            let headers = response.headers_mut();
+            headers.append(header::SET_COOKIE, console.cookie(&session_token));
+            headers.append(
+                header::SET_COOKIE,
+                console.set_cookie(SIGN_IN_COOKIE, "", "/console/sign-in", Duration::ZERO),
+            );
             response
         }
         Err(e) => {
             tracing::error!(error = %e, "a console session cannot be stored");
-            page(
+            console.sign_in_page(
                 StatusCode::SERVICE_UNAVAILABLE,
-                pages::sign_in(Some(
-                    "The console cannot store sessions now; try again in a moment.",
-                )),
+                Some("The console cannot store sessions now; try again in a moment."),
+                &token,
             )
         }
     }
@@ -380,7 +563,7 @@ pub struct Csrf {
 
 /// Refuses a form whose CSRF token (`given`) is not the session's.
 fn check_csrf(session: &Session, given: &str) -> Result<(), Response> {
-    if !given.is_empty() && given == session.csrf {
+    if !given.is_empty() && same_token(given, &session.csrf) {
         return Ok(());
     }
     Err(page(
@@ -413,10 +596,11 @@ async fn sign_out(
             ),
         );
     }
+    console.sign_outs.closed();
     let mut response = Redirect::to("/console/sign-in").into_response();
-    if let Ok(value) = HeaderValue::from_str(&console.cleared()) {
-        response.headers_mut().insert(header::SET_COOKIE, value);
-    }
+    response
+        .headers_mut()
+        .insert(header::SET_COOKIE, console.cleared());
     response
 }
 

@@ -83,8 +83,9 @@ pub fn layout(title: &str, session: Option<&Session>, body: &Markup) -> Markup {
     }
 }
 
-/// The sign-in form, with what went wrong last time.
-pub fn sign_in(error: Option<&str>) -> Markup {
+/// The sign-in form, with what went wrong last time; it carries `csrf`, the token of
+/// the browser's pre-session cookie.
+pub fn sign_in(error: Option<&str>, csrf: &str) -> Markup {
     layout(
         "Sign in",
         None,
@@ -94,6 +95,7 @@ pub fn sign_in(error: Option<&str>) -> Markup {
                 p.error role="alert" { (error) }
             }
             form method="post" action="/console/sign-in" {
+                input type="hidden" name="csrf" value=(csrf);
                 label for="credential" { "Credential" }
                 input #credential type="password" name="credential" autocomplete="current-password" required;
                 p.hint { "The bearer credential you call the API with (`convene runs list --credential …`)." }

@@ -38,7 +38,7 @@ pub enum Sessions {
 }
 
 /// 32 random bytes, hex: a session or CSRF token.
-fn random_token() -> String {
+pub(crate) fn random_token() -> String {
     let mut bytes = [0u8; 32];
     getrandom::fill(&mut bytes).expect("the operating system's random source");
     hex::encode(bytes)
