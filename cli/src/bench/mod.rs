@@ -48,7 +48,7 @@ pub use model::{GOAL_CPU_MS_PER_TURN, ModelReport};
 use proc_stats::{cpu_by_process, peak_rss_by_process};
 pub use proc_stats::{cpu_seconds, peak_rss, rss};
 pub use report::{Latency, Outcome, Report, summary};
-use workload::{NOOP_POLICY_PROFILE, NOOP_PROFILE, NOOP_SPEC};
+use workload::{NOOP_POLICY_PROFILE, NOOP_PROFILE, NOOP_SPEC, with_profile};
 pub use workload::{Prepared, Workload, prepare};
 
 /// Flags of `convene bench`.

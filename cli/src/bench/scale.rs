@@ -30,7 +30,7 @@ use serde::Serialize;
 use super::{
     BenchArgs, Driver, MeshMode, MeshPlan, NOOP_POLICY_PROFILE, NOOP_PROFILE, NOOP_SPEC, Outcome,
     Prepared, Proc, Workload, cpu_by_process, interrupted, peak_rss_by_process, prepare, progress,
-    rss, start_mesh, warm_up,
+    rss, start_mesh, warm_up, with_profile,
 };
 
 /// The type of the event that ends a run.
@@ -131,7 +131,8 @@ fn prepare_hold(dir: &Path, example: &Path) -> anyhow::Result<(Prepared, v1::Run
         Ok(())
     };
     add(&prepared.profiles, &profile)?;
-    add(&prepared.policy, &policy_profile)?;
+    let policy = std::fs::read_to_string(&prepared.policy)?;
+    std::fs::write(&prepared.policy, with_profile(&policy, &policy_profile)?)?;
     // Long enough to submit, hold and drain many thousands of runs.
     let spec_text = NOOP_SPEC
         .replace("profile_id: noop", "profile_id: hold")

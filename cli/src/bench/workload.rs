@@ -162,6 +162,30 @@ fn point_at(profiles: &str, base_url: &str) -> anyhow::Result<String> {
     Ok(serde_yaml::to_string(&file)?)
 }
 
+/// `policy` (a policy file's text) with the profile `entry` (one item of a policy
+/// file's `profiles:` list, as YAML) added, and among those every principal holding
+/// `workers:register` may register, so the bench's workers may serve it.
+pub(super) fn with_profile(policy: &str, entry: &str) -> anyhow::Result<String> {
+    use convene_mesh::policy_file::{ANY_PROFILE, PolicyFile, ProfileEntry};
+    let mut file = PolicyFile::parse(policy, Some("yaml"), "the bench's policy")?;
+    let added: Vec<ProfileEntry> =
+        serde_yaml::from_str(entry).context("the bench's policy profile is not YAML")?;
+    for profile in added {
+        for principal in &mut file.principals {
+            let registers = principal.roles.iter().any(|r| r == "workers:register");
+            let allowed = principal
+                .profiles
+                .iter()
+                .any(|p| p == ANY_PROFILE || *p == profile.id);
+            if registers && !allowed {
+                principal.profiles.push(profile.id.clone());
+            }
+        }
+        file.profiles.push(profile);
+    }
+    Ok(serde_yaml::to_string(&file)?)
+}
+
 /// Writes what `workload` needs into `dir`, from the payment-incident example in
 /// `example`. The `model` workload's `openai` profiles are pointed at `model_base_url`
 /// (the bench's scripted model server), which it needs.
@@ -199,7 +223,7 @@ pub fn prepare(
             let data = dir.join("noop-data");
             std::fs::create_dir_all(data.join("changes"))?;
             std::fs::write(data.join("changes/changes.json"), NOOP_CHANGES)?;
-            policy = policy.replacen("profiles:\n", &format!("profiles:{NOOP_POLICY_PROFILE}"), 1);
+            policy = with_profile(&policy, NOOP_POLICY_PROFILE)?;
             profiles = profiles.replacen("profiles:\n", &format!("profiles:{NOOP_PROFILE}"), 1);
             (data, NOOP_SPEC.to_owned(), v1::RunState::Succeeded)
         }
@@ -271,6 +295,17 @@ mod tests {
             .expect("no server, no model workload")
             .to_string();
         assert!(err.contains("scripted model server"), "{err}");
+    }
+
+    #[test]
+    fn the_noop_policy_lets_the_worker_pool_serve_noop() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let prepared = prepare(Workload::Noop, dir.path(), &example(), None).expect("prepared");
+        let policy = convene_mesh::policy_file::Policy::load(&prepared.policy)
+            .expect("the bench's policy compiles");
+        assert!(policy.profiles.contains_key("noop"));
+        let pool = &policy.principals["worker-pool"];
+        assert!(pool.may_serve("noop") && pool.may_serve("logs-investigator"));
     }
 
     #[test]

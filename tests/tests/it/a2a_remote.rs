@@ -107,6 +107,13 @@ fn policy() -> String {
         evidence_prefixes: vec!["a2a://".to_owned()],
         investigating: true,
     });
+    // Its workers register it as the worker pool.
+    file.principals
+        .iter_mut()
+        .find(|p| p.id == "worker-pool")
+        .expect("the example has the worker pool")
+        .profiles
+        .push(HISTORY.to_owned());
     serde_yaml::to_string(&file).expect("the policy serializes")
 }
 

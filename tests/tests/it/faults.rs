@@ -422,6 +422,13 @@ fn loop_policy() -> String {
         id: RELAY.to_owned(),
         ..coordinator
     });
+    // Its workers register it as the worker pool.
+    file.principals
+        .iter_mut()
+        .find(|p| p.id == "worker-pool")
+        .expect("the example has the worker pool")
+        .profiles
+        .push(RELAY.to_owned());
     serde_yaml::to_string(&file).expect("the policy serializes")
 }
 

@@ -59,6 +59,13 @@ pub(crate) fn nested_policy() -> String {
         evidence_prefixes: vec!["delegations://".to_owned()],
         investigating: false,
     });
+    // Its workers register it as the worker pool.
+    file.principals
+        .iter_mut()
+        .find(|p| p.id == "worker-pool")
+        .expect("the example has the worker pool")
+        .profiles
+        .push(COORDINATOR.to_owned());
     file.tools.push(ToolEntry {
         name: "delegate@1".to_owned(),
         action: "delegation:create".to_owned(),

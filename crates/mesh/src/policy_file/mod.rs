@@ -2,7 +2,8 @@
 //! and action catalog with risk levels, and runtime rules.
 //!
 //! The policy service owns the decisions made from it; the supervisor and the approval
-//! service read the principals (to authenticate callers) and the profiles (for evidence
+//! service read the principals (to authenticate callers; the supervisor also the
+//! profiles a worker principal's workers may register) and the profiles (for evidence
 //! prefixes). Unknown keys are refused, naming the key, and every pattern and risk level
 //! is checked when the file is loaded, so a typo fails at start, not at the first call.
 //!
@@ -89,6 +90,9 @@ pub struct TimeRangeEntry {
     pub end: Option<String>,
 }
 
+/// In a principal's `profiles`: every profile.
+pub const ANY_PROFILE: &str = "*";
+
 /// What kind of principal a credential belongs to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -118,6 +122,11 @@ pub struct PrincipalEntry {
     /// `tokens:issue`, `approvals:request`, `workers:register`.
     #[serde(default)]
     pub roles: Vec<String>,
+    /// For a principal holding `workers:register`: the worker profiles its workers may
+    /// serve (ids of `profiles:`, or `"*"` for any). A worker registering a profile not
+    /// listed is refused. Absent or empty: none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub profiles: Vec<String>,
     /// What the principal may access.
     #[serde(default)]
     pub grants: Vec<ScopeEntry>,
@@ -293,6 +302,8 @@ pub struct Principal {
     pub kind: PrincipalKind,
     /// Roles.
     pub roles: BTreeSet<String>,
+    /// Worker profiles its workers may serve (`"*"`: any); empty: none.
+    pub profiles: BTreeSet<String>,
     /// Grants.
     pub grants: PermissionSet,
     /// Delegable scopes.
@@ -303,6 +314,12 @@ impl Principal {
     /// Whether the principal holds `role`.
     pub fn has_role(&self, role: &str) -> bool {
         self.roles.contains(role)
+    }
+
+    /// Whether workers registered by the principal may serve `profile` (its `profiles`
+    /// list names it, or `"*"`).
+    pub fn may_serve(&self, profile: &str) -> bool {
+        self.profiles.contains(ANY_PROFILE) || self.profiles.contains(profile)
     }
 }
 
@@ -484,6 +501,7 @@ impl PolicyFile {
                 tenant: p.tenant.clone(),
                 kind: p.kind,
                 roles: p.roles.iter().cloned().collect(),
+                profiles: p.profiles.iter().cloned().collect(),
                 grants,
                 delegable,
             };
@@ -598,6 +616,20 @@ impl PolicyFile {
                     format!("{field}.id"),
                     format!("duplicate profile {}", p.id),
                 ));
+            }
+        }
+
+        for (i, p) in self.principals.iter().enumerate() {
+            for (j, id) in p.profiles.iter().enumerate() {
+                if id != ANY_PROFILE && !profiles.contains_key(id) {
+                    return Err(invalid(
+                        format!("principals[{i}].profiles[{j}]"),
+                        format!(
+                            "profile {id:?} is not in profiles:; name one of its ids, or \"*\" \
+                             for any"
+                        ),
+                    ));
+                }
             }
         }
 
@@ -835,5 +867,32 @@ rules:
             let err = compile(&text.replace("mcp:runbooks/lookup_runbook@1", bad)).unwrap_err();
             assert!(err.to_string().contains("tools[0].name"), "{bad}: {err}");
         }
+    }
+
+    #[test]
+    fn the_profiles_a_principal_may_serve_are_named_or_any() {
+        let with = |profiles: &str| {
+            SAMPLE.replace(
+                "    roles: [runs:start]\n",
+                &format!("    roles: [runs:start]\n    profiles: {profiles}\n"),
+            )
+        };
+        let listed = compile(&with("[logs-investigator]")).unwrap();
+        let p = &listed.principals["oncall@acme"];
+        assert!(p.may_serve("logs-investigator"));
+        assert!(!p.may_serve("metrics-investigator"));
+        let any = compile(&with("[\"*\"]")).unwrap();
+        assert!(any.principals["oncall@acme"].may_serve("metrics-investigator"));
+        // Absent: none.
+        let none = compile(SAMPLE).unwrap();
+        assert!(!none.principals["oncall@acme"].may_serve("logs-investigator"));
+        // A typo fails at load, naming the entry.
+        let err = compile(&with("[logs-investigater]"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("principals[0].profiles[0]") && err.contains("logs-investigater"),
+            "{err}"
+        );
     }
 }
