@@ -7,6 +7,15 @@
 //! see ARCHITECTURE.md), so a worker's load is what this replica has in flight there or
 //! what the worker last reported running, whichever is more. A worker whose lease lapses, or whose connection fails, stops receiving work
 //! until it registers again.
+//!
+//! A registration belongs to the identity that made it ([`Registrant`]: the
+//! authenticated principal, and under mutual TLS the SPIFFE ids of its client
+//! certificate). While it is live, only that identity may register the same
+//! `worker_id` again, heartbeat it or deregister it; a registration whose lease lapsed
+//! (missed heartbeats) belongs to nobody and may be taken over. A worker may claim only
+//! the profiles its principal's `profiles` allow in the policy file, and when this
+//! supervisor dials workers over TLS ([`Connector::requires_tls`]) its endpoint must be
+//! `https://`.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -14,8 +23,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use convene_core::time::to_duration;
-use convene_mesh::auth::Authenticator;
+use convene_mesh::auth::{Authenticator, MeshService, peer_identities, require_peer_service};
 use convene_mesh::handles::{GrpcWorker, WorkerHandle};
+use convene_mesh::policy_file::Principal;
 use convene_proto::v1::{self, worker_registry_server::WorkerRegistry};
 use tokio::sync::Notify;
 use tonic::{Request, Response, Status};
@@ -26,6 +36,11 @@ use crate::error::Error;
 pub trait Connector: Send + Sync + 'static {
     /// A handle for `endpoint`, or why it cannot be reached.
     fn connect(&self, endpoint: &str) -> Result<WorkerHandle, String>;
+
+    /// Whether remote workers are dialled over TLS: then a worker registering a
+    /// plaintext endpoint is refused (workers hosted in this process are not dialled).
+    /// No default: a connector wrapping another answers as the one it wraps.
+    fn requires_tls(&self) -> bool;
 }
 
 /// Connects over gRPC (one shared channel per endpoint), and resolves `inproc://<id>`
@@ -68,6 +83,46 @@ impl Connector for MeshConnector {
         remote.insert(endpoint.to_owned(), handle.clone());
         Ok(handle)
     }
+
+    /// TLS is on when this process serves TLS or has a CA to verify the servers it calls
+    /// (`--tls-cert`, `--tls-ca`: [`convene_server::tls::installed`]).
+    fn requires_tls(&self) -> bool {
+        convene_server::tls::installed().is_some_and(|t| {
+            t.server.is_some() || t.client.as_ref().is_some_and(|c| c.ca_pem.is_some())
+        })
+    }
+}
+
+/// Who registered a worker: the principal it authenticated as, and under mutual TLS
+/// the SPIFFE ids of the client certificate it presented (empty without one).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Registrant {
+    /// The principal id.
+    pub principal: String,
+    /// The certificate's SPIFFE ids, sorted.
+    pub certificate: Vec<String>,
+}
+
+impl Registrant {
+    /// `principal`, with the SPIFFE ids of a client certificate (in any order).
+    pub fn new(principal: impl Into<String>, mut certificate: Vec<String>) -> Self {
+        certificate.sort();
+        certificate.dedup();
+        Self {
+            principal: principal.into(),
+            certificate,
+        }
+    }
+}
+
+impl std::fmt::Display for Registrant {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "principal {}", self.principal)?;
+        if !self.certificate.is_empty() {
+            write!(f, " with certificate {}", self.certificate.join(", "))?;
+        }
+        Ok(())
+    }
 }
 
 struct Entry {
@@ -77,11 +132,27 @@ struct Entry {
     in_flight: u32,
     /// What the worker last reported running, dispatched by any supervisor replica.
     reported: u32,
+    /// Until when registration and heartbeats keep it: live, and its registrant's.
     lease_until: Instant,
+    /// Its connection failed ([`Registry::mark_dead`]): no work until it heartbeats or
+    /// registers again. It stays its registrant's until the lease lapses.
+    dead: bool,
+    /// Who registered it.
+    owner: Registrant,
     handle: WorkerHandle,
 }
 
 impl Entry {
+    /// Whether dispatches may go to it.
+    fn live(&self, now: Instant) -> bool {
+        !self.dead && self.lease_until > now
+    }
+
+    /// Whether its registration is live and another identity's than `who`.
+    fn held_by_other(&self, who: &Registrant, now: Instant) -> bool {
+        self.lease_until > now && self.owner != *who
+    }
+
     /// How busy the worker is: its delegations from this replica, or what it last
     /// reported running when that is more (other replicas dispatch to it too).
     fn load(&self) -> u32 {
@@ -164,20 +235,47 @@ impl Registry {
         }
     }
 
-    /// Registers a worker directly (used by in-process hosting and by the RPC).
+    /// Registers a worker for `owner` (what the RPC does once it has authenticated the
+    /// caller): refused while `worker_id` is live under another identity
+    /// (PERMISSION_DENIED), and for a plaintext endpoint when workers are dialled over
+    /// TLS, or one the connector cannot use (INVALID_ARGUMENT). The profiles are not
+    /// checked here: the RPC checks them against the principal.
     pub fn register_worker(
         &self,
+        owner: &Registrant,
         worker_id: &str,
         endpoint: &str,
         profiles: Vec<String>,
         capacity: u32,
-    ) -> Result<(), String> {
-        let handle = self.connector.connect(endpoint)?;
+    ) -> Result<(), Error> {
+        let remote = !endpoint.starts_with("inproc://");
+        if remote && self.connector.requires_tls() && !endpoint.starts_with("https://") {
+            return Err(Error::invalid(
+                "endpoint",
+                format!(
+                    "{endpoint:?} is not an https:// URL, and this supervisor dials workers over \
+                     TLS: register the worker's https:// endpoint (the worker's `advertise`, \
+                     CONVENE_ADVERTISE=https://<host>:<port>)"
+                ),
+            ));
+        }
+        self.check_owner(owner, worker_id, "register")?;
+        let handle = self
+            .connector
+            .connect(endpoint)
+            .map_err(|e| Error::invalid("endpoint", e))?;
         let mut workers = self.workers.lock().expect("registry lock poisoned");
+        let now = Instant::now();
+        // Checked again: another registration may have come in while connecting.
+        if let Some(e) = workers.get(worker_id)
+            && e.held_by_other(owner, now)
+        {
+            return Err(taken(worker_id, "register", self.settings.lease_ttl));
+        }
         let (in_flight, reported) = workers
             .get(worker_id)
             .map_or((0, 0), |e| (e.in_flight, e.reported));
-        workers.insert(
+        let previous = workers.insert(
             worker_id.to_owned(),
             Entry {
                 endpoint: endpoint.to_owned(),
@@ -185,14 +283,42 @@ impl Registry {
                 capacity: capacity.max(1),
                 in_flight,
                 reported,
-                lease_until: Instant::now() + self.settings.lease_ttl,
+                lease_until: now + self.settings.lease_ttl,
+                dead: false,
+                owner: owner.clone(),
                 handle,
             },
         );
         drop(workers);
-        tracing::info!(worker_id, endpoint, "worker registered");
+        match previous {
+            Some(p) if p.owner != *owner => tracing::warn!(
+                worker_id,
+                endpoint,
+                registrant = %owner,
+                previous = %p.owner,
+                "worker id taken over after its registration lapsed"
+            ),
+            _ => tracing::info!(worker_id, endpoint, registrant = %owner, "worker registered"),
+        }
         self.changed.notify_waiters();
         Ok(())
+    }
+
+    /// PERMISSION_DENIED when `worker_id` is live under another identity than `who`.
+    fn check_owner(&self, who: &Registrant, worker_id: &str, what: &str) -> Result<(), Error> {
+        let workers = self.workers.lock().expect("registry lock poisoned");
+        match workers.get(worker_id) {
+            Some(e) if e.held_by_other(who, Instant::now()) => {
+                tracing::warn!(
+                    worker_id,
+                    caller = %who,
+                    registrant = %e.owner,
+                    "refused: {what} a worker id another identity holds"
+                );
+                Err(taken(worker_id, what, self.settings.lease_ttl))
+            }
+            _ => Ok(()),
+        }
     }
 
     /// Takes a slot on a live worker serving `profile`, avoiding `avoid` when another
@@ -204,9 +330,7 @@ impl Registry {
         let mut candidates: Vec<(&String, &Entry)> = workers
             .iter()
             .filter(|(_, e)| {
-                e.lease_until > now
-                    && e.in_flight < e.capacity
-                    && e.profiles.iter().any(|p| p == profile)
+                e.live(now) && e.in_flight < e.capacity && e.profiles.iter().any(|p| p == profile)
             })
             .collect();
         if candidates.iter().any(|(id, _)| !avoid.contains(id)) {
@@ -235,7 +359,7 @@ impl Registry {
     pub fn mark_dead(&self, worker_id: &str) {
         let mut workers = self.workers.lock().expect("registry lock poisoned");
         if let Some(e) = workers.get_mut(worker_id) {
-            e.lease_until = Instant::now();
+            e.dead = true;
             tracing::warn!(worker_id, endpoint = %e.endpoint, "worker marked dead");
         }
     }
@@ -247,7 +371,7 @@ impl Registry {
             .lock()
             .expect("registry lock poisoned")
             .values()
-            .any(|e| e.lease_until > now && e.profiles.iter().any(|p| p == profile))
+            .any(|e| e.live(now) && e.profiles.iter().any(|p| p == profile))
     }
 
     /// Waits until a registration changes or a slot frees up.
@@ -263,20 +387,35 @@ impl Registry {
             .lock()
             .expect("registry lock poisoned")
             .iter()
-            .map(|(id, e)| (id.clone(), e.in_flight, e.lease_until > now))
+            .map(|(id, e)| (id.clone(), e.in_flight, e.live(now)))
             .collect();
         v.sort();
         v
     }
 
-    async fn authorize<T>(&self, request: &Request<T>) -> Result<(), Status> {
-        convene_mesh::auth::require_peer_service(request, "worker", "register workers")?;
-        self.auth
-            .authenticate(request)
-            .await?
-            .require_role("workers:register", "register workers")
-            .map(|_| ())
+    /// The caller, if it may register workers: its identity and its principal.
+    async fn registrant<T>(
+        &self,
+        request: &Request<T>,
+    ) -> Result<(Registrant, Arc<Principal>), Status> {
+        let caller = self.auth.authenticate(request).await?;
+        let principal = caller
+            .require_role("workers:register", "register workers")?
+            .clone();
+        require_peer_service(request, &caller, MeshService::Worker, "register workers")?;
+        let registrant = Registrant::new(principal.id.clone(), peer_identities(request));
+        Ok((registrant, principal))
     }
+}
+
+/// The refusal of a call about a worker id another identity holds.
+fn taken(worker_id: &str, what: &str, lease_ttl: Duration) -> Error {
+    Error::PermissionDenied(format!(
+        "cannot {what} worker {worker_id}: it belongs to another identity, whose registration \
+         is live; only the principal (and client certificate) that registered it may \
+         register, heartbeat or deregister it. Give this worker a worker_id of its own; a \
+         registration not renewed for {lease_ttl:?} may be taken over"
+    ))
 }
 
 /// The `convene.v1.WorkerRegistry` gRPC service over a shared [`Registry`].
@@ -297,7 +436,7 @@ impl WorkerRegistry for RegistryService {
         &self,
         request: Request<v1::RegisterRequest>,
     ) -> Result<Response<v1::RegisterResponse>, Status> {
-        self.authorize(&request).await?;
+        let (owner, principal) = self.registrant(&request).await?;
         let r = request.into_inner();
         if r.worker_id.trim().is_empty() {
             return Err(Error::invalid("worker_id", "must not be empty").into());
@@ -312,9 +451,17 @@ impl WorkerRegistry for RegistryService {
                 Error::invalid("profiles", "a worker must serve at least one profile").into(),
             );
         }
-        let profiles = r.profiles.iter().map(|p| p.id.clone()).collect();
-        self.register_worker(&r.worker_id, &r.endpoint, profiles, r.capacity)
-            .map_err(|e| Error::invalid("endpoint", e))?;
+        let profiles: Vec<String> = r.profiles.iter().map(|p| p.id.clone()).collect();
+        if let Some(refused) = profiles.iter().find(|p| !principal.may_serve(p)) {
+            return Err(Error::PermissionDenied(format!(
+                "principal {} may not register workers serving profile {refused}: add \
+                 {refused} to the principal's `profiles` in the policy file \
+                 (principals[].profiles; \"*\" allows any)",
+                principal.id
+            ))
+            .into());
+        }
+        self.register_worker(&owner, &r.worker_id, &r.endpoint, profiles, r.capacity)?;
         Ok(Response::new(v1::RegisterResponse {
             lease_ttl: Some(to_duration(self.settings.lease_ttl)),
             heartbeat_interval: Some(to_duration(self.settings.heartbeat_interval)),
@@ -325,13 +472,15 @@ impl WorkerRegistry for RegistryService {
         &self,
         request: Request<v1::HeartbeatRequest>,
     ) -> Result<Response<v1::HeartbeatResponse>, Status> {
-        self.authorize(&request).await?;
+        let (owner, _) = self.registrant(&request).await?;
         let r = request.into_inner();
+        let now = Instant::now();
         let mut workers = self.workers.lock().expect("registry lock poisoned");
         let registered = match workers.get_mut(&r.worker_id) {
-            Some(e) => {
-                let was_dead = e.lease_until <= Instant::now();
-                e.lease_until = Instant::now() + self.settings.lease_ttl;
+            Some(e) if e.owner == owner => {
+                let was_dead = !e.live(now);
+                e.lease_until = now + self.settings.lease_ttl;
+                e.dead = false;
                 e.reported = r.in_flight;
                 if was_dead {
                     drop(workers);
@@ -339,7 +488,18 @@ impl WorkerRegistry for RegistryService {
                 }
                 true
             }
-            None => false,
+            Some(e) if e.held_by_other(&owner, now) => {
+                tracing::warn!(
+                    worker_id = %r.worker_id,
+                    caller = %owner,
+                    registrant = %e.owner,
+                    "refused: heartbeat a worker id another identity holds"
+                );
+                return Err(taken(&r.worker_id, "heartbeat", self.settings.lease_ttl).into());
+            }
+            // Lapsed and another identity's: not renewed for this caller, which may
+            // register to take it over.
+            Some(_) | None => false,
         };
         Ok(Response::new(v1::HeartbeatResponse { registered }))
     }
@@ -348,14 +508,19 @@ impl WorkerRegistry for RegistryService {
         &self,
         request: Request<v1::DeregisterRequest>,
     ) -> Result<Response<v1::DeregisterResponse>, Status> {
-        self.authorize(&request).await?;
+        let (owner, _) = self.registrant(&request).await?;
         let r = request.into_inner();
-        let removed = self
-            .workers
-            .lock()
-            .expect("registry lock poisoned")
-            .remove(&r.worker_id)
-            .is_some();
+        self.check_owner(&owner, &r.worker_id, "deregister")?;
+        let mut workers = self.workers.lock().expect("registry lock poisoned");
+        // Checked again under the lock that removes it.
+        if workers
+            .get(&r.worker_id)
+            .is_some_and(|e| e.held_by_other(&owner, Instant::now()))
+        {
+            return Err(taken(&r.worker_id, "deregister", self.settings.lease_ttl).into());
+        }
+        let removed = workers.remove(&r.worker_id).is_some();
+        drop(workers);
         if removed {
             tracing::info!(worker_id = %r.worker_id, "worker deregistered");
         }

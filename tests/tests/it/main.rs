@@ -16,6 +16,7 @@ mod nested;
 mod overload;
 mod planner;
 mod planner_delivery;
+mod registration;
 mod runs;
 mod trace;
 mod waiting;
