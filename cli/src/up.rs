@@ -140,6 +140,15 @@ pub struct UpArgs {
         default_value_t = convene_supervisor::DEFAULT_MAX_ACTIVE_RUNS
     )]
     pub max_active_runs: usize,
+    /// WatchRun and WatchEvents streams one principal may hold open at once; one more
+    /// is refused with RESOURCE_EXHAUSTED and a retry hint.
+    #[arg(
+        long,
+        env = "CONVENE_MAX_WATCH_STREAMS",
+        value_name = "STREAMS",
+        default_value_t = convene_supervisor::DEFAULT_MAX_WATCH_STREAMS
+    )]
+    pub max_watch_streams: usize,
 }
 
 impl UpArgs {
@@ -168,6 +177,7 @@ impl UpArgs {
             tls: convene_server::tls::TlsArgs::default(),
             commit_linger: convene_supervisor::DEFAULT_COMMIT_LINGER,
             max_active_runs: convene_supervisor::DEFAULT_MAX_ACTIVE_RUNS,
+            max_watch_streams: convene_supervisor::DEFAULT_MAX_WATCH_STREAMS,
         }
     }
 
@@ -476,6 +486,7 @@ pub async fn start(args: &UpArgs, data_dir: &Path, shutdown: Shutdown) -> anyhow
         nats_url: args.nats_url.clone(),
         commit_linger: args.commit_linger,
         max_active_runs: args.max_active_runs,
+        max_watch_streams: args.max_watch_streams,
         templates_file: args.templates_file.clone(),
         ..convene_supervisor::Config::default()
     };

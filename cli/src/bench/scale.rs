@@ -180,6 +180,7 @@ async fn follow_completions(driver: &Driver) -> anyhow::Result<Arc<Completions>>
                 types: vec![RUN_COMPLETED.to_owned()],
                 run_id: String::new(),
                 follow: true,
+                from_now: false,
             },
             &driver.credential,
         ))

@@ -369,6 +369,7 @@ pub async fn events(client: &Client, opts: &EventsOptions) -> anyhow::Result<usi
                 types: types.clone(),
                 run_id: opts.run_id.clone().unwrap_or_default(),
                 follow: opts.follow,
+                from_now: false,
             }))
             .await;
         let mut stream = match opened {

@@ -20,6 +20,10 @@ pub const DEFAULT_COMMIT_LINGER: Duration = Duration::from_millis(50);
 /// Runs a replica runs at once by default (see [`Config::max_active_runs`]).
 pub const DEFAULT_MAX_ACTIVE_RUNS: usize = 10_000;
 
+/// WatchRun and WatchEvents streams one principal may hold open on a replica by
+/// default (see [`Config::max_watch_streams`]).
+pub const DEFAULT_MAX_WATCH_STREAMS: usize = 64;
+
 /// The JetStream stream the relay publishes to by default.
 pub const DEFAULT_NATS_STREAM: &str = "CONVENE_EVENTS";
 
@@ -116,6 +120,11 @@ pub struct Config {
     /// before anything of it is stored. A run in flight costs the supervisor about
     /// 60 KB; runs resumed after a restart or a failover are taken even past the limit.
     pub max_active_runs: usize,
+    /// `WatchRun` and `WatchEvents` streams one principal may hold open on this replica
+    /// at once (a principal acted for counts as itself). One more is refused at once
+    /// with `RESOURCE_EXHAUSTED` and a retry hint; a stream's place frees when it ends
+    /// or its client goes away.
+    pub max_watch_streams: usize,
     /// TEST-ONLY fault injection: abort the process at a point of a run's life (see
     /// [`crash`]). Never set outside crash tests.
     pub crash: CrashSettings,
@@ -154,6 +163,7 @@ impl Default for Config {
             nats_subject_prefix: DEFAULT_NATS_SUBJECT_PREFIX.to_owned(),
             templates_file: None,
             max_active_runs: DEFAULT_MAX_ACTIVE_RUNS,
+            max_watch_streams: DEFAULT_MAX_WATCH_STREAMS,
             crash: CrashSettings::default(),
         }
     }
@@ -228,6 +238,11 @@ impl Config {
         if self.max_active_runs == 0 {
             return Err(Error::Config(format!(
                 "max_active_runs = 0 would refuse every run: give at least 1 (default {DEFAULT_MAX_ACTIVE_RUNS})"
+            )));
+        }
+        if self.max_watch_streams == 0 {
+            return Err(Error::Config(format!(
+                "max_watch_streams = 0 would refuse every WatchRun and WatchEvents: give at least 1 (default {DEFAULT_MAX_WATCH_STREAMS})"
             )));
         }
         if self.approval_ttl.is_zero() {

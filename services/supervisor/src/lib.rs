@@ -53,8 +53,8 @@ use convene_server::{GrpcServer, Shutdown};
 use tokio_util::sync::CancellationToken;
 
 pub use config::{
-    Config, DEFAULT_COMMIT_LINGER, DEFAULT_MAX_ACTIVE_RUNS, DEFAULT_NATS_STREAM,
-    DEFAULT_NATS_SUBJECT_PREFIX, DEFAULT_PORT,
+    Config, DEFAULT_COMMIT_LINGER, DEFAULT_MAX_ACTIVE_RUNS, DEFAULT_MAX_WATCH_STREAMS,
+    DEFAULT_NATS_STREAM, DEFAULT_NATS_SUBJECT_PREFIX, DEFAULT_PORT,
 };
 pub use crash::{CrashPoint, CrashSettings};
 pub use registry::{Connector, MeshConnector, Registry, RegistrySettings};
@@ -152,6 +152,8 @@ pub(crate) struct Settings {
     pub(crate) dispatch_grace: Duration,
     pub(crate) commit_linger: Duration,
     pub(crate) approval_ttl: Duration,
+    /// Watch streams one principal may hold open ([`Config::max_watch_streams`]).
+    pub(crate) max_watch_streams: usize,
 }
 
 /// What a run actor needs from the rest of the supervisor.
@@ -263,6 +265,7 @@ pub fn build(parts: Parts) -> (SupervisorService, Arc<Registry>) {
             dispatch_grace: parts.config.dispatch_grace,
             commit_linger: parts.config.commit_linger,
             approval_ttl: parts.config.approval_ttl,
+            max_watch_streams: parts.config.max_watch_streams,
         },
         live: Mutex::new(HashMap::new()),
         admission: admission::Admission::new(parts.config.max_active_runs),

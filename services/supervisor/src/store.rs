@@ -241,6 +241,21 @@ pub trait RunStore: Send + Sync + 'static {
         limit: usize,
     ) -> Result<Vec<v1::CloudEvent>, StoreError>;
 
+    /// The id of the newest outbox event (None: the outbox is empty): where a follower
+    /// that wants only what comes next starts ([`cloud_events`](Self::cloud_events)
+    /// after it). This default pages through the whole outbox; the stores look it up
+    /// at once.
+    async fn newest_cloud_event(&self) -> Result<Option<String>, StoreError> {
+        let mut newest = None;
+        loop {
+            let page = self.cloud_events(newest.as_deref(), 512).await?;
+            match page.last() {
+                Some(last) => newest = Some(last.id.clone()),
+                None => return Ok(newest),
+            }
+        }
+    }
+
     /// Notifications of committed events, for live subscribers. A lagging receiver
     /// re-reads from the store.
     fn subscribe(&self) -> broadcast::Receiver<Committed>;
@@ -633,6 +648,11 @@ impl RunStore for MemoryStore {
             .take(limit)
             .cloned()
             .collect())
+    }
+
+    async fn newest_cloud_event(&self) -> Result<Option<String>, StoreError> {
+        let inner = self.inner.lock().expect("store lock poisoned");
+        Ok(inner.outbox.last().map(|e| e.id.clone()))
     }
 
     fn subscribe(&self) -> broadcast::Receiver<Committed> {

@@ -1,10 +1,12 @@
 //! The `convene.v1.Supervisor` gRPC service: the service value and its calls here;
-//! out-of-band results (`deliver`), commands and forwarding (`command`) and what
-//! StartRun builds and waits for (`start`) in their own modules.
+//! out-of-band results (`deliver`), commands and forwarding (`command`), what
+//! StartRun builds and waits for (`start`) and the per-principal limit of watch
+//! streams (`streams`) in their own modules.
 
 mod command;
 mod deliver;
 mod start;
+mod streams;
 
 use std::sync::Arc;
 use std::time::SystemTime;
@@ -21,6 +23,7 @@ use tracing::Instrument;
 
 use self::command::check_resume;
 use self::start::RunIdentity;
+use self::streams::Streams;
 use crate::error::Error;
 use crate::run::{self, DelegateAsk, Msg, RunActor};
 use crate::store::{
@@ -43,6 +46,8 @@ pub struct SupervisorService {
     >,
     /// The run templates StartRun starts runs from by id.
     templates: Arc<Templates>,
+    /// The WatchRun and WatchEvents streams each principal holds open.
+    streams: Arc<Streams>,
 }
 
 impl std::fmt::Debug for SupervisorService {
@@ -71,6 +76,7 @@ impl SupervisorService {
             watchers: Arc::new(RunWatchers::new(deps.store.clone())),
             peers: Arc::default(),
             templates: Arc::default(),
+            streams: Streams::new(deps.settings.max_watch_streams),
             deps,
             auth,
             shutdown,
@@ -399,6 +405,8 @@ impl Supervisor for SupervisorService {
         let req = request.into_inner();
         self.check_run_of_tenant(&req.run_id, &principal.tenant)
             .await?;
+        // Held by the stream's task: given back when the stream ends or its client goes.
+        let place = self.streams.open(&principal.id)?;
         let run_id = req.run_id;
         let store = self.deps.store.clone();
         let shutdown = self.shutdown.clone();
@@ -406,6 +414,7 @@ impl Supervisor for SupervisorService {
         // Subscribe before reading the backlog so nothing committed in between is missed.
         let mut watch = self.watchers.watch(&run_id);
         tokio::spawn(async move {
+            let _place = place;
             let mut lost = watch.receiver().borrow_and_update().lost;
             let mut last = req.after_sequence;
             let mut done = false;
@@ -630,13 +639,37 @@ impl Supervisor for SupervisorService {
             .principal(&request, &["runs:read", "runs:start"], "watch events")
             .await?;
         let req = request.into_inner();
+        if req.from_now && !req.after_event_id.is_empty() {
+            return Err(Error::invalid(
+                "from_now",
+                "give after_event_id (resume after it) or from_now (start at the newest), not both",
+            )
+            .into());
+        }
+        if req.from_now && !req.follow {
+            return Err(Error::invalid(
+                "from_now",
+                "needs follow: without it the stream would end at once, with nothing",
+            )
+            .into());
+        }
+        // Held by the stream's task: given back when the stream ends or its client goes.
+        let place = self.streams.open(&principal.id)?;
         let store = self.deps.store.clone();
         let shutdown = self.shutdown.clone();
         let tenant = principal.tenant.clone();
         let (tx, rx) = mpsc::channel(256);
+        // Subscribed before the newest event is looked up: whatever commits after it is
+        // noticed.
         let mut notes = store.subscribe();
+        let mut after = if req.from_now {
+            // One lookup; the stream then follows on from there.
+            store.newest_cloud_event().await.map_err(Error::from)?
+        } else {
+            (!req.after_event_id.is_empty()).then(|| req.after_event_id.clone())
+        };
         tokio::spawn(async move {
-            let mut after = (!req.after_event_id.is_empty()).then(|| req.after_event_id.clone());
+            let _place = place;
             loop {
                 loop {
                     let batch = match store.cloud_events(after.as_deref(), 512).await {

@@ -367,6 +367,10 @@ impl RunStore for SqlRunStore {
         self.read_cloud_events(after, limit).await
     }
 
+    async fn newest_cloud_event(&self) -> Result<Option<String>, StoreError> {
+        self.read_newest_cloud_event().await
+    }
+
     fn subscribe(&self) -> broadcast::Receiver<Committed> {
         self.notify.subscribe()
     }

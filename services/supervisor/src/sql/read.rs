@@ -91,6 +91,18 @@ impl SqlRunStore {
         let rows = self.db.fetch_all(statement).await?;
         rows.iter().map(|r| decode(r, "outbox")).collect()
     }
+
+    /// The id of the last event of the outbox (by position, its primary key: one index
+    /// step), or None when it is empty.
+    pub(super) async fn read_newest_cloud_event(&self) -> Result<Option<String>, StoreError> {
+        let row = self
+            .db
+            .fetch_optional(sql(
+                "SELECT event_id FROM outbox ORDER BY position DESC LIMIT 1",
+            ))
+            .await?;
+        Ok(row.map(|r| r.get::<String>("event_id")).transpose()?)
+    }
 }
 
 /// The page of `tenant`'s runs after `after` that meet `filter`, newest first, at most

@@ -91,6 +91,7 @@ async fn subscribe(
                     types: Vec::new(),
                     run_id: String::new(),
                     follow: true,
+                    from_now: false,
                 },
                 &credential,
             ))

@@ -228,6 +228,7 @@ async fn outbox(client: &SupervisorHandle, credential: &str, run_id: &str) -> Ve
                 types: Vec::new(),
                 run_id: run_id.to_owned(),
                 follow: false,
+                from_now: false,
             },
             credential,
         ))

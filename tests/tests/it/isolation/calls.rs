@@ -191,6 +191,7 @@ pub(super) async fn outbox(
                 types: Vec::new(),
                 run_id: run_id.to_owned(),
                 follow: false,
+                from_now: false,
             },
             &mesh.credential(who),
         ))
