@@ -1,7 +1,8 @@
 // The operator console in a real browser: sign in, read a run's conflict with the
 // evidence of both sides, verify an artifact's hash, approve an R3 action as two people
 // in two browser contexts and execute it, and watch a run's page change without a
-// reload. Screenshots go to $SCREENSHOTS.
+// reload, all under the console's Content-Security-Policy with nothing blocked.
+// Screenshots go to $SCREENSHOTS.
 //
 // Environment: CONSOLE (base URL), CHROMIUM (the browser binary), RUN and APPROVAL (a
 // payment-incident run waiting for input and its rollback request), CREDENTIAL_ONCALL,
@@ -30,13 +31,21 @@ const browser = await chromium.launch({
   headless: true,
   args: ['--no-sandbox', '--disable-dev-shm-usage'],
 });
+// What the browser refused under the console's Content-Security-Policy, on any page.
+const blocked = [];
 try {
-  // A person in a browser context of their own: signed in through the form.
+  // A person in a browser context of their own: signed in through the form (which
+  // carries its CSRF token).
   const person = async (credential) => {
     const context = await browser.newContext();
     const page = await context.newPage();
-    await page.goto(`${base}/console/runs`);
+    page.on('console', (message) => {
+      if (message.text().includes('Content Security Policy')) blocked.push(message.text());
+    });
+    const response = await page.goto(`${base}/console/runs`);
     check(page.url().endsWith('/console/sign-in'), 'no page without a session: sent to sign in');
+    const csp = response.headers()['content-security-policy'] || '';
+    check(csp.includes("default-src 'self'") && csp.includes("frame-ancestors 'none'"), 'the sign-in form has its Content-Security-Policy');
     await page.getByLabel('Credential').fill(credential);
     await page.getByRole('button', { name: 'Sign in' }).click();
     await page.waitForURL(/\/console\/runs$/);
@@ -99,6 +108,7 @@ try {
   );
   check(!reloaded, `the watching page changed without a reload (now ${(await state()).trim()})`);
   await oncall.screenshot({ path: join(shots, '5-live-update.png'), fullPage: true });
+  check(blocked.length === 0, `no Content-Security-Policy violations (${blocked.join('; ')})`);
 } finally {
   await browser.close();
 }

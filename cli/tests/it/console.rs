@@ -1,8 +1,12 @@
 //! The operator console over real HTTP on `convene up`'s listener: no page without a
-//! session, the session cookie's flags, CSRF on state-changing forms, throttled
-//! sign-ins, and another tenant's run answered as a missing one.
+//! session, the session cookie's flags, CSRF on state-changing forms and on the sign-in
+//! form, throttled sign-ins (also sent at once), the security headers of every
+//! response, live streams that end at sign-out, and another tenant's run answered as a
+//! missing one.
 
-use reqwest::header::{COOKIE, LOCATION, RETRY_AFTER, SET_COOKIE};
+use std::time::Duration;
+
+use reqwest::header::{self, COOKIE, LOCATION, RETRY_AFTER, SET_COOKIE};
 use reqwest::{Client, StatusCode, redirect::Policy};
 
 use crate::mesh::{ALICE, BOB, Mesh, ONCALL};
@@ -34,20 +38,46 @@ fn credential(mesh: &Mesh, principal: &str) -> String {
         .expect("a development credential")
 }
 
-/// Signs in as `principal`; the `Set-Cookie` header and the cookie to send.
-async fn sign_in(mesh: &Mesh, principal: &str) -> (String, String) {
-    let response = client()
+/// The `Set-Cookie` header of cookie `name` in a response.
+fn set_cookie(response: &reqwest::Response, name: &str) -> Option<String> {
+    response
+        .headers()
+        .get_all(SET_COOKIE)
+        .iter()
+        .map(|v| v.to_str().expect("ASCII").to_owned())
+        .find(|v| v.starts_with(&format!("{name}=")))
+}
+
+/// The sign-in form: its pre-session cookie (`name=value`, with the whole `Set-Cookie`
+/// header) and the CSRF token it carries.
+async fn sign_in_form(mesh: &Mesh) -> (String, String, String) {
+    let form = get(mesh, "/console/sign-in", None).await;
+    assert_eq!(form.status(), StatusCode::OK);
+    let set = set_cookie(&form, "convene_sign_in").expect("a pre-session cookie");
+    let cookie = set.split(';').next().expect("a cookie").to_owned();
+    let csrf = csrf_of(&form.text().await.expect("the form"));
+    (set, cookie, csrf)
+}
+
+/// A sign-in through the form with `credential`.
+async fn attempt(mesh: &Mesh, credential: &str) -> reqwest::Response {
+    let (_, cookie, csrf) = sign_in_form(mesh).await;
+    client()
         .post(format!("{}/console/sign-in", mesh.a2a))
-        .form(&[("credential", credential(mesh, principal))])
+        .header(COOKIE, cookie)
+        .form(&[("credential", credential), ("csrf", &csrf)])
         .send()
         .await
-        .expect("sign-in answers");
+        .expect("sign-in answers")
+}
+
+/// Signs in as `principal` through the form; the session's `Set-Cookie` header and the
+/// cookie to send.
+async fn sign_in(mesh: &Mesh, principal: &str) -> (String, String) {
+    let response = attempt(mesh, &credential(mesh, principal)).await;
     assert_eq!(response.status(), StatusCode::SEE_OTHER);
     assert_eq!(response.headers()[LOCATION], "/console/runs");
-    let set = response.headers()[SET_COOKIE]
-        .to_str()
-        .expect("ASCII")
-        .to_owned();
+    let set = set_cookie(&response, "convene_session").expect("a session cookie");
     let cookie = set.split(';').next().expect("a cookie").to_owned();
     (set, cookie)
 }
@@ -273,23 +303,19 @@ fn a_form_without_the_sessions_csrf_token_is_refused() {
 fn failed_sign_ins_are_throttled_and_roles_are_checked() {
     let mesh = Mesh::start();
     block(async {
-        let attempt = |credential: String| {
-            client()
-                .post(format!("{}/console/sign-in", mesh.a2a))
-                .form(&[("credential", credential)])
-                .send()
-        };
-        // A principal that may not view runs is told which role it lacks.
-        let workers = attempt(credential(&mesh, "worker-pool")).await.unwrap();
+        // A principal that may not view runs is told which role it lacks; that is no
+        // successful sign-in, and it counts as an attempt.
+        let workers = attempt(&mesh, &credential(&mesh, "worker-pool")).await;
         assert_eq!(workers.status(), StatusCode::FORBIDDEN);
+        assert!(set_cookie(&workers, "convene_session").is_none());
         assert!(workers.text().await.unwrap().contains("runs:read"));
 
-        for _ in 0..5 {
-            let wrong = attempt("not-a-credential".to_owned()).await.unwrap();
+        for _ in 0..4 {
+            let wrong = attempt(&mesh, "not-a-credential").await;
             assert_eq!(wrong.status(), StatusCode::UNAUTHORIZED);
-            assert!(wrong.headers().get(SET_COOKIE).is_none());
+            assert!(set_cookie(&wrong, "convene_session").is_none());
         }
-        let throttled = attempt("not-a-credential".to_owned()).await.unwrap();
+        let throttled = attempt(&mesh, "not-a-credential").await;
         assert_eq!(throttled.status(), StatusCode::TOO_MANY_REQUESTS);
         let wait: u64 = throttled.headers()[RETRY_AFTER]
             .to_str()
@@ -298,9 +324,313 @@ fn failed_sign_ins_are_throttled_and_roles_are_checked() {
             .unwrap();
         assert!((1..=300).contains(&wait), "{wait}");
         // Even the right credential waits now: nothing tells a guesser it was right.
-        let right = attempt(credential(&mesh, ONCALL)).await.unwrap();
+        let right = attempt(&mesh, &credential(&mesh, ONCALL)).await;
         assert_eq!(right.status(), StatusCode::TOO_MANY_REQUESTS);
-        assert!(right.headers().get(SET_COOKIE).is_none());
+        assert!(set_cookie(&right, "convene_session").is_none());
+    });
+}
+
+#[test]
+fn wrong_sign_ins_sent_at_once_from_one_address_get_five_attempts() {
+    let mesh = Mesh::start();
+    block(async {
+        let (_, cookie, csrf) = sign_in_form(&mesh).await;
+        let start = std::sync::Arc::new(tokio::sync::Barrier::new(20));
+        let sent: Vec<_> = (0..20)
+            .map(|_| {
+                let (url, cookie, csrf, start) = (
+                    format!("{}/console/sign-in", mesh.a2a),
+                    cookie.clone(),
+                    csrf.clone(),
+                    start.clone(),
+                );
+                tokio::spawn(async move {
+                    start.wait().await;
+                    client()
+                        .post(url)
+                        .header(COOKIE, cookie)
+                        .form(&[("credential", "not-a-credential"), ("csrf", &csrf)])
+                        .send()
+                        .await
+                        .expect("sign-in answers")
+                        .status()
+                })
+            })
+            .collect();
+        let (mut checked, mut throttled) = (0, 0);
+        for attempt in sent {
+            match attempt.await.expect("the attempt answers") {
+                StatusCode::UNAUTHORIZED => checked += 1,
+                StatusCode::TOO_MANY_REQUESTS => throttled += 1,
+                other => panic!("a wrong sign-in answered {other}"),
+            }
+        }
+        assert!(
+            checked <= 5,
+            "{checked} of 20 reached the credential check, {throttled} were throttled"
+        );
+        assert_eq!(checked + throttled, 20);
+        assert!(checked >= 1, "the first attempts are checked");
+    });
+}
+
+#[test]
+fn a_sign_in_without_its_forms_csrf_token_is_refused() {
+    let mesh = Mesh::start();
+    block(async {
+        let (set, cookie, csrf) = sign_in_form(&mesh).await;
+        for flag in ["HttpOnly", "SameSite=Strict", "Path=/console/sign-in"] {
+            assert!(set.contains(flag), "{flag} in {set}");
+        }
+        let right = credential(&mesh, ONCALL);
+        let post = |cookie: Option<String>, form: Vec<(&'static str, String)>| {
+            let mut request = client().post(format!("{}/console/sign-in", mesh.a2a));
+            if let Some(cookie) = cookie {
+                request = request.header(COOKIE, cookie);
+            }
+            request.form(&form).send()
+        };
+        // More refusals than the throttle's attempts: none reaches the credential check.
+        for _ in 0..2 {
+            for (what, cookie, form) in [
+                ("no token", None, vec![("credential", right.clone())]),
+                (
+                    "the cookie without the token",
+                    Some(cookie.clone()),
+                    vec![("credential", right.clone())],
+                ),
+                (
+                    "the token without the cookie",
+                    None,
+                    vec![("credential", right.clone()), ("csrf", csrf.clone())],
+                ),
+                (
+                    "a wrong token",
+                    Some(cookie.clone()),
+                    vec![("credential", right.clone()), ("csrf", "0".repeat(64))],
+                ),
+            ] {
+                let refused = post(cookie, form).await.unwrap();
+                assert_eq!(refused.status(), StatusCode::FORBIDDEN, "{what}");
+                assert!(set_cookie(&refused, "convene_session").is_none(), "{what}");
+                let page = refused.text().await.unwrap();
+                assert!(page.contains("CSRF token"), "{what}: {page}");
+            }
+        }
+        // With its token, the same credential signs in: nothing above was counted.
+        let signed = post(
+            Some(cookie.clone()),
+            vec![("credential", right.clone()), ("csrf", csrf.clone())],
+        )
+        .await
+        .unwrap();
+        assert_eq!(signed.status(), StatusCode::SEE_OTHER);
+        assert!(set_cookie(&signed, "convene_session").is_some());
+    });
+}
+
+#[test]
+fn cookies_are_secure_behind_an_https_public_url() {
+    // TLS ends at an ingress: the gateway itself serves plaintext.
+    let mesh = Mesh::start_with(|cmd| {
+        cmd.args(["--public-url", "https://console.example.com/convene"]);
+    });
+    block(async {
+        let (form, _, _) = sign_in_form(&mesh).await;
+        assert!(form.contains("; Secure"), "{form}");
+        let (set, cookie) = sign_in(&mesh, ONCALL).await;
+        assert!(set.contains("; Secure"), "{set}");
+        let page = get(&mesh, "/console/runs", Some(&cookie))
+            .await
+            .text()
+            .await
+            .unwrap();
+        let out = client()
+            .post(format!("{}/console/sign-out", mesh.a2a))
+            .header(COOKIE, &cookie)
+            .form(&[("csrf", csrf_of(&page))])
+            .send()
+            .await
+            .unwrap();
+        let cleared = set_cookie(&out, "convene_session").expect("the cookie cleared");
+        assert!(
+            cleared.contains("Max-Age=0") && cleared.contains("; Secure"),
+            "{cleared}"
+        );
+    });
+}
+
+/// Asserts the console's security headers on `response` (`what`), and
+/// `Cache-Control: no-store` when it carries data.
+fn assert_secured(what: &str, response: &reqwest::Response, data: bool) {
+    let value = |name: header::HeaderName| {
+        response
+            .headers()
+            .get(&name)
+            .unwrap_or_else(|| panic!("{what}: no {name} in {:?}", response.headers()))
+            .to_str()
+            .expect("ASCII")
+            .to_owned()
+    };
+    let csp = value(header::CONTENT_SECURITY_POLICY);
+    assert!(csp.contains("default-src 'self'"), "{what}: {csp}");
+    assert!(csp.contains("frame-ancestors 'none'"), "{what}: {csp}");
+    assert_eq!(value(header::X_FRAME_OPTIONS), "DENY", "{what}");
+    assert_eq!(value(header::X_CONTENT_TYPE_OPTIONS), "nosniff", "{what}");
+    assert_eq!(value(header::REFERRER_POLICY), "same-origin", "{what}");
+    if data {
+        assert_eq!(value(header::CACHE_CONTROL), "no-store", "{what}");
+    }
+}
+
+#[test]
+fn every_console_response_carries_the_security_headers() {
+    let mesh = Mesh::start();
+    let (run, approval) = mesh.incident("console-headers");
+    let run_id = run["runId"].as_str().expect("runId").to_owned();
+    block(async {
+        let form = get(&mesh, "/console/sign-in", None).await;
+        assert_secured("the sign-in form", &form, true);
+        let unsigned = get(&mesh, "/console/runs", None).await;
+        assert_eq!(unsigned.status(), StatusCode::SEE_OTHER);
+        assert_secured("the redirect to sign in", &unsigned, true);
+        let wrong = attempt(&mesh, "not-a-credential").await;
+        assert_eq!(wrong.status(), StatusCode::UNAUTHORIZED);
+        assert_secured("a failed sign-in", &wrong, true);
+        let signed_in = attempt(&mesh, &credential(&mesh, ONCALL)).await;
+        assert_eq!(signed_in.status(), StatusCode::SEE_OTHER);
+        assert_secured("a sign-in", &signed_in, true);
+
+        let (_, cookie) = sign_in(&mesh, ONCALL).await;
+        let page = get(&mesh, &format!("/console/runs/{run_id}"), Some(&cookie))
+            .await
+            .text()
+            .await
+            .unwrap();
+        let evidence = page
+            .split("href=\"/console/evidence?")
+            .nth(1)
+            .and_then(|rest| rest.split('"').next())
+            .expect("a claim's evidence link")
+            .replace("&amp;", "&");
+        for (path, status) in [
+            ("/console/".to_owned(), StatusCode::SEE_OTHER),
+            ("/console/runs".to_owned(), StatusCode::OK),
+            (format!("/console/runs/{run_id}"), StatusCode::OK),
+            (
+                "/console/runs/0190a1b2-c3d4-7e5f-8a9b-0c1d2e3f4a5b".to_owned(),
+                StatusCode::NOT_FOUND,
+            ),
+            (format!("/console/evidence?{evidence}"), StatusCode::OK),
+            (
+                format!("/console/evidence?{evidence}&verify=1"),
+                StatusCode::OK,
+            ),
+            ("/console/approvals".to_owned(), StatusCode::OK),
+            (format!("/console/approvals/{approval}"), StatusCode::OK),
+            ("/console/no-such-page".to_owned(), StatusCode::NOT_FOUND),
+        ] {
+            let response = get(&mesh, &path, Some(&cookie)).await;
+            assert_eq!(response.status(), status, "{path}");
+            assert_secured(&path, &response, true);
+        }
+        let refused = client()
+            .post(format!("{}/console/sign-out", mesh.a2a))
+            .header(COOKIE, &cookie)
+            .form(&[("csrf", "wrong")])
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(refused.status(), StatusCode::FORBIDDEN);
+        assert_secured("a refused form", &refused, true);
+        for asset in ["/console/assets/console.css", "/console/assets/console.js"] {
+            let response = get(&mesh, asset, None).await;
+            assert_eq!(response.status(), StatusCode::OK, "{asset}");
+            assert_secured(asset, &response, false);
+        }
+        for stream in [
+            format!("/console/runs/{run_id}/events"),
+            format!("/console/approvals/{approval}/events?since=0"),
+        ] {
+            let response = get(&mesh, &stream, Some(&cookie)).await;
+            assert_eq!(response.status(), StatusCode::OK, "{stream}");
+            assert_eq!(
+                response.headers()[header::CONTENT_TYPE],
+                "text/event-stream"
+            );
+            assert_secured(&stream, &response, true);
+        }
+    });
+}
+
+/// Reads a stream until it ends; false when it is still open after `limit`.
+async fn ends_within(stream: &mut reqwest::Response, limit: Duration) -> bool {
+    tokio::time::timeout(limit, async {
+        while let Ok(Some(_)) = stream.chunk().await {}
+    })
+    .await
+    .is_ok()
+}
+
+#[test]
+fn a_live_stream_ends_when_its_session_is_signed_out() {
+    // Sessions checked every 200 ms: checks of sessions still open leave their streams be.
+    let mesh = Mesh::start_with(|cmd| {
+        cmd.env("CONVENE_CONSOLE_LIVE_RECHECK", "200ms");
+    });
+    let (_, approval_id) = mesh.incident("console-stream-sign-out");
+    block(async {
+        let (_, cookie) = sign_in(&mesh, ONCALL).await;
+        let (_, other) = sign_in(&mesh, ONCALL).await;
+        // The stream an approval request's page follows: open until its session ends.
+        let page = get(
+            &mesh,
+            &format!("/console/approvals/{approval_id}"),
+            Some(&cookie),
+        )
+        .await
+        .text()
+        .await
+        .unwrap();
+        let path = page
+            .split("data-live=\"")
+            .nth(1)
+            .and_then(|rest| rest.split('"').next())
+            .expect("a live stream on the request's page")
+            .replace("&amp;", "&");
+        let mut stream = get(&mesh, &path, Some(&cookie)).await;
+        assert_eq!(stream.status(), StatusCode::OK);
+        let mut others = get(&mesh, &path, Some(&other)).await;
+        assert_eq!(others.status(), StatusCode::OK);
+        assert!(
+            !ends_within(&mut stream, Duration::from_secs(1)).await,
+            "a signed-in session's stream stays open across checks"
+        );
+
+        let page = get(&mesh, "/console/runs", Some(&cookie))
+            .await
+            .text()
+            .await
+            .unwrap();
+        let out = client()
+            .post(format!("{}/console/sign-out", mesh.a2a))
+            .header(COOKIE, &cookie)
+            .form(&[("csrf", csrf_of(&page))])
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(out.status(), StatusCode::SEE_OTHER);
+        assert!(
+            ends_within(&mut stream, Duration::from_secs(5)).await,
+            "the stream ended with its session"
+        );
+        assert!(
+            !ends_within(&mut others, Duration::from_millis(600)).await,
+            "another session's stream goes on"
+        );
+        // Opened again with the old cookie: sent to sign in.
+        let again = get(&mesh, &path, Some(&cookie)).await;
+        assert_eq!(again.status(), StatusCode::SEE_OTHER);
     });
 }
 

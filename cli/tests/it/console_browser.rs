@@ -2,7 +2,8 @@
 //! `playwright-core` from npm, no browser download): `cli/tests/console/e2e.mjs` signs
 //! in, reads the payment incident's conflict with both sides' evidence, verifies an
 //! artifact's hash, approves the R3 rollback as two people in two browser contexts and
-//! executes it, and sees the run's page change while another context settles the run.
+//! executes it, and sees the run's page change while another context settles the run,
+//! with nothing blocked by the console's Content-Security-Policy.
 //! Screenshots of each step are written to `<target>/tmp/console-screenshots/`.
 //!
 //! Needs `node`, `npm` and a Chromium (`CONVENE_TEST_CHROMIUM`, else `chromium` on the
@@ -89,6 +90,8 @@ fn the_console_in_a_browser_shows_the_conflict_approves_twice_and_updates_live()
         "ok: two distinct approvals approve it",
         "ok: it is executed",
         "ok: the watching page changed without a reload",
+        "ok: the sign-in form has its Content-Security-Policy",
+        "ok: no Content-Security-Policy violations",
     ] {
         assert!(text.contains(step), "{step} in:\n{text}");
     }

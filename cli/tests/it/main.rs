@@ -10,6 +10,7 @@ mod clients;
 mod console;
 mod console_browser;
 mod durable;
+mod gateway_access;
 mod isolation;
 mod mesh;
 mod model;
