@@ -227,6 +227,15 @@ enum Command {
     },
 }
 
+/// `convene serve supervisor`'s flags: every service's, and the internal listener's.
+#[derive(Debug, clap::Args)]
+struct SupervisorServeArgs {
+    #[command(flatten)]
+    common: ServiceArgs,
+    #[command(flatten)]
+    internal: convene_supervisor::InternalArgs,
+}
+
 #[derive(Debug, Subcommand)]
 enum ServeCommand {
     /// The policy service (task tokens, authorization, decision log).
@@ -235,8 +244,10 @@ enum ServeCommand {
     EvidenceStore(ServiceArgs),
     /// The approval service (R2/R3 requests, votes, execution).
     Approval(ServiceArgs),
-    /// The supervisor (runs, dispatch, join, worker registry).
-    Supervisor(ServiceArgs),
+    /// The supervisor (runs, dispatch, join, worker registry): the client API on
+    /// --listen, the worker registry on --internal-listen (default: 127.0.0.1 at the
+    /// --listen port + 100), where workers register (their --registry).
+    Supervisor(SupervisorServeArgs),
     /// A worker (agent loop, read-only tools).
     Worker(ServiceArgs),
 }
@@ -520,10 +531,11 @@ fn jaeger() -> Option<String> {
 }
 
 /// Loads a service's config (defaults → --config → CONVENE_* → flags, with --data-dir
-/// when given) and runs it until SIGTERM/SIGINT, exporting traces as
-/// `convene-<name>` when a collector is configured.
+/// when given; `loader` holds the file and the flags) and runs it until SIGTERM/SIGINT,
+/// exporting traces as `convene-<name>` when a collector is configured.
 async fn serve<C, F, Fut, E>(
     args: &ServiceArgs,
+    loader: convene_server::ConfigLoader,
     data_dir: Option<&PathBuf>,
     name: &str,
     run: F,
@@ -534,7 +546,7 @@ where
     Fut: std::future::Future<Output = Result<(), E>>,
     E: std::error::Error + Send + Sync + 'static,
 {
-    let mut loader = args.config_loader().env(std::env::vars());
+    let mut loader = loader.env(std::env::vars());
     if let Some(dir) = data_dir {
         loader = loader.set("data_dir", dir.display().to_string());
     }
@@ -598,17 +610,44 @@ async fn main_inner(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Serve { service } => {
             let dir = explicit_data_dir.as_ref();
             match service {
-                ServeCommand::Policy(a) => serve(&a, dir, "policy", convene_policy::run).await?,
+                ServeCommand::Policy(a) => {
+                    serve(&a, a.config_loader(), dir, "policy", convene_policy::run).await?
+                }
                 ServeCommand::EvidenceStore(a) => {
-                    serve(&a, dir, "evidence-store", convene_evidence_store::run).await?
+                    let loader = a.config_loader();
+                    serve(
+                        &a,
+                        loader,
+                        dir,
+                        "evidence-store",
+                        convene_evidence_store::run,
+                    )
+                    .await?
                 }
                 ServeCommand::Approval(a) => {
-                    serve(&a, dir, "approval", convene_approval::run).await?
+                    serve(
+                        &a,
+                        a.config_loader(),
+                        dir,
+                        "approval",
+                        convene_approval::run,
+                    )
+                    .await?
                 }
                 ServeCommand::Supervisor(a) => {
-                    serve(&a, dir, "supervisor", convene_supervisor::run).await?
+                    let loader = a.internal.apply(a.common.config_loader());
+                    serve(
+                        &a.common,
+                        loader,
+                        dir,
+                        "supervisor",
+                        convene_supervisor::run,
+                    )
+                    .await?
                 }
-                ServeCommand::Worker(a) => serve(&a, dir, "worker", convene_worker::run).await?,
+                ServeCommand::Worker(a) => {
+                    serve(&a, a.config_loader(), dir, "worker", convene_worker::run).await?
+                }
             }
             Ok(ExitCode::SUCCESS)
         }

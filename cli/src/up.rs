@@ -2,8 +2,9 @@
 //!
 //! The services are the very same code as the separate binaries; they reach each other
 //! through in-process handles (a direct async call, no socket, no encoding), and the
-//! gRPC server exposes all of them on one listener for clients. Workers run in-process
-//! too and register with the supervisor's registry like remote ones do.
+//! gRPC server exposes all of them on one listener: the supervisor's worker registry
+//! too, which its own binary serves on an internal listener apart. Workers run
+//! in-process too and register with the supervisor's registry like remote ones do.
 //!
 //! State outlives the process: a `convene up` started again on the same data directory
 //! resumes the runs the previous one left unfinished (its supervisor keeps one replica
@@ -33,7 +34,9 @@ use crate::client::DEFAULT_PRINCIPAL_FILE;
 /// Flags of `convene up`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct UpArgs {
-    /// Address every gRPC service is served on.
+    /// Address every gRPC service is served on, the supervisor's worker registry
+    /// included (a worker run apart registers here with --registry, where a
+    /// supervisor of its own would have it on an internal listener).
     #[arg(
         long,
         env = "CONVENE_LISTEN",
@@ -566,7 +569,10 @@ pub async fn start(args: &UpArgs, data_dir: &Path, shutdown: Shutdown) -> anyhow
     server = policy_service.add_to(server);
     server = evidence_service.add_to(server);
     server = convene_approval::add_to_server(server, approval_service);
-    server = convene_supervisor::add_to(server, supervisor.clone(), registry.clone());
+    // One address for everything, the worker registry included: a worker run apart
+    // registers here (`--registry http://<this address>`), not at a port + 100.
+    server = convene_supervisor::add_to(server, supervisor.clone());
+    server = convene_supervisor::add_internal_to(server, registry.clone());
     let server = tokio::spawn(server.serve(listener, shutdown.clone()));
 
     // The A2A gateway, on the in-process supervisor.

@@ -26,6 +26,9 @@ pub(crate) struct Recipe {
     args: Vec<String>,
     /// The port it listens on (`CONVENE_SERVER__LISTEN`).
     port: u16,
+    /// A supervisor's internal listener's port (`CONVENE_INTERNAL_LISTEN`), where
+    /// workers register.
+    internal_port: Option<u16>,
     /// Variables removed from the inherited environment.
     remove: Vec<String>,
     /// Its environment.
@@ -41,8 +44,11 @@ impl Recipe {
         for name in &self.remove {
             cmd.env_remove(name);
         }
-        cmd.env("CONVENE_SERVER__LISTEN", format!("127.0.0.1:{}", self.port))
-            .envs(self.env.iter().map(|(k, v)| (k, v)))
+        cmd.env("CONVENE_SERVER__LISTEN", format!("127.0.0.1:{}", self.port));
+        if let Some(port) = self.internal_port {
+            cmd.env("CONVENE_INTERNAL_LISTEN", format!("127.0.0.1:{port}"));
+        }
+        cmd.envs(self.env.iter().map(|(k, v)| (k, v)))
             .envs(self.extra.iter().map(|(k, v)| (k, v)))
             .stdin(std::process::Stdio::null())
             .kill_on_drop(true);
@@ -110,6 +116,7 @@ impl TestMesh {
             Recipe {
                 args: args.iter().map(|a| (*a).to_owned()).collect(),
                 port,
+                internal_port: None,
                 remove: Vec::new(),
                 env,
                 extra: Vec::new(),
@@ -125,6 +132,7 @@ impl TestMesh {
         mesh.spawn("approval", recipe(&["serve", "approval"], approval))
             .await;
         let mut r = recipe(&["serve", "supervisor"], supervisor);
+        r.internal_port = Some(free_port());
         r.env.splice(
             0..0,
             [
@@ -197,8 +205,9 @@ impl TestMesh {
     }
 
     /// Starts one more worker process (Processes mode) registered as `worker_id` with
-    /// every supervisor replica in `supervisors` (their registries); the first is also the
-    /// one its `delegate@1` calls reach.
+    /// every supervisor replica in `supervisors` (client endpoints: the worker registers
+    /// at each one's internal listener); the first is also the one its `delegate@1`
+    /// calls reach.
     pub async fn spawn_worker_with(
         &mut self,
         worker_id: &str,
@@ -213,6 +222,10 @@ impl TestMesh {
             "worker processes exist in Processes mode only"
         );
         let data = self.dir.path().join("data");
+        let registries: Vec<String> = supervisors
+            .iter()
+            .map(|s| self.registry_endpoint(s))
+            .collect();
         let mut env: Vec<(String, String)> = [
             ("CONVENE_DATA_DIR", data.display().to_string()),
             ("CONVENE_POLICY_ENDPOINT", self.policy_endpoint.clone()),
@@ -230,7 +243,7 @@ impl TestMesh {
             ("CONVENE_CAPACITY", capacity.to_string()),
             (
                 "CONVENE_REGISTRY_ENDPOINTS",
-                format!("[{}]", supervisors.join(",")),
+                format!("[{}]", registries.join(",")),
             ),
             ("RUST_LOG", "warn".to_owned()),
         ]
@@ -241,6 +254,7 @@ impl TestMesh {
         let recipe = Recipe {
             args: vec!["serve".into(), "worker".into()],
             port: free_port(),
+            internal_port: None,
             // Workers keep no state; their configuration refuses the key.
             remove: vec!["CONVENE_DATABASE_URL".into()],
             env,
@@ -263,10 +277,22 @@ impl TestMesh {
             .map(|p| p.recipe.clone())
             .expect("the mesh's supervisor process (Processes mode)");
         recipe.port = free_port();
+        recipe.internal_port = Some(free_port());
         recipe.extra = extra;
         let endpoint = format!("http://127.0.0.1:{}", recipe.port);
         self.spawn(name, recipe).await;
         endpoint
+    }
+
+    /// The worker registry (internal listener) of the supervisor process serving
+    /// `supervisor_endpoint`.
+    fn registry_endpoint(&self, supervisor_endpoint: &str) -> String {
+        self.children
+            .iter()
+            .find(|p| format!("http://127.0.0.1:{}", p.recipe.port) == supervisor_endpoint)
+            .and_then(|p| p.recipe.internal_port)
+            .map(|port| format!("http://127.0.0.1:{port}"))
+            .unwrap_or_else(|| panic!("no supervisor process serves {supervisor_endpoint}"))
     }
 
     /// Starts the named process again (Processes mode) with the same command line, port

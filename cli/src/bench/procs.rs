@@ -120,8 +120,11 @@ impl ProcessMesh {
         mesh.spawn("evidence-store", cmd, evidence, &logs).await?;
         let cmd = service("approval", approval);
         mesh.spawn("approval", cmd, approval, &logs).await?;
+        // Workers register on the supervisor's internal listener.
+        let registry = free_port()?;
         let mut cmd = service("supervisor", supervisor);
-        cmd.env("CONVENE_POLICY_ENDPOINT", url(policy))
+        cmd.env("CONVENE_INTERNAL_LISTEN", format!("127.0.0.1:{registry}"))
+            .env("CONVENE_POLICY_ENDPOINT", url(policy))
             .env("CONVENE_EVIDENCE_ENDPOINT", url(evidence))
             .env("CONVENE_APPROVAL_ENDPOINT", url(approval))
             .env(
@@ -140,6 +143,7 @@ impl ProcessMesh {
             cmd.env("CONVENE_POLICY_ENDPOINT", url(policy))
                 .env("CONVENE_EVIDENCE_ENDPOINT", url(evidence))
                 .env("CONVENE_SUPERVISOR_ENDPOINT", url(supervisor))
+                .env("CONVENE_REGISTRY_ENDPOINTS", format!("[{}]", url(registry)))
                 .env("CONVENE_WORKER_ID", format!("bench-{name}"))
                 .env("CONVENE_PROFILES_FILE", &options.profiles)
                 .env("CONVENE_TOOLS_DATA_DIR", &options.tools_data)

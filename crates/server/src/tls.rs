@@ -269,6 +269,19 @@ impl ServerTls {
         })
     }
 
+    /// The same certificate, with clients required to present one that chains to
+    /// `client_ca` (a listener of the process that only the mesh calls).
+    ///
+    /// # Errors
+    ///
+    /// A [`TlsError`] naming the file when it holds no usable CA certificate.
+    pub fn with_client_ca(&self, client_ca: &Path) -> Result<Self, TlsError> {
+        Ok(Self {
+            cert: self.cert.clone(),
+            client_ca: Some(Arc::new(roots("client CA", client_ca)?)),
+        })
+    }
+
     /// Whether clients must present a certificate.
     pub fn requires_client_certificates(&self) -> bool {
         self.client_ca.is_some()

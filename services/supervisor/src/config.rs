@@ -1,6 +1,7 @@
 //! The supervisor's configuration: [`Config`], its development defaults and the checks
 //! serde cannot make.
 
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -12,6 +13,10 @@ use crate::{CrashSettings, Error, Templates};
 
 /// The supervisor's well-known port.
 pub const DEFAULT_PORT: u16 = 7400;
+
+/// The internal listener's port is the client listener's plus this, unless
+/// `internal_listen` says otherwise: 7500 beside the default 7400.
+pub const INTERNAL_PORT_OFFSET: u16 = 100;
 
 /// How long a run's progress that decides nothing may wait for its next commit (see
 /// [`Config::commit_linger`]).
@@ -32,7 +37,8 @@ pub const DEFAULT_NATS_SUBJECT_PREFIX: &str = "convene.events";
 
 /// Supervisor configuration. The defaults are the development settings of the
 /// payment-incident example. The shared keys are in [`common`](Self::common), which the
-/// config also derefs to: the server (Supervisor and WorkerRegistry), the data directory
+/// config also derefs to: the server (the client listener, serving the Supervisor
+/// service; WorkerRegistry is on [`internal_listen`](Self::internal_listen)), the data directory
 /// (`.convene` by default), the policy file (principals, profiles, catalog), and
 /// `database_url`, where runs, their events and the outbox are stored.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -44,6 +50,18 @@ pub struct Config {
     /// File holding the supervisor's own credential; default
     /// `<data_dir>/credentials/supervisor.secret`.
     pub credential_file: Option<PathBuf>,
+    /// Address of the internal listener, which serves what only the mesh calls
+    /// (`convene.v1.WorkerRegistry`: workers register and heartbeat there), apart from the
+    /// client API (`convene.v1.Supervisor`) on `server.listen`. It serves TLS when the
+    /// process does (`--tls-cert`), with the same certificate. Unset: loopback, at the
+    /// client listener's port + 100 (127.0.0.1:7500 by default).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub internal_listen: Option<SocketAddr>,
+    /// PEM CA certificates that the internal listener requires client certificates to
+    /// chain to (mutual TLS: only workers of the mesh register), whether or not the
+    /// client listener asks for any (`--tls-client-ca`). Needs TLS (`--tls-cert`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub internal_client_ca: Option<PathBuf>,
     /// The policy service.
     pub policy_endpoint: String,
     /// The evidence store.
@@ -144,6 +162,8 @@ impl Default for Config {
                 ..ServiceCommon::default()
             },
             credential_file: None,
+            internal_listen: None,
+            internal_client_ca: None,
             policy_endpoint: "http://127.0.0.1:7401".to_owned(),
             evidence_endpoint: "http://127.0.0.1:7402".to_owned(),
             approval_endpoint: "http://127.0.0.1:7403".to_owned(),
@@ -171,6 +191,37 @@ impl Default for Config {
 
 convene_server::common_section!(Config);
 
+/// The flags of the supervisor's internal listener, for `convene-supervisor` and
+/// `convene serve supervisor`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, clap::Args)]
+pub struct InternalArgs {
+    /// Address of the internal listener: convene.v1.WorkerRegistry, where workers
+    /// register (their --registry), apart from the client API on --listen. It serves
+    /// TLS when --tls-cert is given. Overrides `internal_listen`
+    /// (CONVENE_INTERNAL_LISTEN). [default: 127.0.0.1 at the --listen port + 100, e.g.
+    /// 127.0.0.1:7500]
+    #[arg(long, value_name = "ADDR")]
+    pub internal_listen: Option<SocketAddr>,
+    /// PEM CA certificates that the internal listener requires client certificates to
+    /// chain to (mutual TLS: only the mesh's workers register), while the client API
+    /// asks for none unless --tls-client-ca says so. Needs --tls-cert. Overrides
+    /// `internal_client_ca` (CONVENE_INTERNAL_CLIENT_CA).
+    #[arg(long, value_name = "FILE")]
+    pub internal_client_ca: Option<PathBuf>,
+}
+
+impl InternalArgs {
+    /// `loader` with these flags applied.
+    pub fn apply(&self, loader: convene_server::ConfigLoader) -> convene_server::ConfigLoader {
+        loader
+            .set_some(
+                "internal_listen",
+                self.internal_listen.map(|a| a.to_string()),
+            )
+            .set_path("internal_client_ca", self.internal_client_ca.as_deref())
+    }
+}
+
 impl Config {
     /// The credential file in effect.
     pub fn credential_path(&self) -> PathBuf {
@@ -197,6 +248,40 @@ impl Config {
             (None, None) => Templates::example(policy),
             (None, Some(_)) => Ok(Templates::default()),
         }
+    }
+
+    /// The internal listener's address: `internal_listen`, else loopback at the client
+    /// listener's port + [`INTERNAL_PORT_OFFSET`] (port 0, any free port, stays 0).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Config`] when the client port leaves no room for the offset, or both
+    /// listeners are given one address.
+    pub fn internal_addr(&self) -> Result<SocketAddr, Error> {
+        let listen = self.server.listen;
+        if let Some(addr) = self.internal_listen {
+            let overlaps = addr.ip() == listen.ip()
+                || addr.ip().is_unspecified()
+                || listen.ip().is_unspecified();
+            if addr.port() == listen.port() && addr.port() != 0 && overlaps {
+                return Err(Error::Config(format!(
+                    "internal_listen (--internal-listen) = {addr} takes server.listen's port \
+                     ({listen}) too: give the internal listener one of its own (the default is \
+                     127.0.0.1:<port + {INTERNAL_PORT_OFFSET}>)"
+                )));
+            }
+            return Ok(addr);
+        }
+        let port = match listen.port() {
+            0 => 0,
+            port => port.checked_add(INTERNAL_PORT_OFFSET).ok_or_else(|| {
+                Error::Config(format!(
+                    "server.listen port {port} leaves no room for the internal listener at \
+                     port + {INTERNAL_PORT_OFFSET}: set internal_listen (--internal-listen)"
+                ))
+            })?,
+        };
+        Ok(SocketAddr::from(([127, 0, 0, 1], port)))
     }
 
     /// This replica's id: `replica_id` when configured, else a fresh UUIDv7.
@@ -230,6 +315,7 @@ impl Config {
                 self.commit_linger, self.run_lease_ttl
             )));
         }
+        self.internal_addr()?;
         if self.claim_interval.is_zero() {
             return Err(Error::Config(
                 "claim_interval must be more than zero".to_owned(),
@@ -278,6 +364,47 @@ impl Config {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_internal_listener_is_on_loopback_a_hundred_ports_up_unless_configured() {
+        let config = Config::default();
+        assert_eq!(
+            config.internal_addr().unwrap(),
+            "127.0.0.1:7500".parse::<SocketAddr>().unwrap()
+        );
+        let on = |listen: &str, internal: Option<&str>| {
+            let mut config = Config::default();
+            config.server.listen = listen.parse().unwrap();
+            config.internal_listen = internal.map(|a| a.parse().unwrap());
+            config.internal_addr()
+        };
+        // All interfaces for clients, loopback for the mesh unless said otherwise.
+        assert_eq!(
+            on("0.0.0.0:7000", None).unwrap(),
+            "127.0.0.1:7100".parse::<SocketAddr>().unwrap()
+        );
+        assert_eq!(
+            on("0.0.0.0:7400", Some("0.0.0.0:7500")).unwrap(),
+            "0.0.0.0:7500".parse::<SocketAddr>().unwrap()
+        );
+        assert_eq!(on("127.0.0.1:0", None).unwrap().port(), 0);
+        let err = on("127.0.0.1:65500", None).unwrap_err().to_string();
+        assert!(err.contains("--internal-listen"), "{err}");
+        let err = on("0.0.0.0:7400", Some("0.0.0.0:7400"))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("one of its own"), "{err}");
+        // All interfaces include loopback: both would bind 7400 there.
+        let err = Config {
+            internal_listen: Some("0.0.0.0:7400".parse().unwrap()),
+            ..Config::default()
+        }
+        .check()
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("one of its own"), "{err}");
+        assert!(on("127.0.0.1:7400", Some("127.0.0.2:7400")).is_ok());
+    }
 
     #[test]
     fn commit_linger_must_fit_well_inside_the_lease() {

@@ -54,7 +54,8 @@ use tokio_util::sync::CancellationToken;
 
 pub use config::{
     Config, DEFAULT_COMMIT_LINGER, DEFAULT_MAX_ACTIVE_RUNS, DEFAULT_MAX_WATCH_STREAMS,
-    DEFAULT_NATS_STREAM, DEFAULT_NATS_SUBJECT_PREFIX, DEFAULT_PORT,
+    DEFAULT_NATS_STREAM, DEFAULT_NATS_SUBJECT_PREFIX, DEFAULT_PORT, INTERNAL_PORT_OFFSET,
+    InternalArgs,
 };
 pub use crash::{CrashPoint, CrashSettings};
 pub use registry::{Connector, MeshConnector, Registry, RegistrySettings};
@@ -107,6 +108,9 @@ pub enum Error {
     /// The configuration is inconsistent.
     #[error("invalid configuration: {0}")]
     Config(String),
+    /// The internal listener's client CA cannot be used.
+    #[error("internal_client_ca (--internal-client-ca): {0}")]
+    InternalTls(#[from] convene_server::tls::TlsError),
     /// The run templates file cannot be read, or a template in it is invalid.
     #[error("run templates {file}: {message}")]
     Templates {
@@ -277,17 +281,45 @@ pub fn build(parts: Parts) -> (SupervisorService, Arc<Registry>) {
     (SupervisorService::new(deps, auth, parts.shutdown), registry)
 }
 
-/// Adds the Supervisor and WorkerRegistry gRPC services to a server.
-pub fn add_to(
-    server: GrpcServer,
-    service: SupervisorService,
-    registry: Arc<Registry>,
-) -> GrpcServer {
-    server
-        .add_service(SupervisorServer::new(service))
-        .add_service(WorkerRegistryServer::new(registry::RegistryService(
-            registry,
-        )))
+/// Adds the client API, the Supervisor gRPC service, to a server (the client
+/// listener's).
+pub fn add_to(server: GrpcServer, service: SupervisorService) -> GrpcServer {
+    server.add_service(SupervisorServer::new(service))
+}
+
+/// Adds what only the mesh calls, the WorkerRegistry gRPC service, to a server (the
+/// internal listener's; `convene up` serves it beside everything else on its one
+/// address).
+pub fn add_internal_to(server: GrpcServer, registry: Arc<Registry>) -> GrpcServer {
+    server.add_service(WorkerRegistryServer::new(registry::RegistryService(
+        registry,
+    )))
+}
+
+/// The internal listener's TLS: the process's (the client listener's certificate),
+/// requiring client certificates of `internal_client_ca` when it is set. None:
+/// plaintext.
+fn internal_tls(config: &Config) -> Result<Option<convene_server::tls::ServerTls>, Error> {
+    let process = convene_server::tls::installed().and_then(|t| t.server.as_ref());
+    match (&config.internal_client_ca, process) {
+        (None, tls) => Ok(tls.cloned()),
+        (Some(ca), Some(tls)) => Ok(Some(tls.with_client_ca(ca)?)),
+        (Some(ca), None) => Err(Error::Config(format!(
+            "internal_client_ca (--internal-client-ca) = {} needs TLS: pass --tls-cert FILE \
+             --tls-key FILE (CONVENE_TLS_CERT, CONVENE_TLS_KEY) too",
+            ca.display()
+        ))),
+    }
+}
+
+async fn bind(addr: SocketAddr) -> Result<(tokio::net::TcpListener, SocketAddr), Error> {
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|source| Error::Bind { addr, source })?;
+    let bound = listener
+        .local_addr()
+        .map_err(|source| Error::Bind { addr, source })?;
+    Ok((listener, bound))
 }
 
 /// Runs the supervisor as its own process: other services are reached over gRPC. Its
@@ -326,19 +358,15 @@ pub async fn run(config: Config, shutdown: Shutdown) -> Result<(), Error> {
         config: config.clone(),
         shutdown: shutdown.clone(),
     };
+    let internal_tls = internal_tls(&config)?;
+    let internal_addr = config.internal_addr()?;
     let (service, registry) = build(parts);
     let service = service.with_templates(templates);
-    let listener = tokio::net::TcpListener::bind(config.server.listen)
-        .await
-        .map_err(|source| Error::Bind {
-            addr: config.server.listen,
-            source,
-        })?;
-    let addr = listener.local_addr().map_err(|source| Error::Bind {
-        addr: config.server.listen,
-        source,
-    })?;
-    tracing::info!(%addr, "supervisor listening");
+    // The internal listener first: a supervisor whose client port answers takes
+    // registrations too.
+    let (internal, internal_addr) = bind(internal_addr).await?;
+    let (listener, addr) = bind(config.server.listen).await?;
+    tracing::info!(%addr, %internal_addr, "supervisor listening: clients on addr, workers' registrations on internal_addr");
     // Other replicas forward calls for this replica's runs to it.
     let advertised = config
         .advertise_endpoint
@@ -354,13 +382,14 @@ pub async fn run(config: Config, shutdown: Shutdown) -> Result<(), Error> {
             "no advertise_endpoint and an unspecified listen address: other replicas do not forward calls for this replica's runs to it"
         ),
     }
-    add_to(
-        GrpcServer::new(config.server.clone()),
-        service.clone(),
-        registry,
-    )
-    .serve(listener, shutdown)
-    .await?;
+    let mut internal_server = add_internal_to(GrpcServer::new(config.server.clone()), registry);
+    if let Some(tls) = internal_tls {
+        internal_server = internal_server.with_tls(tls);
+    }
+    let client = add_to(GrpcServer::new(config.server.clone()), service.clone())
+        .serve(listener, shutdown.clone());
+    let internal = internal_server.serve(internal, shutdown);
+    tokio::try_join!(client, internal)?;
     service.actors_stopped(ACTOR_STOP_GRACE).await;
     Ok(())
 }

@@ -52,6 +52,9 @@ pub const DEFAULT_TOOLS_DATA_DIR: &str = "examples/payment-incident/data";
 pub const DEFAULT_CAPACITY: u32 = 16;
 /// The principal whose credential workers register with.
 pub const WORKER_POOL_PRINCIPAL: &str = "worker-pool";
+/// A supervisor serves its worker registry on an internal listener at its client port
+/// plus this by default (`convene_supervisor::INTERNAL_PORT_OFFSET`): 7500 beside 7400.
+pub const REGISTRY_PORT_OFFSET: u16 = 100;
 
 /// Everything a worker is configured with.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -78,10 +81,11 @@ pub struct Config {
     pub register: bool,
     /// The supervisor: its worker registry, and its Delegate for `delegate@1`.
     pub supervisor_endpoint: String,
-    /// The worker registries to register with, when they are not `supervisor_endpoint`
-    /// alone: every supervisor replica keeps its own. A URL whose host is a name (a
+    /// The worker registries to register with: each supervisor's internal listener
+    /// (every supervisor replica keeps its own registry). A URL whose host is a name (a
     /// headless Service) stands for every address it resolves to, resolved again every
-    /// 10 s. Empty: `supervisor_endpoint`.
+    /// 10 s. Empty: `supervisor_endpoint`'s host at its port + 100, where a supervisor
+    /// serves its registry by default (http://127.0.0.1:7500).
     pub registry_endpoints: Vec<String>,
     /// The policy service.
     pub policy_endpoint: String,
@@ -181,21 +185,37 @@ impl Config {
             if !parsed.is_ok_and(|u| u.scheme().is_some() && u.host().is_some()) {
                 return Err(Error::Config(format!(
                     "registry_endpoints: `{url}` is not a URL; give each supervisor's \
-                     registry as http://host:port, e.g. http://convene-supervisor-peers:7400"
+                     registry (its internal listener) as http://host:port, e.g. \
+                     http://convene-supervisor-peers:7500"
                 )));
             }
         }
         Ok(())
     }
 
-    /// The registries to register with: `registry_endpoints`, else
-    /// `supervisor_endpoint`.
+    /// The registries to register with: `registry_endpoints`, else the supervisor's
+    /// default internal listener, `supervisor_endpoint`'s host at its port +
+    /// [`REGISTRY_PORT_OFFSET`] (`supervisor_endpoint` itself when that cannot be
+    /// worked out: registering there then fails and says so).
     pub fn registry_urls(&self) -> Vec<String> {
-        if self.registry_endpoints.is_empty() {
-            vec![self.supervisor_endpoint.clone()]
-        } else {
-            self.registry_endpoints.clone()
+        if !self.registry_endpoints.is_empty() {
+            return self.registry_endpoints.clone();
         }
+        let supervisor = &self.supervisor_endpoint;
+        let derived = supervisor
+            .parse::<tonic::transport::Uri>()
+            .ok()
+            .and_then(|uri| {
+                let scheme = uri.scheme_str()?;
+                let port = uri.port_u16().or(match scheme {
+                    "http" => Some(80),
+                    "https" => Some(443),
+                    _ => None,
+                })?;
+                let port = port.checked_add(REGISTRY_PORT_OFFSET)?;
+                Some(format!("{scheme}://{}:{port}", uri.host()?))
+            });
+        vec![derived.unwrap_or_else(|| supervisor.clone())]
     }
 
     /// The configured profiles (the embedded example when `profiles_file` is unset).
@@ -326,6 +346,29 @@ mod tests {
     use convene_server::ConfigLoader;
 
     use super::*;
+
+    #[test]
+    fn the_default_registry_is_the_supervisors_internal_listener() {
+        let with = |supervisor: &str| {
+            Config {
+                supervisor_endpoint: supervisor.to_owned(),
+                ..Config::default()
+            }
+            .registry_urls()
+        };
+        assert_eq!(Config::default().registry_urls(), ["http://127.0.0.1:7500"]);
+        assert_eq!(
+            with("https://sup.example:7000/"),
+            ["https://sup.example:7100"]
+        );
+        assert_eq!(with("http://[::1]:7400"), ["http://[::1]:7500"]);
+        assert_eq!(with("https://sup.example"), ["https://sup.example:543"]);
+        let listed = Config {
+            registry_endpoints: vec!["http://a:7500".into(), "http://b:7500".into()],
+            ..Config::default()
+        };
+        assert_eq!(listed.registry_urls(), ["http://a:7500", "http://b:7500"]);
+    }
 
     #[test]
     fn defaults_are_the_development_settings() {

@@ -22,7 +22,8 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 ///
 /// Without --config it runs the development settings of the payment-incident example:
 /// the built-in example profiles over examples/payment-incident/data, with the
-/// supervisor, policy service and evidence store on 127.0.0.1:7400, :7401 and :7402.
+/// supervisor, policy service and evidence store on 127.0.0.1:7400, :7401 and :7402,
+/// registering with the supervisor's internal listener on 127.0.0.1:7500.
 ///
 /// MCP servers whose tools the worker mounts (only those the policy's tool catalog
 /// declares) are listed in the config file's `mcp` section (`servers`, as in
@@ -55,16 +56,19 @@ struct Cli {
     #[arg(long, value_name = "N")]
     capacity: Option<u32>,
 
-    /// The supervisor, whose worker registry this worker registers with and whose
-    /// Delegate the `delegate@1` tool calls. Overrides `supervisor_endpoint`.
+    /// The supervisor's client API, whose Delegate the `delegate@1` tool calls; unless
+    /// --registry is given, the worker registers at the same host's port + 100, the
+    /// supervisor's internal listener by default. Overrides `supervisor_endpoint`.
     /// [default: http://127.0.0.1:7400]
     #[arg(long, value_name = "URL")]
     supervisor: Option<String>,
 
-    /// A supervisor's worker registry to register with, instead of --supervisor's;
-    /// repeat it for several. A host name (a headless Service) stands for every
-    /// supervisor replica it resolves to. Overrides `registry_endpoints`
-    /// (CONVENE_REGISTRY_ENDPOINTS='[http://a:7400,http://b:7400]').
+    /// A supervisor's worker registry to register with: its internal listener
+    /// (--internal-listen), or the one address of `convene up`; repeat it for several.
+    /// A host name (a headless Service) stands for every supervisor replica it resolves
+    /// to. Overrides `registry_endpoints`
+    /// (CONVENE_REGISTRY_ENDPOINTS='[http://a:7500,http://b:7500]'). [default: the
+    /// --supervisor host at its port + 100, http://127.0.0.1:7500]
     #[arg(long = "registry", value_name = "URL")]
     registries: Vec<String>,
 

@@ -11,6 +11,7 @@ mod durable;
 mod failover;
 mod faults;
 mod isolation;
+mod listeners;
 mod model;
 mod nested;
 mod overload;
