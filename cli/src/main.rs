@@ -559,6 +559,11 @@ where
     let named: Vec<_> = listeners.iter().map(|(k, a)| (k.as_str(), *a)).collect();
     let warnings = convene_server::tls::prepare(&args.tls, &named).map_err(StartRefused)?;
     let telemetry = convene_telemetry::init(&format!("convene-{name}"), &args.telemetry());
+    if let Some(warning) =
+        convene_server::binary::credentials_warning(args.public_credentials, &config)
+    {
+        tracing::warn!("{warning}");
+    }
     for warning in warnings {
         eprintln!("convene: warning: {warning}");
     }

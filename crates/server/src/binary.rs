@@ -70,6 +70,9 @@ where
         Err(error) => return fail(name, &error, EXIT_CONFIG),
     };
     let telemetry = convene_telemetry::init(name, &args.telemetry());
+    if let Some(warning) = credentials_warning(args.public_credentials, &config) {
+        tracing::warn!("{warning}");
+    }
     for warning in warnings {
         eprintln!("{name}: warning: {warning}");
         tracing::warn!("{warning}");
@@ -97,6 +100,34 @@ where
     match served {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => fail(name, &chain(&*error), EXIT_FAILURE),
+    }
+}
+
+/// What the first log line of a service says about its credentials, if anything: that
+/// they are public (`--public-credentials`), or that development credentials are on
+/// (the `dev_credentials` key). Either way the mesh belongs on a private cluster (or
+/// your own machine) only.
+pub fn credentials_warning<C: Serialize>(public: bool, config: &C) -> Option<&'static str> {
+    let dev = toml::Value::try_from(config)
+        .ok()
+        .and_then(|v| v.get("dev_credentials").and_then(toml::Value::as_bool))
+        == Some(true);
+    if public {
+        Some(
+            "PUBLIC CREDENTIALS: this service runs with credentials committed with convene's \
+             source (the dev overlay's), which anyone can read and call it with as any \
+             principal: run it on a private cluster only, never where others reach it; \
+             deploy/README.md (Prepare prod) says how to make credentials of your own",
+        )
+    } else if dev {
+        Some(
+            "DEVELOPMENT CREDENTIALS (dev_credentials = true): principals without a credential \
+             hash get one generated into the data directory: for your own machine or a \
+             private cluster only; elsewhere turn dev_credentials off and list every \
+             credential's hash in the policy file",
+        )
+    } else {
+        None
     }
 }
 
@@ -164,6 +195,34 @@ mod tests {
         Shows(#[source] std::io::Error),
         #[error("cannot start")]
         Hides(#[source] std::io::Error),
+    }
+
+    #[test]
+    fn the_credentials_warning_says_public_or_development() {
+        #[derive(Serialize)]
+        struct Common {
+            dev_credentials: bool,
+        }
+        #[derive(Serialize)]
+        struct Worker {
+            data_dir: String,
+        }
+        let on = Common {
+            dev_credentials: true,
+        };
+        let off = Common {
+            dev_credentials: false,
+        };
+        let worker = Worker {
+            data_dir: ".convene".into(),
+        };
+        assert!(
+            credentials_warning(true, &off).is_some_and(|w| w.contains("private cluster only"))
+        );
+        assert!(credentials_warning(true, &worker).is_some_and(|w| w.starts_with("PUBLIC")));
+        assert!(credentials_warning(false, &on).is_some_and(|w| w.contains("dev_credentials")));
+        assert_eq!(credentials_warning(false, &off), None);
+        assert_eq!(credentials_warning(false, &worker), None);
     }
 
     #[test]

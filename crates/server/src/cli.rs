@@ -64,6 +64,13 @@ pub struct ServiceArgs {
     #[arg(long, value_name = "URL")]
     pub otlp_endpoint: Option<String>,
 
+    /// Say that the credentials this service accepts or presents are public: committed
+    /// with the source, as those of deploy/k8s/overlays/dev and deploy/compose.yaml are.
+    /// Its first log line then warns that anyone may call it as any principal, so it
+    /// belongs on a private cluster only.
+    #[arg(long, env = "CONVENE_PUBLIC_CREDENTIALS")]
+    pub public_credentials: bool,
+
     /// TLS for the listeners and the calls to other services.
     #[command(flatten)]
     pub tls: crate::tls::TlsArgs,

@@ -42,6 +42,7 @@ pub const ENV_SEPARATOR: &str = "__";
 pub const RESERVED_ENV_VARS: &[&str] = &[
     "CONVENE_CONFIG",
     "CONVENE_LOG_FORMAT",
+    "CONVENE_PUBLIC_CREDENTIALS",
     // Read by the `convene` client commands, which a shell exporting them may also use
     // to start services. (CONVENE_APPROVAL_ENDPOINT is not here: it names the same
     // thing as the supervisor's `approval_endpoint` key.)
