@@ -358,8 +358,9 @@ pub fn check(launch: &Launch, problems: &mut Vec<String>) -> Option<Service> {
 }
 
 /// The addresses a service listens on, by configuration key, as its dumped
-/// configuration says: `server.listen` (gRPC: its API, health and reflection) and, for a
-/// service that also serves HTTP (the gateway's A2A), `http_listen` unless it is `off`.
+/// configuration says: `server.listen` (gRPC: its API, health and reflection); for a
+/// service that also serves HTTP (the gateway's A2A), `http_listen` unless it is `off`;
+/// for the supervisor, `internal_listen` (the worker registry) when set.
 /// A value that is no address is reported in `problems` and left out.
 pub fn listen_addrs(
     dump: &Value,
@@ -379,6 +380,14 @@ pub fn listen_addrs(
                 "{origin}: its effective http_listen {http:?} is neither an address nor `off`"
             )),
         },
+    }
+    if let Some(internal) = lookup(dump, &["internal_listen"]).and_then(Value::as_str) {
+        match internal.parse() {
+            Ok(addr) => addrs.push(("internal_listen", addr)),
+            Err(_) => problems.push(format!(
+                "{origin}: its effective internal_listen {internal:?} is not an address"
+            )),
+        }
     }
     addrs
 }
@@ -588,4 +597,49 @@ fn a_service_serves_tls_or_says_plaintext() {
             ("CONVENE_TLS_CA", "/ca"),
         ]
     );
+}
+
+/// A service told that its credentials are public (the dev overlay's and the compose
+/// file's `CONVENE_PUBLIC_CREDENTIALS=true`) says so in its first log line, before
+/// anything else: that they are public and the mesh is for a private cluster only.
+#[test]
+fn a_service_on_public_credentials_says_so_first() {
+    use std::io::{BufRead as _, BufReader};
+    for name in [
+        "convene-policy",
+        "convene-evidence-store",
+        "convene-approval",
+        "convene-supervisor",
+        "convene-worker",
+        "convene-gateway",
+    ] {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let port = convene_server::test_util::free_port();
+        let mut cmd = Command::new(built_binary(name));
+        cmd.args(["--listen", &format!("127.0.0.1:{port}")])
+            .env("CONVENE_PUBLIC_CREDENTIALS", "true")
+            .env("CONVENE_DATA_DIR", dir.path())
+            .env("RUST_LOG", "info")
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped());
+        if name != "convene-worker" {
+            cmd.env("CONVENE_DATABASE_URL", "memory");
+        }
+        if name == "convene-gateway" {
+            cmd.env("CONVENE_HTTP_LISTEN", "off");
+        }
+        let mut child = cmd.spawn().expect("the binary starts");
+        let first = BufReader::new(child.stderr.take().expect("stderr"))
+            .lines()
+            .next()
+            .and_then(Result::ok)
+            .unwrap_or_default();
+        let _ = child.kill();
+        let _ = child.wait();
+        assert!(
+            first.contains("PUBLIC CREDENTIALS") && first.contains("private cluster only"),
+            "{name}: the first log line is {first:?}"
+        );
+    }
 }

@@ -3,8 +3,9 @@
 //! --strict`), and what they say agrees with the code: each convene container with its
 //! binary ([`super::binaries`]), each Service and network policy with the pods it means,
 //! the policy, profiles and run templates with the examples they copy, and prod with
-//! what it promises (replicas, autoscaling, disruption budgets, default deny). Nothing is applied to a
-//! cluster here.
+//! what it promises (replicas, autoscaling, disruption budgets, default deny), and the
+//! network policies with every connection the containers are configured to make
+//! ([`network`]). Nothing is applied to a cluster here.
 
 use std::collections::BTreeMap;
 use std::io::Write as _;
@@ -17,6 +18,7 @@ use super::unavailable;
 use crate::harness::repo_root;
 
 mod containers;
+mod network;
 
 /// The overlays, each a directory under `deploy/k8s/overlays`.
 const OVERLAYS: [&str; 2] = ["dev", "prod"];
@@ -34,6 +36,11 @@ const NAMESPACE: &str = "convene";
 /// The overlays that serve TLS on every listener and call every service over
 /// `https://`; the others run plaintext, said so with `CONVENE_INSECURE=true`.
 const TLS_OVERLAYS: [&str; 1] = ["prod"];
+
+/// The overlays whose credentials are committed with the source (`credentials/`,
+/// dev-only values anyone can read): their services say so in their first log line
+/// (`CONVENE_PUBLIC_CREDENTIALS=true`).
+const PUBLIC_CREDENTIAL_OVERLAYS: [&str; 1] = ["dev"];
 
 /// The programs that people and agents call with their bearer credentials (the
 /// supervisor's API, the gateway's A2A, people deciding approvals): with TLS they ask

@@ -11,7 +11,8 @@ use std::path::{Path, PathBuf};
 use serde_json::{Map, Value};
 
 use super::{
-    CALLED_WITH_BEARERS, NAMESPACE, Rendered, TLS_OVERLAYS, Workload, array, overlays, program,
+    CALLED_WITH_BEARERS, NAMESPACE, PUBLIC_CREDENTIAL_OVERLAYS, Rendered, TLS_OVERLAYS, Workload,
+    array, overlays, program,
 };
 use crate::deploy::binaries::{self, Launch, Transport};
 use crate::deploy::{Url, examples_path, url_hosts, urls};
@@ -41,7 +42,7 @@ fn every_convene_container_agrees_with_its_binary() {
 }
 
 /// A volume mounted into a container, mapped onto this machine.
-struct Mount {
+pub(super) struct Mount {
     path: String,
     local: PathBuf,
     /// `configMap`, `secret`, `emptyDir`, `persistentVolumeClaim`, ...
@@ -55,7 +56,7 @@ struct Mount {
 /// The container as its binary will see it: variables resolved (ConfigMaps, Secrets,
 /// the downward API, `$(VAR)`), ConfigMap and Secret volumes written under `scratch`,
 /// and every path into a volume mapped there.
-fn launch(
+pub(super) fn launch(
     rendered: &Rendered,
     workload: Workload<'_>,
     container: &Value,
@@ -304,8 +305,10 @@ fn expand(value: &str, defined: &[(String, String)]) -> String {
 }
 
 /// What a convene container must be beyond what its binary accepts: reachable on the
-/// port it declares and probes, its data directory writable, no development credentials,
-/// JSON logs, traces exported, and every endpoint it names a Service of the overlay.
+/// ports it declares and probes, its data directory writable, no development credentials
+/// (and public ones said to be public), JSON logs, traces exported, every endpoint it
+/// names a Service of the overlay, and with TLS the supervisor's internal listener
+/// requiring client certificates.
 fn check_container(
     rendered: &Rendered,
     container: &Value,
@@ -353,6 +356,47 @@ fn check_container(
         check_registries(rendered, launch, &dump, problems);
     }
 
+    // An overlay whose credentials are committed with the source says so in the first
+    // log line of every service (--public-credentials); one whose credentials are yours
+    // must not.
+    let public = PUBLIC_CREDENTIAL_OVERLAYS.contains(&rendered.overlay);
+    let said = launch.args.iter().any(|a| a == "--public-credentials")
+        || launch
+            .var("CONVENE_PUBLIC_CREDENTIALS")
+            .is_some_and(|v| v == "true");
+    if public != said {
+        problems.push(if public {
+            format!(
+                "{origin}: overlay {} runs on credentials committed with the source: set                  CONVENE_PUBLIC_CREDENTIALS=true, so its first log line says they are public",
+                rendered.overlay
+            )
+        } else {
+            format!(
+                "{origin}: CONVENE_PUBLIC_CREDENTIALS is set, but overlay {}'s credentials are                  your own",
+                rendered.overlay
+            )
+        });
+    }
+    // With TLS, the supervisor's internal listener (the worker registry) requires the
+    // workers' client certificates, from its own identity's CA.
+    if tls && binaries::lookup(&dump, &["internal_listen"]).is_some() {
+        match binaries::lookup(&dump, &["internal_client_ca"]).and_then(Value::as_str) {
+            Some(file) if Path::new(file).is_file() => {
+                let identity = launch.program.replacen("convene-", "convene-tls-", 1);
+                let secret = mounts
+                    .iter()
+                    .find(|m| m.source == "secret" && Path::new(file).starts_with(&m.local));
+                if secret.is_none_or(|m| m.object != identity) {
+                    problems.push(format!(
+                        "{origin}: internal_client_ca must be ca.crt of its Secret {identity}"
+                    ));
+                }
+            }
+            _ => problems.push(format!(
+                "{origin}: its internal listener serves TLS without requiring client                  certificates: set CONVENE_INTERNAL_CLIENT_CA to the mesh's CA (only workers                  register there)"
+            )),
+        }
+    }
     if binaries::lookup(&dump, &["dev_credentials"]) == Some(&Value::Bool(true)) {
         problems.push(format!(
             "{origin}: dev_credentials is on: in a cluster every credential is a Secret and \
@@ -500,7 +544,7 @@ fn check_transport(
 /// The Service, and the pod for a pod's own name, that `host` names in the namespace:
 /// `svc`, `svc.convene.svc` or `pod.svc.convene.svc` (with or without
 /// `.cluster.local`). None for anything else: addresses, `localhost`, other domains.
-fn in_namespace(host: &str) -> Option<(&str, Option<&str>)> {
+pub(super) fn in_namespace(host: &str) -> Option<(&str, Option<&str>)> {
     if host.is_empty()
         || host == "localhost"
         || host.contains(['$', '[', ':'])
