@@ -17,9 +17,6 @@ const ONCALL: &str = "oncall@acme";
 /// A second worker principal, allowed only the logs investigator.
 const ROGUE: &str = "rogue-pool";
 
-/// The legitimate in-process worker `convene up` starts first.
-const VICTIM: &str = "local-worker-1";
-
 /// The example policy with [`ROGUE`] beside the worker pool.
 fn policy() -> String {
     let text = std::fs::read_to_string(repo_root().join("examples/payment-incident/policy.yaml"))
@@ -51,6 +48,36 @@ fn registration(worker_id: &str, endpoint: &str, profiles: &[&str]) -> v1::Regis
     }
 }
 
+/// The workers a run's delegations went to, once it stopped.
+async fn workers_of_a_run(mesh: &TestMesh) -> Vec<String> {
+    let mut spec = example_spec();
+    // A new run each time, not the one the example's idempotency key names.
+    spec.idempotency_key.clear();
+    let run_id = mesh.start_run_id(ONCALL, spec).await;
+    let run = mesh
+        .wait_terminal(ONCALL, &run_id, Duration::from_secs(60))
+        .await;
+    // A result from each: had a worker's endpoint been replaced, its dispatches would
+    // have failed.
+    for d in &run.delegations {
+        assert_eq!(
+            d.state,
+            v1::DelegationState::Completed as i32,
+            "delegation {d:?} has no result"
+        );
+    }
+    let workers: Vec<String> = run
+        .delegations
+        .iter()
+        .map(|d| d.worker_id.clone())
+        .collect();
+    assert!(
+        !workers.is_empty() && workers.iter().all(|w| w.starts_with("local-worker-")),
+        "every delegation ran on the mesh's own workers: {workers:?}"
+    );
+    workers
+}
+
 /// Asserts a refusal because `worker_id` belongs to another identity.
 fn assert_taken<T: std::fmt::Debug>(refused: Result<T, tonic::Status>, worker_id: &str) {
     let status = refused.expect_err("another identity's live worker id is refused");
@@ -73,6 +100,10 @@ async fn another_identity_cannot_take_a_live_worker_and_runs_keep_their_workers(
         },
     )
     .await;
+    // The mesh's one worker (`convene up` numbers its workers across the process).
+    let before = workers_of_a_run(&mesh).await;
+    let victim = before[0].as_str();
+    assert!(before.iter().all(|w| w == victim), "one worker: {before:?}");
     let rogue = mesh.credential(ROGUE);
     let mut registry = WorkerRegistryClient::connect(mesh.supervisor_endpoint.clone())
         .await
@@ -83,34 +114,34 @@ async fn another_identity_cannot_take_a_live_worker_and_runs_keep_their_workers(
     assert_taken(
         registry
             .register(request(
-                registration(VICTIM, hijack, &["logs-investigator"]),
+                registration(victim, hijack, &["logs-investigator"]),
                 &rogue,
             ))
             .await,
-        VICTIM,
+        victim,
     );
     assert_taken(
         registry
             .heartbeat(request(
                 v1::HeartbeatRequest {
-                    worker_id: VICTIM.to_owned(),
+                    worker_id: victim.to_owned(),
                     in_flight: 0,
                 },
                 &rogue,
             ))
             .await,
-        VICTIM,
+        victim,
     );
     assert_taken(
         registry
             .deregister(request(
                 v1::DeregisterRequest {
-                    worker_id: VICTIM.to_owned(),
+                    worker_id: victim.to_owned(),
                 },
                 &rogue,
             ))
             .await,
-        VICTIM,
+        victim,
     );
     // A worker id of its own, claiming a profile its principal lacks: refused whole.
     let refused = registry
@@ -129,23 +160,10 @@ async fn another_identity_cannot_take_a_live_worker_and_runs_keep_their_workers(
         refused.message()
     );
 
-    // A run started after the attempts: every delegation went to a legitimate worker.
-    let run_id = mesh.start_run_id(ONCALL, example_spec()).await;
-    let run = mesh
-        .wait_terminal(ONCALL, &run_id, Duration::from_secs(60))
-        .await;
-    let workers: Vec<&str> = run
-        .delegations
-        .iter()
-        .map(|d| d.worker_id.as_str())
-        .collect();
+    // A run started after the attempts: every delegation went to the same worker.
+    let after = workers_of_a_run(&mesh).await;
     assert!(
-        !workers.is_empty() && workers.iter().all(|w| w.starts_with("local-worker-")),
-        "every delegation ran on the mesh's own workers: {workers:?} (run {:?})",
-        v1::RunState::try_from(run.state)
-    );
-    assert!(
-        workers.contains(&VICTIM),
-        "the attacked worker still receives work: {workers:?}"
+        after.iter().all(|w| w == victim),
+        "the attacked worker still receives the work: {after:?}"
     );
 }
