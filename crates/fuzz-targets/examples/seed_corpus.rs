@@ -500,7 +500,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             },
         ],
     ] {
-        seeds.proto("jwks", &v1::GetSigningKeysResponse { keys });
+        seeds.proto(
+            "jwks",
+            &v1::GetSigningKeysResponse {
+                keys,
+                ..Default::default()
+            },
+        );
     }
 
     // A2A messages: a new task with the convene metadata, and answers to a waiting one.

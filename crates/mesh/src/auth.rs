@@ -5,15 +5,17 @@
 //! signed by the policy service, verified offline against its public keys). Tenant and
 //! identity come from here, never from a request message.
 
-use std::sync::{Arc, RwLock};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant, SystemTime};
 
 use convene_proto::v1;
 use convene_tokens::{Claims, TokenError, Verifier};
+use sha2::{Digest as _, Sha256};
 use tonic::{Request, Status};
 
 use crate::handles::PolicyHandle;
-use crate::policy_file::{Policy, Principal};
+use crate::policy_file::{Policy, Principal, PrincipalKind};
 
 /// The metadata key carrying the credential.
 pub const AUTHORIZATION: &str = "authorization";
@@ -140,36 +142,78 @@ pub fn token_status(e: &TokenError) -> Status {
     Status::unauthenticated(format!("task token refused ({:?}): {e}", e.reason()))
 }
 
-/// The policy service's public keys, fetched through a policy handle and refreshed when
-/// a token names a key id not seen yet (key rotation), at most once per `min_refresh`.
+/// How often verifiers fetch the policy service's keys and revocations again, besides
+/// on a token naming an unknown key id.
+pub use convene_server::DEFAULT_KEY_REFRESH;
+
+/// The digest under which the policy service lists a revoked token (`token:<jti>`).
+pub fn revoked_token_digest(token_id: &str) -> String {
+    hex::encode(Sha256::digest(format!("token:{token_id}")))
+}
+
+/// The digest under which the policy service lists a revoked run (`run:<run id>`).
+pub fn revoked_run_digest(run_id: &str) -> String {
+    hex::encode(Sha256::digest(format!("run:{run_id}")))
+}
+
+/// What a verifier knows from one fetch: the keys and the revocations.
+struct KeySnapshot {
+    verifier: Arc<Verifier>,
+    /// Revoked tokens' and runs' digests, with when they were revoked.
+    revoked: HashMap<String, SystemTime>,
+    /// The `revoked_since` of the next fetch.
+    revoked_through: Option<prost_types::Timestamp>,
+    at: Instant,
+}
+
+/// The policy service's public keys and revocations, fetched through a policy handle:
+/// again every refresh interval ([`DEFAULT_KEY_REFRESH`]), so a retired key or a
+/// revocation reaches every verifier within one interval, and at once when a token
+/// names a key id not seen yet (rotation), at most once per `min_refresh`.
 pub struct TokenKeys {
     policy: PolicyHandle,
-    verifier: RwLock<Option<Arc<Verifier>>>,
+    snapshot: RwLock<Option<Arc<KeySnapshot>>>,
     last_refresh: RwLock<Option<Instant>>,
     min_refresh: Duration,
+    refresh_every: Duration,
+    /// Held while a refresh runs, so concurrent callers wait for one fetch.
+    refreshing: tokio::sync::Mutex<()>,
 }
 
 impl std::fmt::Debug for TokenKeys {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("TokenKeys").finish_non_exhaustive()
+        f.debug_struct("TokenKeys")
+            .field("refresh_every", &self.refresh_every)
+            .finish_non_exhaustive()
     }
 }
 
 impl TokenKeys {
-    /// Keys fetched lazily from `policy`.
+    /// Keys fetched lazily from `policy`, again every [`DEFAULT_KEY_REFRESH`].
     pub fn new(policy: PolicyHandle) -> Self {
+        Self::refreshed_every(policy, DEFAULT_KEY_REFRESH)
+    }
+
+    /// Keys fetched lazily from `policy`, again every `every`.
+    pub fn refreshed_every(policy: PolicyHandle, every: Duration) -> Self {
         Self {
             policy,
-            verifier: RwLock::new(None),
+            snapshot: RwLock::new(None),
             last_refresh: RwLock::new(None),
-            min_refresh: Duration::from_secs(1),
+            min_refresh: Duration::from_secs(1).min(every),
+            refresh_every: every,
+            refreshing: tokio::sync::Mutex::new(()),
         }
     }
 
-    async fn refresh(&self) -> Result<Arc<Verifier>, Status> {
-        let keys = self
+    async fn refresh(&self) -> Result<Arc<KeySnapshot>, Status> {
+        let previous = self.current();
+        let since = previous.as_ref().and_then(|p| p.revoked_through);
+        let answer = self
             .policy
-            .get_signing_keys(Request::new(v1::GetSigningKeysRequest {}))
+            .get_signing_keys(Request::new(v1::GetSigningKeysRequest {
+                revoked_since: since,
+            }))
             .await
             .map_err(|s| {
                 Status::unavailable(format!(
@@ -177,27 +221,80 @@ impl TokenKeys {
                     s.message()
                 ))
             })?
-            .into_inner()
-            .keys;
-        let verifier = Arc::new(Verifier::from_jwks(&keys).map_err(|e| {
+            .into_inner();
+        let verifier = Arc::new(Verifier::from_jwks(&answer.keys).map_err(|e| {
             Status::internal(format!("policy service returned unusable keys: {e}"))
         })?);
-        *self.verifier.write().expect("lock poisoned") = Some(verifier.clone());
+        let now = SystemTime::now();
+        let kept = answer
+            .revocations_kept
+            .and_then(|d| Duration::try_from(d).ok())
+            .unwrap_or(Duration::from_secs(24 * 3600));
+        let mut revoked: HashMap<String, SystemTime> = previous
+            .map(|p| {
+                p.revoked
+                    .iter()
+                    .filter(|(_, at)| now.duration_since(**at).unwrap_or_default() < kept)
+                    .map(|(d, at)| (d.clone(), *at))
+                    .collect()
+            })
+            .unwrap_or_default();
+        let through = answer
+            .revoked_through
+            .and_then(|t| SystemTime::try_from(t).ok())
+            .unwrap_or(now);
+        for digest in answer.revoked {
+            revoked.entry(digest).or_insert(through);
+        }
+        let snapshot = Arc::new(KeySnapshot {
+            verifier,
+            revoked,
+            revoked_through: answer.revoked_through.or(since),
+            at: Instant::now(),
+        });
+        *self.snapshot.write().expect("lock poisoned") = Some(snapshot.clone());
         *self.last_refresh.write().expect("lock poisoned") = Some(Instant::now());
-        Ok(verifier)
+        Ok(snapshot)
     }
 
-    fn current(&self) -> Option<Arc<Verifier>> {
-        self.verifier.read().expect("lock poisoned").clone()
+    /// One fetch at a time: a caller that waited for another's fetch uses its answer.
+    async fn refresh_once(&self, seen: Option<Instant>) -> Result<Arc<KeySnapshot>, Status> {
+        let _one = self.refreshing.lock().await;
+        if let Some(current) = self.current()
+            && seen.is_none_or(|t| current.at > t)
+        {
+            return Ok(current);
+        }
+        self.refresh().await
     }
 
-    /// Verifies a token at `now`, refreshing the keys once if its key id is unknown.
+    fn current(&self) -> Option<Arc<KeySnapshot>> {
+        self.snapshot.read().expect("lock poisoned").clone()
+    }
+
+    /// The keys and revocations, fetched again when older than the refresh interval.
+    async fn fresh(&self) -> Result<Arc<KeySnapshot>, Status> {
+        match self.current() {
+            Some(s) if s.at.elapsed() < self.refresh_every => Ok(s),
+            Some(s) => match self.refresh_once(Some(s.at)).await {
+                Ok(fresh) => Ok(fresh),
+                // The policy service is briefly away: keep verifying with what is known
+                // until it has been away for two intervals.
+                Err(e) if s.at.elapsed() < self.refresh_every * 2 => {
+                    tracing::warn!(error = %e.message(), "cannot refresh the token keys; using the last ones");
+                    Ok(s)
+                }
+                Err(e) => Err(e),
+            },
+            None => self.refresh_once(None).await,
+        }
+    }
+
+    /// Verifies a token at `now`: signature, key, validity window, and that neither the
+    /// token nor its run is revoked. Refreshes the keys once if its key id is unknown.
     pub async fn verify(&self, token: &str, now: SystemTime) -> Result<Claims, Status> {
-        let verifier = match self.current() {
-            Some(v) => v,
-            None => self.refresh().await?,
-        };
-        match verifier.verify(token, now) {
+        let snapshot = self.fresh().await?;
+        let claims = match snapshot.verifier.verify(token, now) {
             Err(TokenError::UnknownKey { .. }) => {
                 let recently = self
                     .last_refresh
@@ -205,16 +302,49 @@ impl TokenKeys {
                     .expect("lock poisoned")
                     .is_some_and(|t| t.elapsed() < self.min_refresh);
                 if recently {
-                    return verifier.verify(token, now).map_err(|e| token_status(&e));
+                    return snapshot
+                        .verifier
+                        .verify(token, now)
+                        .map_err(|e| token_status(&e));
                 }
-                self.refresh()
-                    .await?
+                let refreshed = self.refresh_once(Some(snapshot.at)).await?;
+                let claims = refreshed
+                    .verifier
                     .verify(token, now)
-                    .map_err(|e| token_status(&e))
+                    .map_err(|e| token_status(&e))?;
+                check_not_revoked(&refreshed, &claims)?;
+                return Ok(claims);
             }
-            other => other.map_err(|e| token_status(&e)),
-        }
+            other => other.map_err(|e| token_status(&e))?,
+        };
+        check_not_revoked(&snapshot, &claims)?;
+        Ok(claims)
     }
+}
+
+fn check_not_revoked(snapshot: &KeySnapshot, claims: &Claims) -> Result<(), Status> {
+    if snapshot.revoked.is_empty() {
+        return Ok(());
+    }
+    if snapshot
+        .revoked
+        .contains_key(&revoked_token_digest(&claims.token_id))
+    {
+        return Err(Status::unauthenticated(format!(
+            "task token refused (Revoked): token {} was revoked; ask the supervisor for a new task token",
+            claims.token_id
+        )));
+    }
+    if snapshot
+        .revoked
+        .contains_key(&revoked_run_digest(&claims.run_id))
+    {
+        return Err(Status::unauthenticated(format!(
+            "task token refused (Revoked): run {} was revoked; every token of the run is refused",
+            claims.run_id
+        )));
+    }
+    Ok(())
 }
 
 /// Authenticates callers against the policy file's principals and the policy service's
@@ -269,14 +399,328 @@ impl Authenticator {
                 principal.id
             )));
         }
-        acting_for
+        let target = acting_for
             .to_str()
             .ok()
             .and_then(|id| self.policy.principal(id))
-            .map(|p| Caller::Principal(Arc::new(p.clone())))
             .ok_or_else(|| {
                 Status::unauthenticated(format!("{ACT_AS} names no principal of the policy file"))
-            })
+            })?;
+        check_act_as(principal, target)?;
+        // Both names, in the log and as an event of the call's span.
+        tracing::info!(
+            convene.principal.actor = %principal.id,
+            convene.principal.id = %target.id,
+            convene.tenant = %target.tenant,
+            "call made by {} acting for {}",
+            principal.id,
+            target.id
+        );
+        Ok(Caller::Principal(Arc::new(target.clone())))
+    }
+}
+
+/// Roles only the mesh's own services hold: nobody may act for a principal holding one.
+pub const SERVICE_ROLES: [&str; 3] = [ACT_AS_ROLE, "tokens:issue", "workers:register"];
+
+/// Whether `actor` (holding [`ACT_AS_ROLE`]) may act for `target`: only a person, never
+/// a holder of a service role, and only in a tenant listed in the actor's `act_as`.
+fn check_act_as(actor: &Principal, target: &Principal) -> Result<(), Status> {
+    let refuse = |why: String| {
+        tracing::warn!(
+            convene.principal.actor = %actor.id,
+            convene.principal.id = %target.id,
+            "act-as refused: {why}"
+        );
+        Err(Status::permission_denied(format!(
+            "principal {} may not act for {}: {why}",
+            actor.id, target.id
+        )))
+    };
+    if target.kind != PrincipalKind::Human {
+        return refuse("only people (kind: human) can be acted for".to_owned());
+    }
+    if let Some(role) = SERVICE_ROLES.iter().find(|r| target.has_role(r)) {
+        return refuse(format!(
+            "it holds {role}, a role nobody may be acted for with"
+        ));
+    }
+    if !actor.act_as_tenants.contains(&target.tenant) {
+        return refuse(format!(
+            "its tenant {} is not among the tenants listed under act_as.tenants of {} in the policy file",
+            target.tenant, actor.id
+        ));
+    }
+    Ok(())
+}
+
+/// A service of the mesh, as the caller of an RPC only the mesh makes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MeshService {
+    /// The supervisor: calls workers (Execute, PlanTurn, Cancel) and issues tokens.
+    Supervisor,
+    /// A worker: registers with the supervisor.
+    Worker,
+}
+
+impl MeshService {
+    /// The service's name: the path of its SPIFFE id (`spiffe://<domain>/<name>`).
+    pub fn name(self) -> &'static str {
+        match self {
+            MeshService::Supervisor => "supervisor",
+            MeshService::Worker => "worker",
+        }
+    }
+
+    /// The role its service principal holds in the policy file.
+    pub fn role(self) -> &'static str {
+        match self {
+            MeshService::Supervisor => "tokens:issue",
+            MeshService::Worker => "workers:register",
+        }
+    }
+
+    /// The credential setting that supplies its principal credential.
+    fn credential_hint(self) -> &'static str {
+        match self {
+            MeshService::Supervisor => {
+                "the supervisor presents the credential of its service principal (its \
+                 `credential_file`, or the development credential with `dev_credentials`)"
+            }
+            MeshService::Worker => {
+                "the worker presents the `worker-pool` credential (its `credential_file`, or \
+                 the development credential)"
+            }
+        }
+    }
+}
+
+/// Whether a principal is the service principal of `service`: kind `service`, holding
+/// the service's role.
+fn is_service_principal(p: &Principal, service: MeshService) -> bool {
+    p.kind == PrincipalKind::Service && p.has_role(service.role())
+}
+
+/// The caller of an RPC only the mesh makes must be `service`. Under mutual TLS its
+/// client certificate must name it (URI SAN `spiffe://<trust domain>/<service>`), else
+/// PERMISSION_DENIED naming what it presented. Without a client certificate (plaintext,
+/// TLS without client certificates, in one process) `caller` must be the service's own
+/// principal: kind `service`, holding the service's role ([`MeshService::role`]); a
+/// person, a task token or a principal acted for is refused. Never a no-op.
+pub fn require_peer_service<T>(
+    request: &Request<T>,
+    caller: &Caller,
+    service: MeshService,
+    what: &str,
+) -> Result<(), Status> {
+    if request.peer_certs().is_some_and(|c| !c.is_empty()) {
+        return require_certificate(request, service, what);
+    }
+    match caller {
+        Caller::Principal(p) if is_service_principal(p, service) => Ok(()),
+        other => Err(not_the_service(service, what, other.principal_id())),
+    }
+}
+
+fn not_the_service(service: MeshService, what: &str, who: &str) -> Status {
+    Status::permission_denied(format!(
+        "only the {} may {what}, and {who} is not its service principal (kind: service, \
+         role {}); {}",
+        service.name(),
+        service.role(),
+        service.credential_hint()
+    ))
+}
+
+/// Under mutual TLS: the client certificate must name `service`.
+fn require_certificate<T>(
+    request: &Request<T>,
+    service: MeshService,
+    what: &str,
+) -> Result<(), Status> {
+    let identities = peer_identities(request);
+    if identities
+        .iter()
+        .any(|id| names_service(id, service.name()))
+    {
+        return Ok(());
+    }
+    Err(Status::permission_denied(format!(
+        "only the {} may {what}: the client certificate names {}, not spiffe://<trust domain>/{}",
+        service.name(),
+        if identities.is_empty() {
+            "no spiffe:// identity".to_owned()
+        } else {
+            identities.join(", ")
+        },
+        service.name()
+    )))
+}
+
+/// How a service that takes calls only from other services of the mesh tells who is
+/// calling: from the policy file itself when it holds one (in one process, or a service
+/// configured with it), or by asking the policy service (`WhoAmI`) with the caller's
+/// own credential, remembering each answer for a minute.
+#[derive(Clone)]
+pub struct ServiceCallers {
+    inner: Arc<CallersInner>,
+}
+
+enum CallersInner {
+    Local(Arc<Policy>),
+    Remote {
+        policy: PolicyHandle,
+        /// Answers by the SHA-256 of the credential: the principal, or the refusal.
+        seen: Mutex<HashMap<[u8; 32], WhoAmIAnswer>>,
+    },
+}
+
+/// A `WhoAmI` answer, by when it came: the principal, or the refusal.
+type WhoAmIAnswer = (Instant, Result<Arc<Principal>, Status>);
+
+/// How long a `WhoAmI` answer is used.
+const WHO_AM_I_TTL: Duration = Duration::from_secs(60);
+/// Most answers kept; past it the memory is cleared.
+const WHO_AM_I_KEPT: usize = 4096;
+
+impl std::fmt::Debug for ServiceCallers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match &*self.inner {
+            CallersInner::Local(_) => "ServiceCallers::Local",
+            CallersInner::Remote { .. } => "ServiceCallers::Remote",
+        })
+    }
+}
+
+impl ServiceCallers {
+    /// Callers checked against a policy file held in this process.
+    pub fn local(policy: Arc<Policy>) -> Self {
+        Self {
+            inner: Arc::new(CallersInner::Local(policy)),
+        }
+    }
+
+    /// Callers checked by asking the policy service.
+    pub fn remote(policy: PolicyHandle) -> Self {
+        Self {
+            inner: Arc::new(CallersInner::Remote {
+                policy,
+                seen: Mutex::new(HashMap::new()),
+            }),
+        }
+    }
+
+    /// The call must come from `service` ([`require_peer_service`]): a client
+    /// certificate naming it, or else its service principal's bearer credential.
+    pub async fn require<T>(
+        &self,
+        request: &Request<T>,
+        service: MeshService,
+        what: &str,
+    ) -> Result<(), Status> {
+        if request.peer_certs().is_some_and(|c| !c.is_empty()) {
+            return require_certificate(request, service, what);
+        }
+        let credential = bearer(request).map_err(|_| {
+            Status::unauthenticated(format!(
+                "only the {} may {what}: the call carries neither a client certificate nor a \
+                 bearer credential; {} (or serve with mutual TLS)",
+                service.name(),
+                service.credential_hint()
+            ))
+        })?;
+        if request.metadata().get(ACT_AS).is_some() {
+            return Err(Status::permission_denied(format!(
+                "only the {} may {what}; nobody may act for it ({ACT_AS} is not accepted here)",
+                service.name()
+            )));
+        }
+        if looks_like_token(credential) {
+            return Err(Status::permission_denied(format!(
+                "only the {} may {what}; a task token is not its credential",
+                service.name()
+            )));
+        }
+        let principal = self.principal(credential).await?;
+        if is_service_principal(&principal, service) {
+            Ok(())
+        } else {
+            Err(not_the_service(service, what, &principal.id))
+        }
+    }
+
+    async fn principal(&self, credential: &str) -> Result<Arc<Principal>, Status> {
+        let unknown = || {
+            Status::unauthenticated(
+                "unknown credential; check the credential you were given (the policy file lists its sha256)",
+            )
+        };
+        match &*self.inner {
+            CallersInner::Local(policy) => policy
+                .principal_by_credential(credential)
+                .map(|p| Arc::new(p.clone()))
+                .ok_or_else(unknown),
+            CallersInner::Remote { policy, seen } => {
+                let key: [u8; 32] = Sha256::digest(credential.as_bytes()).into();
+                if let Some((at, answer)) = seen.lock().expect("lock poisoned").get(&key)
+                    && at.elapsed() < WHO_AM_I_TTL
+                {
+                    return answer.clone();
+                }
+                let answer = match policy
+                    .who_am_i(request(v1::WhoAmIRequest {}, credential))
+                    .await
+                {
+                    Ok(who) => Ok(Arc::new(principal_of(who.into_inner()))),
+                    Err(s) if s.code() == tonic::Code::Unauthenticated => Err(unknown()),
+                    Err(s) => {
+                        // The policy service could not answer: nothing to remember.
+                        return Err(Status::unavailable(format!(
+                            "cannot check the caller's credential with the policy service: {}",
+                            s.message()
+                        )));
+                    }
+                };
+                let mut seen = seen.lock().expect("lock poisoned");
+                if seen.len() >= WHO_AM_I_KEPT {
+                    seen.clear();
+                }
+                seen.insert(key, (Instant::now(), answer.clone()));
+                answer
+            }
+        }
+    }
+}
+
+/// A principal as `WhoAmI` describes it (no grants: a service check needs none).
+fn principal_of(who: v1::WhoAmIResponse) -> Principal {
+    Principal {
+        id: who.principal_id,
+        tenant: who.tenant,
+        kind: if who.kind == "service" {
+            PrincipalKind::Service
+        } else {
+            PrincipalKind::Human
+        },
+        roles: who.roles.into_iter().collect(),
+        profiles: Default::default(),
+        grants: Default::default(),
+        delegable: Default::default(),
+        act_as_tenants: Default::default(),
+    }
+}
+
+/// `WhoAmI`'s answer about `principal`.
+pub fn who_am_i(principal: &Principal) -> v1::WhoAmIResponse {
+    v1::WhoAmIResponse {
+        principal_id: principal.id.clone(),
+        tenant: principal.tenant.clone(),
+        kind: match principal.kind {
+            PrincipalKind::Human => "human",
+            PrincipalKind::Service => "service",
+        }
+        .to_owned(),
+        roles: principal.roles.iter().cloned().collect(),
     }
 }
 
@@ -317,32 +761,6 @@ pub fn names_service(identity: &str, service: &str) -> bool {
         .is_some_and(|(domain, path)| !domain.is_empty() && path == service)
 }
 
-/// Under mutual TLS, the call must come from `service`: its client certificate must name
-/// it (URI SAN `spiffe://<trust domain>/<service>`), else PERMISSION_DENIED naming what
-/// it presented. Calls without a client certificate (plaintext on loopback, in-process)
-/// are left to the credential checks, as before.
-pub fn require_peer_service<T>(
-    request: &Request<T>,
-    service: &str,
-    what: &str,
-) -> Result<(), Status> {
-    if request.peer_certs().is_none_or(|c| c.is_empty()) {
-        return Ok(());
-    }
-    let identities = peer_identities(request);
-    if identities.iter().any(|id| names_service(id, service)) {
-        return Ok(());
-    }
-    Err(Status::permission_denied(format!(
-        "only the {service} may {what}: the client certificate names {}, not spiffe://<trust domain>/{service}",
-        if identities.is_empty() {
-            "no spiffe:// identity".to_owned()
-        } else {
-            identities.join(", ")
-        }
-    )))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -366,19 +784,39 @@ mod tests {
             "https://convene.local/supervisor",
             "supervisor"
         ));
-        // No certificate: nothing to check here.
-        assert!(require_peer_service(&Request::new(()), "supervisor", "issue tokens").is_ok());
+        // Without a certificate the caller's principal decides: a person is not the
+        // supervisor, whatever roles it holds.
+        let auth = act_as_policy();
+        let person = Caller::Principal(Arc::new(
+            auth.policy().principal("oncall@acme").unwrap().clone(),
+        ));
+        let refused = require_peer_service(
+            &Request::new(()),
+            &person,
+            MeshService::Supervisor,
+            "issue tokens",
+        )
+        .unwrap_err();
+        assert_eq!(refused.code(), tonic::Code::PermissionDenied);
+        assert!(
+            refused.message().contains("service principal"),
+            "{refused:?}"
+        );
     }
 
-    /// Three principals: a console that may act for others, a person, and a service
-    /// that may not.
+    /// A console that may act for the people of `acme`, people of two tenants, a
+    /// service, a second act-as holder and a person holding a service role.
     fn act_as_policy() -> Authenticator {
         use crate::policy_file::{PolicyFile, credential_hash};
         let yaml = format!(
             "principals:\n\
-             - {{ id: console, tenant: system, kind: service, roles: [principals:act-as], credential_sha256: [{}] }}\n\
+             - {{ id: console, tenant: system, kind: service, roles: [principals:act-as], act_as: {{ tenants: [acme] }}, credential_sha256: [{}] }}\n\
              - {{ id: oncall@acme, tenant: acme, kind: human, roles: [runs:read], credential_sha256: [{}] }}\n\
-             - {{ id: worker-pool, tenant: system, kind: service, roles: [workers:register], credential_sha256: [{}] }}\n",
+             - {{ id: analyst@globex, tenant: globex, kind: human, roles: [runs:read] }}\n\
+             - {{ id: worker-pool, tenant: system, kind: service, roles: [workers:register], credential_sha256: [{}] }}\n\
+             - {{ id: supervisor, tenant: system, kind: service, roles: [tokens:issue] }}\n\
+             - {{ id: other-console, tenant: acme, kind: human, roles: [principals:act-as], act_as: {{ tenants: [acme] }} }}\n\
+             - {{ id: issuer@acme, tenant: acme, kind: human, roles: [tokens:issue] }}\n",
             credential_hash("console-secret"),
             credential_hash("oncall-secret"),
             credential_hash("pool-secret"),
@@ -436,6 +874,71 @@ mod tests {
             .await
             .unwrap_err();
         assert_eq!(wrong.code(), tonic::Code::Unauthenticated);
+    }
+
+    #[tokio::test]
+    async fn act_as_reaches_only_people_of_the_listed_tenants_and_never_a_service() {
+        let auth = act_as_policy();
+        for (target, why) in [
+            ("supervisor", "kind: human"),
+            ("worker-pool", "kind: human"),
+            ("console", "kind: human"),
+            ("analyst@globex", "act_as.tenants"),
+            ("other-console", ACT_AS_ROLE),
+            ("issuer@acme", "tokens:issue"),
+        ] {
+            let refused = auth
+                .authenticate(&acting("console-secret", target))
+                .await
+                .unwrap_err();
+            assert_eq!(refused.code(), tonic::Code::PermissionDenied, "{target}");
+            assert!(
+                refused.message().contains(why) && refused.message().contains(target),
+                "acting for {target}: {refused:?}"
+            );
+        }
+    }
+
+    #[tokio::test]
+    async fn an_acted_call_names_both_principals_on_its_span() {
+        use opentelemetry::Value;
+        let auth = act_as_policy();
+        let capture = convene_telemetry::test_util::Capture::new();
+        {
+            let _default = capture.set_default();
+            let span = tracing::info_span!("convene.test.call");
+            let request = acting("console-secret", "oncall@acme");
+            let caller = tracing::Instrument::instrument(auth.authenticate(&request), span)
+                .await
+                .unwrap();
+            assert_eq!(caller.principal_id(), "oncall@acme");
+        }
+        let spans = capture.spans();
+        let call = spans
+            .iter()
+            .find(|s| s.name == "convene.test.call")
+            .expect("the call's span");
+        let event = call
+            .events
+            .iter()
+            .find(|e| e.name.contains("acting for"))
+            .unwrap_or_else(|| panic!("no act-as event on {:?}", call.events));
+        let attr = |key: &str| {
+            event
+                .attributes
+                .iter()
+                .find(|kv| kv.key.as_str() == key)
+                .map(|kv| kv.value.clone())
+        };
+        assert_eq!(
+            attr("convene.principal.actor"),
+            Some(Value::from("console"))
+        );
+        assert_eq!(
+            attr("convene.principal.id"),
+            Some(Value::from("oncall@acme"))
+        );
+        assert!(event.name.contains("console") && event.name.contains("oncall@acme"));
     }
 
     #[test]

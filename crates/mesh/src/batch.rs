@@ -414,6 +414,13 @@ impl Policy for BatchingPolicy {
     ) -> Result<Response<v1::ListToolsResponse>, Status> {
         self.inner.list_tools(request).await
     }
+
+    async fn who_am_i(
+        &self,
+        request: Request<v1::WhoAmIRequest>,
+    ) -> Result<Response<v1::WhoAmIResponse>, Status> {
+        self.inner.who_am_i(request).await
+    }
 }
 
 /// `PutArtifact` calls, batched as `PutArtifactBatch`.

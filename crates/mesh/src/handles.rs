@@ -270,6 +270,7 @@ grpc_adapter!(
         revoke: RevokeRequest => RevokeResponse,
         get_signing_keys: GetSigningKeysRequest => GetSigningKeysResponse,
         list_tools: ListToolsRequest => ListToolsResponse,
+        who_am_i: WhoAmIRequest => WhoAmIResponse,
     }
 );
 
@@ -333,3 +334,48 @@ grpc_adapter!(
         watch_events: WatchEventsRequest => WatchEventsResponse as WatchEventsStream,
     }
 );
+
+/// A worker handle whose every call carries the caller's service credential (the
+/// supervisor's): workers take `Execute`, `PlanTurn` and `Cancel` only from the
+/// supervisor, in one process as across processes.
+pub struct AsService {
+    inner: WorkerHandle,
+    credential: Arc<str>,
+}
+
+impl AsService {
+    /// `inner`, called with `credential` as the bearer of every request.
+    pub fn wrap(inner: WorkerHandle, credential: Arc<str>) -> WorkerHandle {
+        Arc::new(Self { inner, credential })
+    }
+}
+
+#[tonic::async_trait]
+impl Worker for AsService {
+    async fn execute(
+        &self,
+        request: Request<v1::WorkerExecuteRequest>,
+    ) -> Result<Response<v1::WorkerExecuteResponse>, Status> {
+        self.inner
+            .execute(crate::auth::with_bearer(request, &self.credential))
+            .await
+    }
+
+    async fn cancel(
+        &self,
+        request: Request<v1::WorkerCancelRequest>,
+    ) -> Result<Response<v1::WorkerCancelResponse>, Status> {
+        self.inner
+            .cancel(crate::auth::with_bearer(request, &self.credential))
+            .await
+    }
+
+    async fn plan_turn(
+        &self,
+        request: Request<v1::PlanTurnRequest>,
+    ) -> Result<Response<v1::PlanTurnResponse>, Status> {
+        self.inner
+            .plan_turn(crate::auth::with_bearer(request, &self.credential))
+            .await
+    }
+}

@@ -186,6 +186,13 @@ impl<S: Policy> Policy for Recording<S> {
     ) -> Result<Response<v1::ListToolsResponse>, Status> {
         self.inner.list_tools(request).await
     }
+
+    async fn who_am_i(
+        &self,
+        request: Request<v1::WhoAmIRequest>,
+    ) -> Result<Response<v1::WhoAmIResponse>, Status> {
+        self.inner.who_am_i(request).await
+    }
 }
 
 #[tonic::async_trait]

@@ -70,7 +70,15 @@ pub struct ServiceCommon {
     /// the SQLite file `<data_dir>/convene.db`; `memory`: in memory, lost at exit.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub database_url: Option<String>,
+    /// How often task-token verifiers fetch the policy service's signing keys and
+    /// revocations again (besides on a token naming an unknown key): a retired key or a
+    /// revoked token is refused within this long.
+    #[serde(with = "crate::config::duration")]
+    pub key_refresh: std::time::Duration,
 }
+
+/// The default of `key_refresh`: a minute.
+pub const DEFAULT_KEY_REFRESH: std::time::Duration = std::time::Duration::from_secs(60);
 
 impl Default for ServiceCommon {
     fn default() -> Self {
@@ -99,6 +107,7 @@ impl ServiceCommon {
             policy_file: None,
             dev_credentials: true,
             database_url: None,
+            key_refresh: DEFAULT_KEY_REFRESH,
         }
     }
 

@@ -41,7 +41,7 @@ pub use binary::serve_binary;
 pub use builder::{
     Error as ServeError, GrpcServer, HEALTH_SERVICE, MessageLimits, REFLECTION_SERVICES, bind,
 };
-pub use common::{CREDENTIALS_DIR, DEFAULT_DATA_DIR, ServiceCommon};
+pub use common::{CREDENTIALS_DIR, DEFAULT_DATA_DIR, DEFAULT_KEY_REFRESH, ServiceCommon};
 pub use config::{ConfigLoader, Error as ConfigError, Format, dump};
 pub use error::{
     ErrorCode, ServiceError, into_status, invalid_field, resource_exhausted, retry_after,

@@ -6,7 +6,7 @@
 //! migrations embedded in this crate, one file per service area
 //! (`migrations/{sqlite,postgres}/0001_supervisor.sql`, `0002_policy.sql`,
 //! `0003_approval.sql`, `0004_evidence.sql`, `0005_approval_events.sql`,
-//! `0006_run_commands.sql`, `0007_gateway.sql`, `0008_run_labels.sql`, `0009_console_sessions.sql`); the two back
+//! `0006_run_commands.sql`, `0007_gateway.sql`, `0008_run_labels.sql`, `0009_console_sessions.sql`, `0010_revocations_by_time.sql`); the two back
 //! ends share one schema whose column types differ only where they must
 //! (`BLOB`/`BYTEA`, `INTEGER`/`BIGINT`, autoincrement/identity).
 //!

@@ -97,11 +97,19 @@ pub(crate) struct Access {
 }
 
 impl Access {
-    /// Verifies task tokens with the keys the policy service behind `policy` publishes,
-    /// and principal credentials against `principals` (the compiled policy file).
-    pub(crate) fn new(policy: PolicyHandle, principals: Arc<Policy>) -> Self {
+    /// Verifies task tokens with the keys and revocations the policy service behind
+    /// `policy` publishes (fetched again every `key_refresh`), and principal credentials
+    /// against `principals` (the compiled policy file).
+    pub(crate) fn new(
+        policy: PolicyHandle,
+        principals: Arc<Policy>,
+        key_refresh: std::time::Duration,
+    ) -> Self {
         Self {
-            auth: Authenticator::new(principals, Arc::new(TokenKeys::new(policy))),
+            auth: Authenticator::new(
+                principals,
+                Arc::new(TokenKeys::refreshed_every(policy, key_refresh)),
+            ),
         }
     }
 

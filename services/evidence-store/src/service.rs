@@ -75,9 +75,29 @@ impl EvidenceStoreService {
         catalog: Arc<dyn Catalog>,
         max_artifact_bytes: usize,
     ) -> Self {
+        Self::with_key_refresh(
+            policy,
+            principals,
+            blobs,
+            catalog,
+            max_artifact_bytes,
+            convene_server::DEFAULT_KEY_REFRESH,
+        )
+    }
+
+    /// Like [`new`](Self::new), fetching the policy service's keys and revocations again
+    /// every `key_refresh`.
+    pub fn with_key_refresh(
+        policy: PolicyHandle,
+        principals: Arc<Policy>,
+        blobs: Blobs,
+        catalog: Arc<dyn Catalog>,
+        max_artifact_bytes: usize,
+        key_refresh: std::time::Duration,
+    ) -> Self {
         Self {
             inner: Arc::new(Inner {
-                access: Access::new(policy, principals),
+                access: Access::new(policy, principals, key_refresh),
                 blobs,
                 catalog,
                 max_artifact_bytes,
@@ -138,12 +158,13 @@ impl EvidenceStoreService {
             max_artifact_bytes = config.max_artifact_bytes,
             "evidence store opened"
         );
-        Ok(Self::new(
+        Ok(Self::with_key_refresh(
             policy,
             principals,
             blobs,
             catalog,
             config.max_artifact_bytes,
+            config.key_refresh,
         ))
     }
 

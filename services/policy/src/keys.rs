@@ -51,6 +51,16 @@ impl Keys {
             .clone()
     }
 
+    /// Stops trusting key `kid` (not the active one): tokens it signed no longer verify
+    /// here, and verifiers elsewhere drop it at their next refresh of GetSigningKeys.
+    pub(crate) fn retire(&self, kid: &str) -> Result<(), convene_tokens::Error> {
+        let mut ring = self.ring.lock().unwrap_or_else(PoisonError::into_inner);
+        ring.retire(kid)?;
+        let set = Arc::new(KeySet::of(&ring));
+        *self.current.write().unwrap_or_else(PoisonError::into_inner) = set;
+        Ok(())
+    }
+
     /// Makes a new key active, keeping the previous ones; returns the new key id.
     pub(crate) fn rotate(&self) -> Result<String, convene_tokens::Error> {
         let mut ring = self.ring.lock().unwrap_or_else(PoisonError::into_inner);

@@ -198,6 +198,19 @@ impl PolicyService {
         Ok(kid)
     }
 
+    /// Retires signing key `kid`, which must not be the active one: from now on tokens
+    /// it signed are refused here, and by every other service once it refreshes the keys
+    /// (every minute by default). Writes the key ring file.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Keys`] for an unknown or the active key, or a ring that cannot be saved.
+    pub fn retire_key(&self, kid: &str) -> Result<(), Error> {
+        self.inner.keys.retire(kid)?;
+        tracing::info!(signing_key = %kid, "signing key retired; tokens it signed are refused");
+        Ok(())
+    }
+
     /// Adds the `convene.v1.Policy` gRPC service to `server`.
     #[must_use]
     pub fn add_to(&self, server: GrpcServer) -> GrpcServer {
@@ -548,8 +561,13 @@ impl v1::policy_server::Policy for PolicyService {
         &self,
         request: Request<v1::IssueTaskTokenRequest>,
     ) -> Result<Response<v1::IssueTaskTokenResponse>, Status> {
-        convene_mesh::auth::require_peer_service(&request, "supervisor", "issue task tokens")?;
         let caller = self.inner.auth.authenticate(&request).await?;
+        convene_mesh::auth::require_peer_service(
+            &request,
+            &caller,
+            convene_mesh::auth::MeshService::Supervisor,
+            "issue task tokens",
+        )?;
         Ok(Response::new(
             self.inner.issue(&caller, request.get_ref()).await?,
         ))
@@ -617,11 +635,49 @@ impl v1::policy_server::Policy for PolicyService {
 
     async fn get_signing_keys(
         &self,
-        _request: Request<v1::GetSigningKeysRequest>,
+        request: Request<v1::GetSigningKeysRequest>,
     ) -> Result<Response<v1::GetSigningKeysResponse>, Status> {
+        // Public: keys, and revocations as digests that name nothing.
+        let keys = self.inner.keys.current().jwks.clone();
+        let kept = self.inner.policy.tokens.max_ttl;
+        let now = self.inner.clock.now();
+        let oldest = now.checked_sub(kept).unwrap_or(std::time::UNIX_EPOCH);
+        // A little before what the caller saw last: a revocation committed late, with an
+        // earlier time, is still found.
+        let since = request
+            .get_ref()
+            .revoked_since
+            .and_then(|t| std::time::SystemTime::try_from(t).ok())
+            .map(|t| t.checked_sub(REVOCATION_OVERLAP).unwrap_or(oldest))
+            .map_or(oldest, |t| t.max(oldest));
+        let revocations = self
+            .inner
+            .state
+            .revoked_since(since)
+            .await
+            .map_err(|e| Status::unavailable(format!("cannot read revocations: {e}")))?;
+        let through = revocations.iter().map(|(_, at)| *at).max();
         Ok(Response::new(v1::GetSigningKeysResponse {
-            keys: self.inner.keys.current().jwks.clone(),
+            keys,
+            revoked: revocations
+                .iter()
+                .map(|(target, _)| match target {
+                    RevokeTarget::Token(id) => convene_mesh::auth::revoked_token_digest(id),
+                    RevokeTarget::Run(id) => convene_mesh::auth::revoked_run_digest(id),
+                })
+                .collect(),
+            revoked_through: through.map(prost_types::Timestamp::from),
+            revocations_kept: prost_types::Duration::try_from(kept).ok(),
         }))
+    }
+
+    async fn who_am_i(
+        &self,
+        request: Request<v1::WhoAmIRequest>,
+    ) -> Result<Response<v1::WhoAmIResponse>, Status> {
+        let caller = self.inner.auth.authenticate(&request).await?;
+        let principal = caller.require_principal("WhoAmI")?;
+        Ok(Response::new(convene_mesh::auth::who_am_i(principal)))
     }
 
     async fn list_tools(
@@ -658,6 +714,9 @@ fn list_tools(policy: &Policy, prefix: &str) -> v1::ListToolsResponse {
         .collect();
     v1::ListToolsResponse { tools }
 }
+
+/// How far before a verifier's last revocation GetSigningKeys looks again.
+const REVOCATION_OVERLAP: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Most runs one `Revoke` call names.
 pub const MAX_REVOKE_RUNS: usize = 1_000;

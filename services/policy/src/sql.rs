@@ -359,6 +359,32 @@ impl PolicyState for SqlPolicyState {
             .await
     }
 
+    async fn revoked_since(
+        &self,
+        since: SystemTime,
+    ) -> Result<Vec<(RevokeTarget, SystemTime)>, StateError> {
+        let rows = self
+            .db
+            .fetch_all(
+                sql("SELECT kind, target_id, revoked_at FROM revocations WHERE revoked_at >= $1")
+                    .bind(micros(since)),
+            )
+            .await?;
+        let mut out = Vec::with_capacity(rows.len());
+        for row in rows {
+            let kind: String = row.get("kind")?;
+            let id: String = row.get("target_id")?;
+            let at: i64 = row.get("revoked_at")?;
+            let target = if kind == "token" {
+                RevokeTarget::Token(id)
+            } else {
+                RevokeTarget::Run(id)
+            };
+            out.push((target, convene_store::time::from_micros(at)));
+        }
+        Ok(out)
+    }
+
     async fn is_revoked(
         &self,
         token_id: &str,

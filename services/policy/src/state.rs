@@ -223,6 +223,13 @@ pub trait PolicyState: Send + Sync + fmt::Debug {
         revoke_each_then_log(self, revocations, reason, log).await
     }
 
+    /// Every revocation made at or after `since`, with its time (for verifiers elsewhere,
+    /// through GetSigningKeys).
+    async fn revoked_since(
+        &self,
+        since: SystemTime,
+    ) -> Result<Vec<(RevokeTarget, SystemTime)>, StateError>;
+
     /// The revocation that applies to a token with this `jti` and run, if any (the token's
     /// own revocation first).
     async fn is_revoked(
@@ -315,8 +322,9 @@ pub struct MemoryState {
     counters: DashMap<String, Counter>,
     token_owners: DashMap<String, Owner>,
     run_owners: DashMap<String, Owner>,
-    revoked_tokens: DashMap<String, String>,
-    revoked_runs: DashMap<String, String>,
+    /// Reasons and times of revocations.
+    revoked_tokens: DashMap<String, (String, SystemTime)>,
+    revoked_runs: DashMap<String, (String, SystemTime)>,
     prune_at: AtomicUsize,
 }
 
@@ -434,15 +442,32 @@ impl PolicyState for MemoryState {
     async fn revoke_token(&self, token_id: &str, reason: &str) -> Result<(), StateError> {
         self.revoked_tokens
             .entry(token_id.to_owned())
-            .or_insert_with(|| reason.to_owned());
+            .or_insert_with(|| (reason.to_owned(), SystemTime::now()));
         Ok(())
     }
 
     async fn revoke_run(&self, run_id: &str, reason: &str) -> Result<(), StateError> {
         self.revoked_runs
             .entry(run_id.to_owned())
-            .or_insert_with(|| reason.to_owned());
+            .or_insert_with(|| (reason.to_owned(), SystemTime::now()));
         Ok(())
+    }
+
+    async fn revoked_since(
+        &self,
+        since: SystemTime,
+    ) -> Result<Vec<(RevokeTarget, SystemTime)>, StateError> {
+        let tokens = self
+            .revoked_tokens
+            .iter()
+            .filter(|e| e.value().1 >= since)
+            .map(|e| (RevokeTarget::Token(e.key().clone()), e.value().1));
+        let runs = self
+            .revoked_runs
+            .iter()
+            .filter(|e| e.value().1 >= since)
+            .map(|e| (RevokeTarget::Run(e.key().clone()), e.value().1));
+        Ok(tokens.chain(runs).collect())
     }
 
     async fn is_revoked(
@@ -450,15 +475,15 @@ impl PolicyState for MemoryState {
         token_id: &str,
         run_id: &str,
     ) -> Result<Option<Revocation>, StateError> {
-        if let Some(reason) = self.revoked_tokens.get(token_id) {
+        if let Some(revoked) = self.revoked_tokens.get(token_id) {
             return Ok(Some(Revocation {
                 target: RevokeTarget::Token(token_id.to_owned()),
-                reason: reason.clone(),
+                reason: revoked.0.clone(),
             }));
         }
-        Ok(self.revoked_runs.get(run_id).map(|reason| Revocation {
+        Ok(self.revoked_runs.get(run_id).map(|revoked| Revocation {
             target: RevokeTarget::Run(run_id.to_owned()),
-            reason: reason.clone(),
+            reason: revoked.0.clone(),
         }))
     }
 }

@@ -133,6 +133,20 @@ pub struct PrincipalEntry {
     /// What the principal may hand on to delegations; defaults to its grants.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub delegable: Option<Vec<ScopeEntry>>,
+    /// For a principal holding `principals:act-as` (the operator console): whom it may
+    /// act for. Only people of these tenants, and never a principal holding
+    /// `principals:act-as`, `tokens:issue` or `workers:register`. Absent: no one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub act_as: Option<ActAsEntry>,
+}
+
+/// The bounds of a principal's `principals:act-as`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ActAsEntry {
+    /// Tenants whose people the principal may act for.
+    #[serde(default)]
+    pub tenants: Vec<String>,
 }
 
 /// What a worker profile may ever hold, as policy sees it.
@@ -308,6 +322,8 @@ pub struct Principal {
     pub grants: PermissionSet,
     /// Delegable scopes.
     pub delegable: PermissionSet,
+    /// Tenants whose people it may act for (with `principals:act-as`); empty: none.
+    pub act_as_tenants: BTreeSet<String>,
 }
 
 impl Principal {
@@ -504,6 +520,11 @@ impl PolicyFile {
                 profiles: p.profiles.iter().cloned().collect(),
                 grants,
                 delegable,
+                act_as_tenants: p
+                    .act_as
+                    .as_ref()
+                    .map(|a| a.tenants.iter().cloned().collect())
+                    .unwrap_or_default(),
             };
             if principals.insert(p.id.clone(), principal).is_some() {
                 return Err(invalid(

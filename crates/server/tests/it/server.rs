@@ -125,6 +125,13 @@ impl Policy for SlowPolicy {
     ) -> Result<Response<convene_proto::v1::ListToolsResponse>, Status> {
         Err(Status::unimplemented("not part of this test"))
     }
+
+    async fn who_am_i(
+        &self,
+        _: Request<convene_proto::v1::WhoAmIRequest>,
+    ) -> Result<Response<convene_proto::v1::WhoAmIResponse>, Status> {
+        Err(Status::unimplemented("not part of this test"))
+    }
 }
 
 /// Starts a server with one `SlowPolicy` under `settings`.

@@ -61,6 +61,13 @@ impl Policy for EchoPolicy {
     ) -> Result<Response<convene_proto::v1::ListToolsResponse>, Status> {
         Err(Status::unimplemented("not part of this test"))
     }
+
+    async fn who_am_i(
+        &self,
+        _: Request<convene_proto::v1::WhoAmIRequest>,
+    ) -> Result<Response<convene_proto::v1::WhoAmIResponse>, Status> {
+        Err(Status::unimplemented("not part of this test"))
+    }
 }
 
 const CALLER_TRACE: &str = "0af7651916cd43dd8448eb211c80319c";

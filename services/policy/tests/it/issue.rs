@@ -440,7 +440,7 @@ async fn rotated_keys_keep_earlier_tokens_valid() {
     let h = Harness::start().await;
     let mut client = h.client().await;
     let before = client
-        .get_signing_keys(v1::GetSigningKeysRequest {})
+        .get_signing_keys(v1::GetSigningKeysRequest::default())
         .await
         .unwrap()
         .into_inner()
@@ -454,7 +454,7 @@ async fn rotated_keys_keep_earlier_tokens_valid() {
 
     let new_kid = h.service.rotate_key().unwrap();
     let after = client
-        .get_signing_keys(v1::GetSigningKeysRequest {})
+        .get_signing_keys(v1::GetSigningKeysRequest::default())
         .await
         .unwrap()
         .into_inner()
@@ -481,7 +481,7 @@ async fn rotated_keys_keep_earlier_tokens_valid() {
     let keys = restarted
         .client()
         .await
-        .get_signing_keys(v1::GetSigningKeysRequest {})
+        .get_signing_keys(v1::GetSigningKeysRequest::default())
         .await
         .unwrap()
         .into_inner()
