@@ -209,16 +209,41 @@ pub struct Parts {
     pub shutdown: Shutdown,
 }
 
+/// Hands out worker handles whose calls carry the supervisor's own credential, the one
+/// workers accept Execute, PlanTurn and Cancel with.
+struct AsSupervisor {
+    inner: Arc<dyn Connector>,
+    credential: Arc<str>,
+}
+
+impl Connector for AsSupervisor {
+    fn connect(&self, endpoint: &str) -> Result<convene_mesh::handles::WorkerHandle, String> {
+        self.inner
+            .connect(endpoint)
+            .map(|h| convene_mesh::handles::AsService::wrap(h, self.credential.clone()))
+    }
+
+    fn requires_tls(&self) -> bool {
+        self.inner.requires_tls()
+    }
+}
+
 /// Builds the supervisor service and its worker registry from parts, and starts what
 /// runs beside them until `parts.shutdown`: when the store leases runs to this replica
 /// ([`RunStore::owner`], set by `with_owner`), lease renewal and the claiming and
 /// resuming of unfinished runs (at once, then every `claim_interval`); when `nats_url`
 /// is set, the event relay. Must be called inside a Tokio runtime.
 pub fn build(parts: Parts) -> (SupervisorService, Arc<Registry>) {
-    let keys = Arc::new(TokenKeys::new(parts.policy.clone()));
+    let keys = Arc::new(TokenKeys::refreshed_every(
+        parts.policy.clone(),
+        parts.config.common.key_refresh,
+    ));
     let auth = Authenticator::new(parts.policy_file.clone(), keys);
     let registry = Arc::new(Registry::new(
-        parts.connector,
+        Arc::new(AsSupervisor {
+            inner: parts.connector,
+            credential: Arc::from(parts.credential.as_str()),
+        }),
         RegistrySettings {
             lease_ttl: parts.config.lease_ttl,
             heartbeat_interval: parts.config.heartbeat_interval,

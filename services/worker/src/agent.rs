@@ -55,7 +55,7 @@ use crate::provider::{
     ToolSpec,
 };
 use crate::report::{
-    self, Ending, FinalReport, LoopEnd, Progress, Reporter, SUBMIT_REPORT, ToolOutcome,
+    self, Ending, FinalReport, Infra, LoopEnd, Progress, Reporter, SUBMIT_REPORT, ToolOutcome,
 };
 use crate::tools::ToolRegistry;
 
@@ -131,6 +131,8 @@ pub struct Agent {
     pub exit_process: bool,
     /// Retries, prices and span content of model calls.
     pub models: Arc<ModelSettings>,
+    /// The task-token check, repeated before every model turn and remote call.
+    pub guard: crate::guard::Guard,
 }
 
 impl std::fmt::Debug for Agent {
@@ -207,6 +209,27 @@ impl Agent {
         result
     }
 
+    /// The task's token still holds ([`crate::guard`]), or how the loop ends.
+    async fn recheck_token(&self, ctx: &TaskContext<'_>) -> Result<(), LoopEnd> {
+        let binding = crate::guard::Binding {
+            run_id: &ctx.task.run_id,
+            delegation_id: Some(&ctx.task.delegation_id),
+            profile_id: &ctx.task.profile_id,
+        };
+        match self.guard.task_token(ctx.token, binding).await {
+            Ok(_) => Ok(()),
+            Err(refused) => Err(LoopEnd::Infra(Infra {
+                code: "token_refused",
+                retryable: refused.code() == tonic::Code::Unavailable,
+                message: format!(
+                    "the task token no longer holds, so the worker stopped before asking the \
+                     model again: {}",
+                    refused.message()
+                ),
+            })),
+        }
+    }
+
     /// The per-task facts, or why the task cannot use any tool.
     fn context<'a>(&self, a: &'a Assignment) -> Result<TaskContext<'a>, String> {
         let claims = token_view(&a.token)?;
@@ -250,6 +273,9 @@ impl Agent {
         }
         self.profile.faults.before_loop().await;
         if let Some(remote) = self.provider.remote() {
+            if let Err(refused) = self.recheck_token(ctx).await {
+                return refused;
+            }
             return self.run_remote(ctx, remote, progress).await;
         }
         let profile = &self.profile.profile;
@@ -283,6 +309,11 @@ impl Agent {
                 max_tokens: budget.answer_limit(profile.max_tokens, used),
                 temperature: profile.temperature,
             };
+            // A token that expired or was revoked since the last turn stops the loop
+            // before the model is asked again.
+            if let Err(refused) = self.recheck_token(ctx).await {
+                return refused;
+            }
             let response = match self.complete(&request).await {
                 Ok(r) => r,
                 Err(e) => return LoopEnd::Provider(e),

@@ -112,6 +112,11 @@ pub struct Config {
     /// non-public addresses the worker may connect to (`allow_private`, addresses or
     /// CIDRs). Empty: none.
     pub a2a: crate::a2a::A2aSettings,
+    /// How often the policy service's signing keys and revocations are fetched again
+    /// (besides on a token naming an unknown key): a retired key or a revoked token is
+    /// refused within this long.
+    #[serde(with = "convene_server::config::duration")]
+    pub key_refresh: std::time::Duration,
 }
 
 impl Default for Config {
@@ -137,6 +142,7 @@ impl Default for Config {
             models: crate::models::ModelSettings::default(),
             mcp: McpConfig::default(),
             a2a: crate::a2a::A2aSettings::default(),
+            key_refresh: convene_mesh::auth::DEFAULT_KEY_REFRESH,
         }
     }
 }

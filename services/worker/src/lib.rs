@@ -35,6 +35,7 @@ pub mod agent;
 pub mod config;
 mod error;
 pub mod faults;
+pub mod guard;
 pub mod hold;
 pub mod model_server;
 pub mod models;
@@ -111,6 +112,7 @@ impl WorkerService {
             capacity: config.capacity,
             exit_process_on_fault,
             models: Arc::new(config.models.clone()),
+            key_refresh: config.key_refresh,
         };
         Ok(Self::new(
             options, profiles, &providers, tools, policy, evidence,

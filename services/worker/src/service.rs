@@ -32,6 +32,7 @@ use tonic::{Request, Response, Status};
 use tracing::Instrument as _;
 
 use crate::agent::{Agent, Assignment, CancelSignal};
+use crate::guard::{Binding, Guard};
 use crate::profiles::{Profile, ProviderRegistry, ProviderSetupError};
 use crate::tools::ToolRegistry;
 
@@ -121,6 +122,8 @@ pub struct WorkerService {
 #[derive(Debug)]
 struct Inner {
     worker_id: Arc<str>,
+    /// Who may call, and which tokens hold.
+    guard: Guard,
     agents: BTreeMap<String, Agent>,
     capacity: usize,
     tasks: Mutex<Tasks>,
@@ -242,6 +245,9 @@ pub struct WorkerOptions {
     pub exit_process_on_fault: bool,
     /// Retries, prices and span content of model calls.
     pub models: Arc<crate::models::ModelSettings>,
+    /// How often the policy service's keys and revocations are fetched again (also on a
+    /// token naming an unknown key).
+    pub key_refresh: std::time::Duration,
 }
 
 impl WorkerService {
@@ -267,6 +273,7 @@ impl WorkerService {
         }
         let worker_id: Arc<str> = Arc::from(options.worker_id.as_str());
         let tools = Arc::new(tools);
+        let guard = Guard::new(policy.clone(), options.key_refresh);
         let mut agents = BTreeMap::new();
         for profile in profiles {
             for tool in &profile.profile.default_tools {
@@ -305,12 +312,14 @@ impl WorkerService {
                     supervisor: None,
                     exit_process: options.exit_process_on_fault,
                     models: options.models.clone(),
+                    guard: guard.clone(),
                 },
             );
         }
         Ok(Self {
             inner: Arc::new(Inner {
                 worker_id,
+                guard,
                 agents,
                 capacity: usize::try_from(options.capacity).unwrap_or(usize::MAX),
                 tasks: Mutex::new(Tasks::default()),
@@ -340,6 +349,7 @@ impl WorkerService {
         Self {
             inner: Arc::new(Inner {
                 worker_id: inner.worker_id.clone(),
+                guard: inner.guard.clone(),
                 agents,
                 capacity: inner.capacity,
                 tasks: Mutex::new(Tasks::default()),
@@ -516,7 +526,10 @@ impl worker_server::Worker for WorkerService {
         &self,
         request: Request<v1::WorkerExecuteRequest>,
     ) -> Result<Response<v1::WorkerExecuteResponse>, Status> {
-        convene_mesh::auth::require_peer_service(&request, "supervisor", "execute delegations")?;
+        self.inner
+            .guard
+            .supervisor_only(&request, "execute delegations")
+            .await?;
         let request = request.into_inner();
         let task = request
             .task
@@ -529,6 +542,19 @@ impl worker_server::Worker for WorkerService {
             ));
         }
         let agent = self.agent(&task.profile_id)?;
+        // Nothing starts, joins or answers from the cache under a token that does not
+        // hold for this very task.
+        self.inner
+            .guard
+            .task_token(
+                &request.task_token,
+                Binding {
+                    run_id: &task.run_id,
+                    delegation_id: Some(&task.delegation_id),
+                    profile_id: &task.profile_id,
+                },
+            )
+            .await?;
         let attempt = request.attempt.max(1);
         let assignment = Assignment {
             task,
@@ -556,6 +582,10 @@ impl worker_server::Worker for WorkerService {
         &self,
         request: Request<v1::WorkerCancelRequest>,
     ) -> Result<Response<v1::WorkerCancelResponse>, Status> {
+        self.inner
+            .guard
+            .supervisor_only(&request, "cancel delegations")
+            .await?;
         let request = request.into_inner();
         if request.delegation_id.trim().is_empty() {
             return Err(invalid_field(
@@ -582,9 +612,31 @@ impl worker_server::Worker for WorkerService {
         &self,
         request: Request<v1::PlanTurnRequest>,
     ) -> Result<Response<v1::PlanTurnResponse>, Status> {
+        self.inner
+            .guard
+            .supervisor_only(&request, "ask for planner turns")
+            .await?;
         let request = request.into_inner();
         crate::planner::check_ids(&request)?;
         let agent = self.agent(&request.profile_id)?;
+        if request.task_token.trim().is_empty() {
+            return Err(invalid_field(
+                "task_token",
+                "give the task token the policy service issued for the run's planner",
+            ));
+        }
+        // The model is asked only under a planner token that holds for this run.
+        self.inner
+            .guard
+            .task_token(
+                &request.task_token,
+                Binding {
+                    run_id: &request.run_id,
+                    delegation_id: None,
+                    profile_id: &request.profile_id,
+                },
+            )
+            .await?;
         let response = crate::planner::plan_turn(agent, &self.inner.worker_id, request).await?;
         Ok(Response::new(response))
     }

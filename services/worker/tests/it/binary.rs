@@ -133,11 +133,14 @@ async fn a_worker_killed_mid_task_exits_after_storing_its_evidence() {
     let token = mesh.token_for(&task, &[]).await;
     let mut client = WorkerClient::new(convene_server::test_util::connect(addr).await);
     let answer = client
-        .execute(v1::WorkerExecuteRequest {
-            task: Some(task.clone()),
-            task_token: token.clone(),
-            attempt: 1,
-        })
+        .execute(convene_mesh::auth::request(
+            v1::WorkerExecuteRequest {
+                task: Some(task.clone()),
+                task_token: token.clone(),
+                attempt: 1,
+            },
+            &mesh.supervisor,
+        ))
         .await;
     assert!(
         answer.is_err(),

@@ -509,6 +509,7 @@ async fn an_unreachable_evidence_store_fails_the_task_as_retryable() {
             capacity: 2,
             exit_process_on_fault: false,
             models: Default::default(),
+            key_refresh: convene_mesh::auth::DEFAULT_KEY_REFRESH,
         },
         profiles::example().unwrap(),
         &convene_worker::profiles::ProviderRegistry::builtin(&Default::default()),
@@ -522,7 +523,7 @@ async fn an_unreachable_evidence_store_fails_the_task_as_retryable() {
         ),
     )
     .unwrap();
-    let worker = crate::support::TestWorker::start(service).await;
+    let worker = crate::support::TestWorker::start(&mesh.supervisor, service).await;
     let task = task(
         "del-metrics-5",
         "metrics-investigator",

@@ -5,6 +5,7 @@
 
 mod binary;
 mod execute;
+mod guard;
 mod mcp;
 mod model;
 mod model_server;

@@ -384,6 +384,7 @@ impl McpMesh {
                 capacity: 4,
                 exit_process_on_fault: false,
                 models: Arc::new(models),
+                key_refresh: convene_mesh::auth::DEFAULT_KEY_REFRESH,
             },
             profiles::parse(profile_yaml, "the test's profiles").unwrap(),
             &providers,
@@ -392,7 +393,7 @@ impl McpMesh {
             self.evidence(),
         )
         .unwrap();
-        TestWorker::start(service).await
+        TestWorker::start(&self.mesh.supervisor, service).await
     }
 
     /// The task token of `task`, issued by the policy service as the supervisor would

@@ -3,7 +3,8 @@
 //! client CA are refused with PERMISSION_DENIED naming the identity they carry, before
 //! the delegation runs; a client without a certificate, or with one of another CA, does
 //! not get past the TLS handshake. A server without a client CA asks for no certificate,
-//! and Execute is then left to the task token, as on plaintext.
+//! and the caller must then present the supervisor's credential, as on plaintext; the
+//! task token is checked either way.
 
 use std::error::Error as _;
 use std::net::SocketAddr;
@@ -31,6 +32,7 @@ async fn tls_worker(mesh: &Mesh, pki: &TestPki, mutual: bool) -> TestServer {
             capacity: 4,
             exit_process_on_fault: false,
             models: Arc::new(models.clone()),
+            key_refresh: convene_mesh::auth::DEFAULT_KEY_REFRESH,
         },
         profiles::example().unwrap(),
         &ProviderRegistry::builtin(&models.client()),
@@ -85,16 +87,33 @@ async fn execute(
     task: &v1::DelegationTask,
     token: &str,
 ) -> Result<v1::TaskResult, Refused> {
+    execute_as(pki, addr, client, None, task, token).await
+}
+
+/// [`execute`] with `credential` as the bearer, when given.
+async fn execute_as(
+    pki: &TestPki,
+    addr: SocketAddr,
+    client: Option<&TestCert>,
+    credential: Option<&str>,
+    task: &v1::DelegationTask,
+    token: &str,
+) -> Result<v1::TaskResult, Refused> {
     let channel = pki
         .connect(addr, client)
         .await
         .map_err(|e| Refused::Connect(chain(&e)))?;
+    let request = v1::WorkerExecuteRequest {
+        task: Some(task.clone()),
+        task_token: token.to_owned(),
+        attempt: 1,
+    };
+    let request = match credential {
+        Some(c) => convene_mesh::auth::request(request, c),
+        None => tonic::Request::new(request),
+    };
     let response = WorkerClient::new(channel)
-        .execute(v1::WorkerExecuteRequest {
-            task: Some(task.clone()),
-            task_token: token.to_owned(),
-            attempt: 1,
-        })
+        .execute(request)
         .await
         .map_err(Refused::Status)?;
     Ok(response
@@ -227,35 +246,70 @@ async fn only_the_supervisors_certificate_may_execute_delegations() {
 }
 
 #[tokio::test]
-async fn without_a_client_ca_execute_is_left_to_the_task_token() {
+async fn without_a_client_ca_execute_needs_the_supervisors_credential() {
     let mesh = Mesh::start().await;
     let pki = TestPki::new();
     let worker = tls_worker(&mesh, &pki, false).await;
 
-    // No client certificate is asked for, so none is checked: a call without one runs.
+    // No client certificate is asked for, so the caller must prove it is the supervisor
+    // with its credential: without one nothing runs, and the refusal says what to send.
     let plain = task(
         "del-tls-plain",
         "logs-investigator",
         Duration::from_secs(30),
     );
     let token = mesh.token_for(&plain, &[]).await;
-    let result = execute(&pki, worker.addr, None, &plain, &token)
+    let refused = execute(&pki, worker.addr, None, &plain, &token)
         .await
-        .expect("TLS without client certificates leaves Execute to the task token");
+        .expect_err("an anonymous Execute is refused")
+        .status();
+    assert_eq!(refused.code(), tonic::Code::Unauthenticated, "{refused:?}");
+    assert!(
+        refused
+            .message()
+            .contains("only the supervisor may execute delegations")
+            && refused.message().contains("credential"),
+        "{refused:?}"
+    );
+    // Another principal's credential, a person's, is not the supervisor's.
+    let person = convene_mesh::policy_file::dev_credential(
+        &mesh.dir.path().join("credentials"),
+        "oncall@acme",
+    )
+    .unwrap();
+    let refused = execute_as(&pki, worker.addr, None, Some(&person), &plain, &token)
+        .await
+        .expect_err("a person's credential is refused")
+        .status();
+    assert_eq!(refused.code(), tonic::Code::PermissionDenied, "{refused:?}");
+    assert!(mesh.decisions_for("del-tls-plain").is_empty());
+
+    // With the supervisor's credential the delegation runs.
+    let result = execute_as(
+        &pki,
+        worker.addr,
+        None,
+        Some(&mesh.supervisor),
+        &plain,
+        &token,
+    )
+    .await
+    .expect("the supervisor's credential is enough where no certificate is asked for");
     assert_eq!(status(&result), v1::TaskStatus::Completed, "{result:#?}");
 
     // A client offering a worker's certificate is not asked for it: it is not seen, and
-    // does not refuse the call.
+    // the credential still decides.
     let offered = task(
         "del-tls-offered",
         "logs-investigator",
         Duration::from_secs(30),
     );
     let token = mesh.token_for(&offered, &[]).await;
-    let result = execute(
+    let result = execute_as(
         &pki,
         worker.addr,
         Some(&pki.clients.service("worker")),
+        Some(&mesh.supervisor),
         &offered,
         &token,
     )
@@ -263,22 +317,29 @@ async fn without_a_client_ca_execute_is_left_to_the_task_token() {
     .expect("a certificate the server did not ask for is not checked");
     assert_eq!(status(&result), v1::TaskStatus::Completed, "{result:#?}");
 
-    // The task token still decides: one the policy service did not sign runs nothing.
+    // The task token decides too: one the policy service did not sign is refused
+    // before anything runs.
     let forged = task(
         "del-tls-forged",
         "logs-investigator",
         Duration::from_secs(30),
     );
     let claims = serde_json::json!({ "sub": "oncall@acme", "tenant": "acme-payments" });
-    let result = execute(&pki, worker.addr, None, &forged, &unsigned_token(&claims))
-        .await
-        .expect("the call is answered: the token, not the transport, refuses the work");
-    assert_eq!(status(&result), v1::TaskStatus::Blocked, "{result:#?}");
-    let error = result.error.as_ref().expect("the result says why");
-    assert_eq!(error.code, "permission_denied", "{error:?}");
-    assert!(error.message.contains("malformed task token"), "{error:?}");
+    let refused = execute_as(
+        &pki,
+        worker.addr,
+        None,
+        Some(&mesh.supervisor),
+        &forged,
+        &unsigned_token(&claims),
+    )
+    .await
+    .expect_err("an unsigned token is refused")
+    .status();
+    assert_eq!(refused.code(), tonic::Code::Unauthenticated, "{refused:?}");
     assert!(
-        result.evidence.is_empty() && result.claims.is_empty(),
-        "{result:#?}"
+        refused.message().contains("task token refused"),
+        "{refused:?}"
     );
+    assert!(mesh.decisions_for("del-tls-forged").is_empty());
 }

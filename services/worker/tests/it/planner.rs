@@ -80,17 +80,22 @@ fn request(
     }
 }
 
-/// A real task token of the example run, issued by the policy service.
-async fn run_token(mesh: &Mesh) -> String {
-    mesh.token_for(
-        &task(
-            "planner-token",
-            "logs-investigator",
-            Duration::from_secs(60),
-        ),
-        &[],
-    )
+/// A real planner token of the example run for `profile`, issued by the policy service
+/// as the supervisor asks for it.
+async fn planner_token(mesh: &Mesh, profile: &str) -> String {
+    mesh.issue(v1::TokenGrantRequest {
+        delegation_id: "planner-token".into(),
+        profile_id: profile.into(),
+        depth: 1,
+        ..v1::TokenGrantRequest::default()
+    })
     .await
+    .token
+}
+
+/// The example planner's token.
+async fn run_token(mesh: &Mesh) -> String {
+    planner_token(mesh, PLANNER).await
 }
 
 /// The decision message after `round`, with the given decision.
@@ -258,8 +263,9 @@ async fn plan_turn_takes_no_execute_slot() {
         "logs-investigator",
         Duration::from_secs(60),
     );
-    let token = mesh.token_for(&busy, &[]).await;
-    let running = worker.execute_in_background(&busy, &token);
+    let busy_token = mesh.token_for(&busy, &[]).await;
+    let running = worker.execute_in_background(&busy, &busy_token);
+    let token = run_token(&mesh).await;
     wait_until(
         "the delegation in flight",
         || worker.service.in_flight(),
@@ -294,6 +300,8 @@ struct Rig {
     _mesh: Mesh,
     worker: TestWorker,
     model: ScriptedModel,
+    /// The model planner's token, from this rig's policy service.
+    token: String,
     _key_dir: tempfile::TempDir,
 }
 
@@ -320,10 +328,12 @@ async fn rig(model: ScriptedModel) -> Rig {
         },
     );
     let worker = mesh.worker_with_models(profiles, 2, settings).await;
+    let token = planner_token(&mesh, MODEL_PLANNER).await;
     Rig {
         _mesh: mesh,
         worker,
         model,
+        token,
         _key_dir: key_dir,
     }
 }
@@ -350,7 +360,7 @@ async fn a_model_planner_is_asked_with_the_conversation_and_the_planner_tools() 
     ]))
     .unwrap();
     let rig = rig(model).await;
-    let token = unsigned_token(&json!({"run": RUN_ID}));
+    let token = rig.token.clone();
     // A conversation after round 1: the earlier turn (one call's arguments as the model
     // wrote them, not JSON), the answers and the decision.
     let earlier = v1::ChatMessage {
@@ -483,7 +493,7 @@ async fn the_scripted_server_plays_the_example_planner_for_a_model_planner() {
         ScriptedModel::start(PlaybookResponder::new(&profiles::example().unwrap()).unwrap())
             .unwrap();
     let rig = rig(model).await;
-    let token = unsigned_token(&json!({"run": RUN_ID}));
+    let token = rig.token.clone();
     let first = rig
         .worker
         .plan_turn(request(MODEL_PLANNER, 1, &token, vec![the_task()]))
@@ -544,7 +554,7 @@ async fn a_rate_limited_planner_turn_is_retried_and_answered_once() {
     ]))
     .unwrap();
     let rig = rig(model).await;
-    let token = unsigned_token(&json!({"run": RUN_ID}));
+    let token = rig.token.clone();
     let response = rig
         .worker
         .plan_turn(request(MODEL_PLANNER, 1, &token, vec![the_task()]))
@@ -568,7 +578,7 @@ async fn model_failures_say_what_went_wrong_and_never_show_the_key() {
     )]))
     .unwrap();
     let refusing = rig(model).await;
-    let token = unsigned_token(&json!({"run": RUN_ID}));
+    let token = refusing.token.clone();
     let refused = refusing
         .worker
         .plan_turn(request(MODEL_PLANNER, 1, &token, vec![the_task()]))
@@ -596,7 +606,7 @@ async fn model_failures_say_what_went_wrong_and_never_show_the_key() {
     let failing = rig(model).await;
     let unavailable = failing
         .worker
-        .plan_turn(request(MODEL_PLANNER, 1, &token, vec![the_task()]))
+        .plan_turn(request(MODEL_PLANNER, 1, &failing.token, vec![the_task()]))
         .await
         .unwrap_err();
     assert_eq!(unavailable.code(), tonic::Code::Unavailable);
@@ -632,26 +642,32 @@ async fn requests_that_cannot_be_answered_are_refused_by_field_or_reason() {
     );
 
     let unreadable = refused(&|r| r.task_token = "not-a-token".into()).await;
-    assert_eq!(unreadable.code(), tonic::Code::InvalidArgument);
+    assert_eq!(unreadable.code(), tonic::Code::Unauthenticated);
     assert!(
-        unreadable.message().contains("task_token"),
+        unreadable
+            .message()
+            .contains("task token refused (Malformed)"),
         "{}",
         unreadable.message()
     );
 
-    let other = unsigned_token(&json!({"run": "run-someone-else"}));
-    let denied = refused(&|r| r.task_token.clone_from(&other)).await;
-    assert_eq!(denied.code(), tonic::Code::PermissionDenied);
+    // Claims nobody signed are never read as claims.
+    let forged = unsigned_token(&json!({"run": RUN_ID}));
+    let denied = refused(&|r| r.task_token.clone_from(&forged)).await;
+    assert_eq!(denied.code(), tonic::Code::Unauthenticated);
     assert!(
-        denied
-            .message()
-            .contains("the task token is for another run"),
+        denied.message().contains("task token refused"),
         "{}",
         denied.message()
     );
-    // The real token of this run is refused for another run too.
+    // The real token of this run is refused for another run, naming the claim.
     let denied = refused(&|r| r.run_id = "run-someone-else".into()).await;
     assert_eq!(denied.code(), tonic::Code::PermissionDenied);
+    assert!(
+        denied.message().contains("task token refused (run)"),
+        "{}",
+        denied.message()
+    );
 
     let unknown = refused(&|r| r.profile_id = "traces-planner".into()).await;
     assert_eq!(unknown.code(), tonic::Code::FailedPrecondition);

@@ -181,6 +181,7 @@ fn service(
             capacity: 4,
             exit_process_on_fault: false,
             models: Arc::new(models),
+            key_refresh: convene_mesh::auth::DEFAULT_KEY_REFRESH,
         },
         profiles,
         &providers,
@@ -243,6 +244,7 @@ async fn a_remote_agent_serves_the_delegation_and_its_artifacts_become_evidence(
     let credential = dir.path().join("history.token");
     std::fs::write(&credential, format!("{BEARER}\n")).unwrap();
     let worker = TestWorker::start(
+        &mesh.supervisor,
         service(
             &mesh,
             profile(&agent.url, Some(&credential)),
@@ -416,6 +418,7 @@ async fn a_remote_task_that_fails_or_is_rejected_fails_the_delegation() {
     ] {
         let agent = Agent::start(&python, &["--outcome", outcome]).await;
         let worker = TestWorker::start(
+            &mesh.supervisor,
             service(
                 &mesh,
                 profile(&agent.url, Some(&credential)),
@@ -439,6 +442,7 @@ async fn a_remote_task_that_fails_or_is_rejected_fails_the_delegation() {
     // worker does not invent a success.
     let agent = Agent::start(&python, &[]).await;
     let worker = TestWorker::start(
+        &mesh.supervisor,
         service(
             &mesh,
             profile(&agent.url, None),
@@ -513,6 +517,7 @@ async fn a_remote_that_answers_nonsense_fails_the_delegation() {
     for (i, (card, rpc, says)) in cases.into_iter().enumerate() {
         let url = nonsense_server(card, rpc).await;
         let worker = TestWorker::start(
+            &mesh.supervisor,
             service(
                 &mesh,
                 profile(&url, None),
@@ -581,6 +586,7 @@ async fn urls_the_configuration_does_not_allow_are_refused_before_any_connection
     // A name that resolves to loopback: the worker starts, and the delegation is
     // refused once the name is resolved, before a connection.
     let worker = TestWorker::start(
+        &mesh.supervisor,
         service(
             &mesh,
             profile(&named, None),

@@ -23,6 +23,7 @@ use convene_worker::profiles::{self, Profile, ProviderRegistry};
 use convene_worker::tools::ToolRegistry;
 use convene_worker::{WorkerOptions, WorkerService};
 use tempfile::TempDir;
+use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Channel;
 
 /// The incident window of the example.
@@ -155,6 +156,20 @@ impl Mesh {
             .remove(0)
     }
 
+    /// Revokes token `token_id`, as the supervisor.
+    pub async fn revoke_token(&self, token_id: &str) {
+        self.policy_handle()
+            .revoke(auth::request(
+                v1::RevokeRequest {
+                    reason: "revoked by the test".into(),
+                    target: Some(v1::revoke_request::Target::TokenId(token_id.into())),
+                },
+                &self.supervisor,
+            ))
+            .await
+            .expect("the supervisor may revoke tokens");
+    }
+
     /// The token `task` needs: its required scopes plus evidence access, over its scope
     /// plus the evidence resource, for `tools` (empty: the profile's).
     pub async fn token_for(&self, task: &v1::DelegationTask, tools: &[&str]) -> String {
@@ -208,12 +223,31 @@ impl Mesh {
         capacity: u32,
         models: ModelSettings,
     ) -> TestWorker {
+        self.worker_refreshing(
+            profiles,
+            capacity,
+            models,
+            convene_mesh::auth::DEFAULT_KEY_REFRESH,
+        )
+        .await
+    }
+
+    /// [`Self::worker_with_models`] fetching the policy service's keys and revocations
+    /// again every `key_refresh`.
+    pub async fn worker_refreshing(
+        &self,
+        profiles: Vec<Profile>,
+        capacity: u32,
+        models: ModelSettings,
+        key_refresh: Duration,
+    ) -> TestWorker {
         let service = WorkerService::new(
             WorkerOptions {
                 worker_id: "worker-test-1".into(),
                 capacity,
                 exit_process_on_fault: false,
                 models: Arc::new(models.clone()),
+                key_refresh,
             },
             profiles,
             &ProviderRegistry::builtin(&models.client()),
@@ -222,7 +256,7 @@ impl Mesh {
             self.evidence_handle(),
         )
         .unwrap();
-        TestWorker::start(service).await
+        TestWorker::start(&self.supervisor, service).await
     }
 }
 
@@ -232,23 +266,39 @@ pub struct TestWorker {
     pub service: WorkerService,
     /// Its server, which serves until the worker is dropped.
     _server: TestServer,
-    /// A client connected to it.
-    pub client: WorkerClient<Channel>,
+    /// A client connected to it, calling as the supervisor.
+    pub client: WorkerClient<InterceptedService<Channel, AsSupervisor>>,
+    /// A client connected to it that presents no credential.
+    pub anonymous: WorkerClient<Channel>,
+}
+
+/// Sends the supervisor's credential with every call, as the supervisor does.
+#[derive(Clone)]
+pub struct AsSupervisor(String);
+
+impl tonic::service::Interceptor for AsSupervisor {
+    fn call(&mut self, request: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
+        Ok(auth::with_bearer(request, &self.0))
+    }
 }
 
 impl TestWorker {
-    /// Serves `service` with no request timeout (Execute runs as long as its task).
-    pub async fn start(service: WorkerService) -> Self {
+    /// Serves `service` with no request timeout (Execute runs as long as its task); the
+    /// client calls with the `supervisor` credential.
+    pub async fn start(supervisor: &str, service: WorkerService) -> Self {
         let settings = ServerSettings {
             request_timeout: None,
             ..ServerSettings::default()
         };
         let server = TestServer::start(service.add_to(GrpcServer::new(settings))).await;
-        let client = WorkerClient::new(server.channel().await);
+        let channel = server.channel().await;
+        let client =
+            WorkerClient::with_interceptor(channel.clone(), AsSupervisor(supervisor.to_owned()));
         Self {
             service,
             _server: server,
             client,
+            anonymous: WorkerClient::new(channel),
         }
     }
 
