@@ -3,8 +3,10 @@
 //!
 //! The order is: the token verifies (signature, key, validity window); it is not revoked
 //! (by itself or through its run; checked with the count for a call that passes every
-//! other check, and before any other reason for one that does not); the presenter is in
-//! its audience; the tenant matches;
+//! other check, and before any other reason for one that does not); the presenter is the
+//! worker of the profile the token names (`worker:<profile>`: the audience is bound to it,
+//! a request may only repeat it, and under mutual TLS the caller's certificate must name
+//! `worker`); the tenant matches;
 //! the tool is in the catalog and in the token; no runtime rule denies the tool to the
 //! token's profile; the tool's catalog action covers the asked action; the resource is
 //! one the tool's catalog resource template can produce (MCP tools); the token's scopes
@@ -271,16 +273,26 @@ impl Inner {
             Ok(claims) => claims,
             Err(e) => return Ok(Outcome::deny(None, e.reason(), e.to_string())),
         };
-        if let Err(e) = claims.check_audience(&request.audience) {
-            let detail = if request.audience.is_empty() {
-                format!(
-                    "audience is empty; set it to who presents the token, one of [{}]",
-                    claims.audience.join(", ")
-                )
-            } else {
-                e.to_string()
-            };
-            return Ok(Outcome::deny(Some(claims), e.reason(), detail));
+        // Who presents a token to Authorize is the worker holding it, for the profile
+        // the token names: the audience is bound to that, never taken from the caller.
+        // A request naming another audience (the supervisor's, the evidence store's,
+        // another profile's worker) is refused.
+        let presenter = crate::issue::worker_audience(&claims.profile_id);
+        if !request.audience.is_empty() && request.audience != presenter {
+            let detail = format!(
+                "the token is presented by {presenter}, the worker of the profile it names; \
+                 audience `{}` is not who presents it (the audience is bound to the \
+                 presenter, not chosen by the request)",
+                request.audience
+            );
+            return Ok(Outcome::deny(
+                Some(claims),
+                AuthorizeReason::WrongAudience,
+                detail,
+            ));
+        }
+        if let Err(e) = claims.check_audience(&presenter) {
+            return Ok(Outcome::deny(Some(claims), e.reason(), e.to_string()));
         }
         if !request.tenant.is_empty() && request.tenant != claims.tenant {
             let detail = format!(

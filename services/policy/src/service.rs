@@ -577,7 +577,9 @@ impl v1::policy_server::Policy for PolicyService {
         &self,
         request: Request<v1::AuthorizeRequest>,
     ) -> Result<Response<v1::AuthorizeResponse>, Status> {
-        // No bearer credential: the token in the message is what is being judged.
+        // No bearer credential: the token in the message is what is being judged, and
+        // under mutual TLS the presenter must be a worker.
+        require_worker_presenter(&request)?;
         let req = request.get_ref();
         Ok(Response::new(self.decide(req, authorize_span(req)).await?))
     }
@@ -586,6 +588,7 @@ impl v1::policy_server::Policy for PolicyService {
         &self,
         request: Request<v1::AuthorizeBatchRequest>,
     ) -> Result<Response<v1::AuthorizeBatchResponse>, Status> {
+        require_worker_presenter(&request)?;
         let items = &request.get_ref().items;
         if items.is_empty() || items.len() > MAX_AUTHORIZE_BATCH {
             return Err(Status::invalid_argument(format!(
@@ -713,6 +716,32 @@ fn list_tools(policy: &Policy, prefix: &str) -> v1::ListToolsResponse {
         })
         .collect();
     v1::ListToolsResponse { tools }
+}
+
+/// Under mutual TLS, the caller presenting tokens to Authorize must be a worker (its
+/// client certificate names `worker`): tokens are bound to the worker of their profile,
+/// and no other service presents them. Without a certificate the token alone binds the
+/// audience (see the authorization's audience check).
+fn require_worker_presenter<T>(request: &Request<T>) -> Result<(), Status> {
+    if request.peer_certs().is_none_or(|c| c.is_empty()) {
+        return Ok(());
+    }
+    let identities = convene_mesh::auth::peer_identities(request);
+    if identities
+        .iter()
+        .any(|id| convene_mesh::auth::names_service(id, "worker"))
+    {
+        return Ok(());
+    }
+    Err(Status::permission_denied(format!(
+        "only a worker presents task tokens to Authorize: the client certificate names {}, \
+         not spiffe://<trust domain>/worker",
+        if identities.is_empty() {
+            "no spiffe:// identity".to_owned()
+        } else {
+            identities.join(", ")
+        }
+    )))
 }
 
 /// How far before a verifier's last revocation GetSigningKeys looks again.

@@ -166,6 +166,29 @@ async fn audience_and_tenant_must_match_the_token() {
     );
     assert!(answer.detail.contains(LOGS_WORKER), "{}", answer.detail);
 
+    // Every token names the evidence store in its audience, but the evidence store is
+    // not who presents a token to Authorize: the audience is bound to the presenter,
+    // the worker of the token's profile, whatever the token lists.
+    let mut call = h.search_call(&token);
+    call.audience = "convene-evidence-store".into();
+    let answer = h.authorize(call).await;
+    assert_eq!(
+        reason(&answer),
+        AuthorizeReason::WrongAudience,
+        "{}",
+        answer.detail
+    );
+    assert!(
+        answer.detail.contains("bound to the presenter"),
+        "{}",
+        answer.detail
+    );
+    // Left out, it is the presenter's; the call is decided on its merits.
+    let mut call = h.search_call(&token);
+    call.audience = String::new();
+    let answer = h.authorize(call).await;
+    assert!(answer.allowed, "{}", answer.detail);
+
     // Without may_redelegate the supervisor is not an audience either.
     let mut call = h.search_call(&token);
     call.audience = "convene-supervisor".into();

@@ -596,8 +596,11 @@ fn the_binary_dumps_its_config_and_says_when_it_runs_on_development_settings() {
     child.kill().unwrap();
     child.wait().unwrap();
     assert!(listening, "the server did not start: {seen:#?}");
+    // First the warning that development credentials are generated, then what the
+    // development settings are.
+    assert!(seen[0].contains("DEVELOPMENT CREDENTIALS"), "{seen:#?}");
     assert!(
-        seen[0].contains(
+        seen[1].contains(
             "no --config given: using the development settings of the payment-incident example (data dir ./.convene"
         ),
         "{seen:#?}"
