@@ -159,12 +159,7 @@ async fn only_the_supervisor_may_call_a_worker() {
     acting
         .metadata_mut()
         .insert(auth::ACT_AS, "supervisor".parse().unwrap());
-    let refused = worker
-        .anonymous
-        .clone()
-        .execute(acting)
-        .await
-        .unwrap_err();
+    let refused = worker.anonymous.clone().execute(acting).await.unwrap_err();
     assert_refused(&refused, tonic::Code::PermissionDenied, auth::ACT_AS);
 
     assert_eq!(model.request_count(), 0, "no model request was made");
@@ -181,17 +176,9 @@ async fn tokens_that_do_not_hold_for_the_task_are_refused_before_any_model_call(
     // Claims nobody signed.
     let forged = unsigned_token(&json!({"run": RUN_ID, "del": task.delegation_id}));
     let refused = worker.execute(&task, &forged, 1).await.unwrap_err();
-    assert_refused(
-        &refused,
-        tonic::Code::Unauthenticated,
-        "task token refused",
-    );
+    assert_refused(&refused, tonic::Code::Unauthenticated, "task token refused");
     let refused = worker.plan_turn(plan_request(&forged)).await.unwrap_err();
-    assert_refused(
-        &refused,
-        tonic::Code::Unauthenticated,
-        "task token refused",
-    );
+    assert_refused(&refused, tonic::Code::Unauthenticated, "task token refused");
 
     // A real token of another mesh: signed by a key this policy service never had.
     let other_mesh = Mesh::start().await;
@@ -211,10 +198,7 @@ async fn tokens_that_do_not_hold_for_the_task_are_refused_before_any_model_call(
     let mut other_profile = task.clone();
     other_profile.profile_id = "logs-investigator".into();
     let token = mesh.token_for(&task, &[]).await;
-    let refused = worker
-        .execute(&other_profile, &token, 1)
-        .await
-        .unwrap_err();
+    let refused = worker.execute(&other_profile, &token, 1).await.unwrap_err();
     assert_refused(
         &refused,
         tonic::Code::PermissionDenied,
