@@ -12,6 +12,7 @@ mod console_browser;
 mod durable;
 mod gateway_access;
 mod isolation;
+mod keys;
 mod mesh;
 mod model;
 mod planner;
