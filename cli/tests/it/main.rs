@@ -21,3 +21,4 @@ mod support;
 mod templates;
 mod tls;
 mod trace;
+mod worker_guard;
