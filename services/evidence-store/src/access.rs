@@ -15,9 +15,9 @@
 //! own tenant's evidence. Reads yield a [`Reader`] (tenant and who, for logs); writes the
 //! token's [`Claims`], whose delegation the stored records name.
 //!
-//! Revocation is not checked here (that would cost a policy round trip per call); tokens
-//! are short-lived, and Authorize refuses a revoked token's tool calls, so it gathers
-//! nothing new.
+//! Revocation is checked without a round trip per call: the revocations arrive with the
+//! policy service's keys (`TokenKeys`, fetched again every `key_refresh`), so a revoked
+//! token or run is refused here within one interval, and by Authorize at once.
 //!
 //! The token's data constraints (time window, rows) bound the data its tools read, not
 //! the evidence store: a scope covering the action on the `evidence` resource is enough,

@@ -209,8 +209,12 @@ pub struct Parts {
     pub shutdown: Shutdown,
 }
 
-/// Hands out worker handles whose calls carry the supervisor's own credential, the one
-/// workers accept Execute, PlanTurn and Cancel with.
+/// Hands out worker handles whose calls prove they come from the supervisor: over
+/// mutual TLS (an `https://` endpoint, and this process has a client certificate) the
+/// certificate does, and the credential is not sent, so no worker ever holds it;
+/// otherwise every call carries the supervisor's own credential, the one workers accept
+/// Execute, PlanTurn and Cancel with (on plaintext the worker thus sees it: plaintext
+/// meshes rely on their network, see docs/security.md).
 struct AsSupervisor {
     inner: Arc<dyn Connector>,
     credential: Arc<str>,
@@ -218,9 +222,16 @@ struct AsSupervisor {
 
 impl Connector for AsSupervisor {
     fn connect(&self, endpoint: &str) -> Result<convene_mesh::handles::WorkerHandle, String> {
-        self.inner
-            .connect(endpoint)
-            .map(|h| convene_mesh::handles::AsService::wrap(h, self.credential.clone()))
+        let handle = self.inner.connect(endpoint)?;
+        let certified = endpoint.starts_with("https://")
+            && convene_server::tls::installed()
+                .and_then(|t| t.client.as_ref())
+                .is_some_and(|c| c.identity.is_some());
+        Ok(if certified {
+            handle
+        } else {
+            convene_mesh::handles::AsService::wrap(handle, self.credential.clone())
+        })
     }
 
     fn requires_tls(&self) -> bool {
