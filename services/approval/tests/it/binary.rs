@@ -95,9 +95,15 @@ fn starts_on_the_development_settings_and_stops_on_sigterm() {
             }
         }
     });
-    let first = lines
+    // First the warning that development credentials are generated, then what the
+    // development settings are.
+    let warning = lines
         .recv_timeout(Duration::from_secs(20))
         .expect("a first log line");
+    assert!(warning.contains("DEVELOPMENT CREDENTIALS"), "{warning}");
+    let first = lines
+        .recv_timeout(Duration::from_secs(20))
+        .expect("a second log line");
     assert!(
         first.contains(
             "no --config given: using the development settings of the payment-incident example"

@@ -94,12 +94,16 @@ fn the_binary_dumps_its_config_and_says_when_it_runs_on_development_settings() {
         .spawn()
         .unwrap();
     let stderr = child.stderr.take().unwrap();
+    let mut reader = std::io::BufReader::new(stderr);
+    // First the warning that development credentials are generated, then what the
+    // development settings are.
+    let mut warning = String::new();
+    reader.read_line(&mut warning).unwrap();
     let mut first = String::new();
-    std::io::BufReader::new(stderr)
-        .read_line(&mut first)
-        .unwrap();
+    reader.read_line(&mut first).unwrap();
     child.kill().unwrap();
     child.wait().unwrap();
+    assert!(warning.contains("DEVELOPMENT CREDENTIALS"), "{warning}");
     assert!(
         first.contains(
             "no --config given: using the development settings of the payment-incident example (data dir ./.convene"
