@@ -152,6 +152,8 @@ fn worker_config(
         profiles_file: Some(mesh.write_profiles(name, profiles)),
         tools_data_dir: example_data(),
         supervisor_endpoint: mesh.supervisor_endpoint.clone(),
+        // The mesh serves every service on one address, the registry included.
+        registry_endpoints: vec![mesh.supervisor_endpoint.clone()],
         policy_endpoint: mesh.policy_endpoint.clone(),
         evidence_endpoint: mesh.evidence_endpoint.clone(),
         data_dir: mesh.data_dir(),
