@@ -1,6 +1,6 @@
 //! What a worker checks before it acts, tried from the attacker's side: callers that are
 //! not the supervisor, and task tokens that are forged, signed by another key, expired,
-//! revoked or another task's. Every refusal comes before anything leaves the worker:
+//! revoked (before the task, or during it) or another task's. Every refusal comes before anything leaves the worker:
 //! the scripted model server behind the model-driven profiles counts zero requests, and
 //! the policy service logs no decision.
 
@@ -243,4 +243,52 @@ async fn tokens_that_do_not_hold_for_the_task_are_refused_before_any_model_call(
 /// The example's logs task under another delegation id.
 fn task_named(id: &str) -> v1::DelegationTask {
     task(id, PROFILE, Duration::from_secs(30))
+}
+
+#[tokio::test]
+async fn a_token_revoked_mid_task_stops_the_loop_before_the_next_model_turn() {
+    let mesh = Mesh::start().await;
+    // The first turn asks for a tool call, slowly enough for the revocation to reach
+    // the worker before the second turn would be asked.
+    let search =
+        json!({"service": "payment-api", "match": {"error": "POOL_EXHAUSTED"}}).to_string();
+    let model = ScriptedModel::start(Script::new(vec![
+        Reply::delayed(
+            Duration::from_millis(1500),
+            Reply::tool_calls(vec![("call_1", "search_logs_v1", search)]),
+        ),
+        Reply::text("a second turn the worker must never ask for"),
+    ]))
+    .unwrap();
+    let worker = worker(&mesh, &model, Duration::from_millis(200)).await;
+    let task = task("del-guard-midway", PROFILE, Duration::from_secs(30));
+    let issued = mesh
+        .issue(v1::TokenGrantRequest {
+            delegation_id: task.delegation_id.clone(),
+            profile_id: PROFILE.into(),
+            depth: 1,
+            required_scopes: task.required_scopes.clone(),
+            task_scope: task.scope.clone(),
+            ..v1::TokenGrantRequest::default()
+        })
+        .await;
+    let running = worker.execute_in_background(&task, &issued.token);
+    crate::support::wait_until(
+        "the first model turn asked",
+        || model.request_count(),
+        |n| *n == 1,
+    )
+    .await;
+    mesh.revoke_token(&issued.token_id).await;
+
+    let result = running.await.unwrap().unwrap().into_inner().result.unwrap();
+    assert_eq!(result.status, v1::TaskStatus::Failed as i32, "{result:#?}");
+    let error = result.error.as_ref().expect("the result says why");
+    assert_eq!(error.code, "token_refused", "{error:?}");
+    assert!(error.message.contains("Revoked"), "{error:?}");
+    assert_eq!(
+        model.request_count(),
+        1,
+        "the model is not asked again under a revoked token"
+    );
 }
