@@ -206,7 +206,7 @@ impl TokenKeys {
         }
     }
 
-    async fn refresh(&self) -> Result<Arc<KeySnapshot>, Status> {
+    async fn refresh(&self, now: SystemTime) -> Result<Arc<KeySnapshot>, Status> {
         let previous = self.current();
         let since = previous.as_ref().and_then(|p| p.revoked_through);
         let answer = self
@@ -225,7 +225,6 @@ impl TokenKeys {
         let verifier = Arc::new(Verifier::from_jwks(&answer.keys).map_err(|e| {
             Status::internal(format!("policy service returned unusable keys: {e}"))
         })?);
-        let now = SystemTime::now();
         let kept = answer
             .revocations_kept
             .and_then(|d| Duration::try_from(d).ok())
@@ -258,25 +257,30 @@ impl TokenKeys {
     }
 
     /// One fetch at a time: a caller that waited for another's fetch uses its answer.
-    async fn refresh_once(&self, seen: Option<Instant>) -> Result<Arc<KeySnapshot>, Status> {
+    async fn refresh_once(
+        &self,
+        seen: Option<Instant>,
+        now: SystemTime,
+    ) -> Result<Arc<KeySnapshot>, Status> {
         let _one = self.refreshing.lock().await;
         if let Some(current) = self.current()
             && seen.is_none_or(|t| current.at > t)
         {
             return Ok(current);
         }
-        self.refresh().await
+        self.refresh(now).await
     }
 
     fn current(&self) -> Option<Arc<KeySnapshot>> {
         self.snapshot.read().expect("lock poisoned").clone()
     }
 
-    /// The keys and revocations, fetched again when older than the refresh interval.
-    async fn fresh(&self) -> Result<Arc<KeySnapshot>, Status> {
+    /// The keys and revocations, fetched again when older than the refresh interval;
+    /// revocations older than the longest token lifetime at `now` are forgotten.
+    async fn fresh(&self, now: SystemTime) -> Result<Arc<KeySnapshot>, Status> {
         match self.current() {
             Some(s) if s.at.elapsed() < self.refresh_every => Ok(s),
-            Some(s) => match self.refresh_once(Some(s.at)).await {
+            Some(s) => match self.refresh_once(Some(s.at), now).await {
                 Ok(fresh) => Ok(fresh),
                 // The policy service is briefly away: keep verifying with what is known
                 // until it has been away for two intervals.
@@ -286,14 +290,14 @@ impl TokenKeys {
                 }
                 Err(e) => Err(e),
             },
-            None => self.refresh_once(None).await,
+            None => self.refresh_once(None, now).await,
         }
     }
 
     /// Verifies a token at `now`: signature, key, validity window, and that neither the
     /// token nor its run is revoked. Refreshes the keys once if its key id is unknown.
     pub async fn verify(&self, token: &str, now: SystemTime) -> Result<Claims, Status> {
-        let snapshot = self.fresh().await?;
+        let snapshot = self.fresh(now).await?;
         let claims = match snapshot.verifier.verify(token, now) {
             Err(TokenError::UnknownKey { .. }) => {
                 let recently = self
@@ -307,7 +311,7 @@ impl TokenKeys {
                         .verify(token, now)
                         .map_err(|e| token_status(&e));
                 }
-                let refreshed = self.refresh_once(Some(snapshot.at)).await?;
+                let refreshed = self.refresh_once(Some(snapshot.at), now).await?;
                 let claims = refreshed
                     .verifier
                     .verify(token, now)

@@ -87,16 +87,19 @@ impl PolicyServiceBuilder {
     /// The service.
     pub fn build(self) -> PolicyService {
         let policy = Arc::new(self.policy);
+        let clock = self.clock.unwrap_or_default();
         PolicyService {
             inner: Arc::new(Inner {
                 auth: Authenticator::principals_only(policy.clone()),
                 policy,
                 keys: Keys::new(self.ring),
-                state: self.state.unwrap_or_else(|| Arc::new(MemoryState::new())),
+                state: self
+                    .state
+                    .unwrap_or_else(|| Arc::new(MemoryState::with_clock(clock.clone()))),
                 log: self
                     .log
                     .unwrap_or_else(|| Arc::new(MemoryDecisionLog::new())),
-                clock: self.clock.unwrap_or_default(),
+                clock,
             }),
         }
     }
@@ -162,7 +165,7 @@ impl PolicyService {
         };
         let state: Arc<dyn PolicyState> = match database {
             Some(db) => Arc::new(crate::sql::SqlPolicyState::new(db)),
-            None => Arc::new(MemoryState::new()),
+            None => Arc::new(MemoryState::with_clock(clock.clone())),
         };
         tracing::info!(
             policy = %source.name(),

@@ -326,6 +326,8 @@ pub struct MemoryState {
     revoked_tokens: DashMap<String, (String, SystemTime)>,
     revoked_runs: DashMap<String, (String, SystemTime)>,
     prune_at: AtomicUsize,
+    /// When revocations are made.
+    clock: convene_core::time::Clock,
 }
 
 impl Default for MemoryState {
@@ -337,6 +339,7 @@ impl Default for MemoryState {
             revoked_tokens: DashMap::new(),
             revoked_runs: DashMap::new(),
             prune_at: AtomicUsize::new(MIN_PRUNE_THRESHOLD),
+            clock: convene_core::time::Clock::system(),
         }
     }
 }
@@ -345,6 +348,14 @@ impl MemoryState {
     /// An empty state.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// An empty state that times its revocations by `clock`.
+    pub fn with_clock(clock: convene_core::time::Clock) -> Self {
+        Self {
+            clock,
+            ..Self::default()
+        }
     }
 
     /// Drops counters and ownership records of tokens expired at `now`, once the counter
@@ -442,14 +453,14 @@ impl PolicyState for MemoryState {
     async fn revoke_token(&self, token_id: &str, reason: &str) -> Result<(), StateError> {
         self.revoked_tokens
             .entry(token_id.to_owned())
-            .or_insert_with(|| (reason.to_owned(), SystemTime::now()));
+            .or_insert_with(|| (reason.to_owned(), self.clock.now()));
         Ok(())
     }
 
     async fn revoke_run(&self, run_id: &str, reason: &str) -> Result<(), StateError> {
         self.revoked_runs
             .entry(run_id.to_owned())
-            .or_insert_with(|| (reason.to_owned(), SystemTime::now()));
+            .or_insert_with(|| (reason.to_owned(), self.clock.now()));
         Ok(())
     }
 
