@@ -716,3 +716,52 @@ async fn shutdown_lets_an_in_flight_authorize_finish() {
         "the decision was logged before the answer"
     );
 }
+
+#[tokio::test]
+async fn who_am_i_names_only_the_principal_whose_credential_calls_it() {
+    let h = Harness::start().await;
+    let mut client = h.client().await;
+
+    // A principal learns about itself: id, kind and roles, nothing it could not send.
+    let me = client
+        .who_am_i(request(v1::WhoAmIRequest {}, SUPERVISOR))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        (me.principal_id.as_str(), me.kind.as_str()),
+        ("supervisor", "service")
+    );
+    assert!(me.roles.contains(&"tokens:issue".to_owned()), "{me:?}");
+    let person = client
+        .who_am_i(request(v1::WhoAmIRequest {}, ONCALL))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        (person.principal_id.as_str(), person.kind.as_str()),
+        ("oncall@acme", "human")
+    );
+
+    // No credential, a wrong one, or a task token: refused, naming nobody.
+    let anonymous = client
+        .who_am_i(tonic::Request::new(v1::WhoAmIRequest {}))
+        .await
+        .unwrap_err();
+    assert_eq!(anonymous.code(), tonic::Code::Unauthenticated);
+    let wrong = client
+        .who_am_i(request(v1::WhoAmIRequest {}, "cvn_not_a_credential"))
+        .await
+        .unwrap_err();
+    assert_eq!(wrong.code(), tonic::Code::Unauthenticated);
+    let token = h.issue_one("run-whoami", h.logs_grant("del-1")).await.token;
+    let task = client
+        .who_am_i(request(v1::WhoAmIRequest {}, &token))
+        .await
+        .unwrap_err();
+    assert_eq!(task.code(), tonic::Code::Unauthenticated, "{task:?}");
+    assert!(
+        task.message().contains("principal credentials only"),
+        "{task:?}"
+    );
+}
