@@ -10,7 +10,6 @@ use std::path::Path;
 use std::process::{Child, Stdio};
 use std::time::{Duration, Instant, SystemTime};
 
-use convene_core::time::to_timestamp;
 use convene_mesh::auth;
 use convene_mesh::policy_file::dev_credential;
 use convene_policy::PolicyService;
@@ -191,7 +190,7 @@ impl Mesh {
     async fn issue(&self, delegations: &[&str]) -> Vec<v1::IssuedToken> {
         let task = task("");
         let mut required = task.required_scopes.clone();
-        required.push(scope("evidence:*", "evidence"));
+        required.push(crate::support::scope("evidence:*", "evidence"));
         let mut task_scope = task.scope.clone().expect("the task's scope");
         task_scope.resources.push("evidence".into());
         let grants = delegations
@@ -319,48 +318,9 @@ async fn channel(service: &Service) -> tonic::transport::Channel {
         .unwrap_or_else(|e| panic!("cannot reach {}: {e}", service.name))
 }
 
-/// A permission scope.
-fn scope(action: &str, resource: &str) -> v1::PermissionScope {
-    v1::PermissionScope {
-        action: action.into(),
-        resource: resource.into(),
-        data_scope: None,
-    }
-}
-
-fn time(text: &str) -> prost_types::Timestamp {
-    to_timestamp(humantime::parse_rfc3339(text).expect("an RFC 3339 time"))
-}
-
-/// The example run's logs investigation as delegation `delegation_id`.
-fn task(delegation_id: &str) -> v1::DelegationTask {
-    v1::DelegationTask {
-        delegation_id: delegation_id.into(),
-        run_id: RUN_ID.into(),
-        parent_delegation_id: String::new(),
-        depth: 1,
-        profile_id: PROFILE.into(),
-        goal: "Identify the main error patterns in payment logs and when they first occurred."
-            .into(),
-        acceptance_criteria: vec!["Cite read-only query evidence for every conclusion".into()],
-        scope: Some(v1::TaskScope {
-            resources: vec!["service/payment-api".into(), "service/risk-gateway".into()],
-            time_range: Some(v1::TimeRange {
-                start: Some(time("2026-07-23T01:45:00Z")),
-                end: Some(time("2026-07-23T02:10:00Z")),
-            }),
-        }),
-        input_refs: Vec::new(),
-        allowed_tools: vec!["search_logs@1".into()],
-        allowed_evidence_prefixes: vec!["logs://".into()],
-        required_scopes: vec![scope("logs:read", "service/*")],
-        deadline: Some(to_timestamp(SystemTime::now() + Duration::from_secs(60))),
-        budget: None,
-        may_redelegate: false,
-        name: "logs".into(),
-        round: 0,
-        call_index: 0,
-    }
+/// The example run's logs investigation as delegation `id`.
+fn task(id: &str) -> v1::DelegationTask {
+    crate::support::logs_task(id, PROFILE, RUN_ID)
 }
 
 /// Calls `probe` every 25 ms until `done` holds of its answer; returns that answer and

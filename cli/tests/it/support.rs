@@ -98,3 +98,48 @@ pub fn wait_for<T, S: Debug>(
 /// What a condition that does not hold yet shows in a failure.
 #[derive(Debug)]
 struct NotYet;
+
+/// A permission scope on `resource`.
+pub fn scope(action: &str, resource: &str) -> convene_proto::v1::PermissionScope {
+    convene_proto::v1::PermissionScope {
+        action: action.into(),
+        resource: resource.into(),
+        data_scope: None,
+    }
+}
+
+/// The example incident's logs investigation, for `profile` in run `run_id`, as
+/// delegation `delegation_id`, due in a minute.
+pub fn logs_task(
+    delegation_id: &str,
+    profile: &str,
+    run_id: &str,
+) -> convene_proto::v1::DelegationTask {
+    let at = |text: &str| -> prost_types::Timestamp {
+        humantime::parse_rfc3339(text)
+            .expect("an RFC 3339 time")
+            .into()
+    };
+    convene_proto::v1::DelegationTask {
+        delegation_id: delegation_id.into(),
+        run_id: run_id.into(),
+        depth: 1,
+        profile_id: profile.into(),
+        goal: "Identify the main error patterns in payment logs and when they first occurred."
+            .into(),
+        acceptance_criteria: vec!["Cite read-only query evidence for every conclusion".into()],
+        scope: Some(convene_proto::v1::TaskScope {
+            resources: vec!["service/payment-api".into(), "service/risk-gateway".into()],
+            time_range: Some(convene_proto::v1::TimeRange {
+                start: Some(at("2026-07-23T01:45:00Z")),
+                end: Some(at("2026-07-23T02:10:00Z")),
+            }),
+        }),
+        allowed_tools: vec!["search_logs@1".into()],
+        allowed_evidence_prefixes: vec!["logs://".into()],
+        required_scopes: vec![scope("logs:read", "service/*")],
+        deadline: Some((std::time::SystemTime::now() + Duration::from_secs(60)).into()),
+        name: "logs".into(),
+        ..convene_proto::v1::DelegationTask::default()
+    }
+}

@@ -317,50 +317,15 @@ fn call<T>(message: T, credential: Option<&str>) -> tonic::Request<T> {
     request
 }
 
-fn scope(action: &str, resource: &str) -> v1::PermissionScope {
-    v1::PermissionScope {
-        action: action.into(),
-        resource: resource.into(),
-        data_scope: None,
-    }
-}
-
-fn at(rfc3339: &str) -> prost_types::Timestamp {
-    humantime::parse_rfc3339(rfc3339)
-        .expect("a timestamp")
-        .into()
-}
-
 /// The example's logs task for the model-driven specialist, as delegation `id`.
 fn task(id: &str) -> v1::DelegationTask {
-    v1::DelegationTask {
-        delegation_id: id.into(),
-        run_id: RUN_ID.into(),
-        depth: 1,
-        profile_id: PROFILE.into(),
-        goal: "Identify the main error patterns in payment logs and when they first occurred."
-            .into(),
-        acceptance_criteria: vec!["Cite read-only query evidence for every conclusion".into()],
-        scope: Some(v1::TaskScope {
-            resources: vec!["service/payment-api".into(), "service/risk-gateway".into()],
-            time_range: Some(v1::TimeRange {
-                start: Some(at("2026-07-23T01:45:00Z")),
-                end: Some(at("2026-07-23T02:10:00Z")),
-            }),
-        }),
-        allowed_tools: vec!["search_logs@1".into()],
-        allowed_evidence_prefixes: vec!["logs://".into()],
-        required_scopes: vec![scope("logs:read", "service/*")],
-        deadline: Some((SystemTime::now() + CALL).into()),
-        name: "logs".into(),
-        ..v1::DelegationTask::default()
-    }
+    crate::support::logs_task(id, PROFILE, RUN_ID)
 }
 
 /// What `task` needs from its token: its scopes plus evidence access.
 fn grant(task: &v1::DelegationTask) -> v1::TokenGrantRequest {
     let mut required = task.required_scopes.clone();
-    required.push(scope("evidence:*", "evidence"));
+    required.push(crate::support::scope("evidence:*", "evidence"));
     let mut task_scope = task.scope.clone().expect("a scope");
     task_scope.resources.push("evidence".into());
     v1::TokenGrantRequest {
