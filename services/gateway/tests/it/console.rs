@@ -30,11 +30,16 @@ const APPROVAL: &str = "0190a1b2-c3d4-7e5f-8a9b-0c1d2e3f4a5c";
 /// Principals: `oncall` views and starts runs, `reader` only views, `worker-pool` may
 /// not view, `console` acts for the others.
 fn policy() -> Arc<Policy> {
+    policy_where_reader_holds("[runs:read]")
+}
+
+/// [`policy`] with `reader`'s roles `roles` (a YAML list).
+fn policy_where_reader_holds(roles: &str) -> Arc<Policy> {
     let hash = |who: &str| credential_hash(&credential(who));
     let text = format!(
         "principals:
   - {{ id: oncall, tenant: acme, kind: human, roles: [runs:read, runs:start], credential_sha256: [{}] }}
-  - {{ id: reader, tenant: acme, kind: human, roles: [runs:read], credential_sha256: [{}] }}
+  - {{ id: reader, tenant: acme, kind: human, roles: {roles}, credential_sha256: [{}] }}
   - {{ id: worker-pool, tenant: system, kind: service, roles: [workers:register], credential_sha256: [{}] }}
   - {{ id: console, tenant: system, kind: service, roles: [principals:act-as], act_as: {{ tenants: [acme] }}, credential_sha256: [{}] }}
 ",
@@ -296,14 +301,25 @@ fn gateway(base: &str, supervisor: Arc<Runs>) -> Router {
 /// The console alone, its sessions lasting `ttl` and its streams checking them every
 /// `recheck`.
 fn console_with(ttl: Duration, recheck: Duration) -> (Router, Arc<Console>) {
+    console_of(policy(), Sessions::new(None), ttl, recheck)
+}
+
+/// A console on `policy` keeping its sessions in `sessions`, as one replica, or one
+/// start of the gateway, is.
+fn console_of(
+    policy: Arc<Policy>,
+    sessions: Sessions,
+    ttl: Duration,
+    recheck: Duration,
+) -> (Router, Arc<Console>) {
     let settings = settings();
     let console = Arc::new(Console {
         supervisor: Arc::new(Runs::default()),
         approval: settings.approval,
         evidence: settings.evidence,
-        policy: policy(),
+        policy,
         credential: settings.credential,
-        sessions: Sessions::new(None),
+        sessions,
         throttle: Throttle::default(),
         secure: false,
         session_ttl: ttl,
@@ -655,6 +671,89 @@ async fn a_live_stream_ends_at_its_sessions_expiry() {
         "not before the session's expiry: {:?}",
         started.elapsed()
     );
+}
+
+#[tokio::test]
+async fn a_session_whose_viewing_role_is_taken_away_gets_no_stream_after_the_restart() {
+    // The policy is read at start: an operator takes a role away by editing the policy
+    // file and restarting the gateway. Sessions live in the database and outlast the
+    // restart; the restart ends every stream, and the browsers reconnect.
+    let dir = tempfile::tempdir().unwrap();
+    let url = convene_store::sqlite_url(&dir.path().join(convene_store::SQLITE_FILE));
+    let db = convene_store::Database::connect(&url).await.unwrap();
+    let recheck = Duration::from_millis(100);
+    let run_events = format!("/console/runs/{RUN}/events?after=3");
+    let approval_events = format!("/console/approvals/{APPROVAL}/events?since=0");
+
+    let (before, _) = console_of(
+        policy(),
+        Sessions::new(Some(db.clone())),
+        console::DEFAULT_SESSION_TTL,
+        recheck,
+    );
+    let reader = sign_in(&before, "reader").await;
+    let oncall = sign_in(&before, "oncall").await;
+    for cookie in [&reader, &oncall] {
+        let stream = get(&before, &run_events, Some(cookie)).await;
+        assert_eq!(stream.status(), StatusCode::OK, "{cookie}");
+        drop(first_event(stream).await);
+    }
+    drop(before);
+
+    let (after, console) = console_of(
+        policy_where_reader_holds("[]"),
+        Sessions::new(Some(db.clone())),
+        console::DEFAULT_SESSION_TTL,
+        recheck,
+    );
+    let token = reader.split_once('=').expect("name=value").1;
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap();
+    assert!(
+        console
+            .sessions
+            .get(token, i64::try_from(now.as_millis()).unwrap())
+            .await
+            .unwrap()
+            .is_some_and(|s| s.principal == "reader"),
+        "the reader's session outlasted the restart"
+    );
+    // It is the role, not the session, that is gone: no stream, no page.
+    for path in [
+        run_events.as_str(),
+        approval_events.as_str(),
+        "/console/runs",
+    ] {
+        let refused = get(&after, path, Some(&reader)).await;
+        assert_eq!(refused.status(), StatusCode::SEE_OTHER, "{path}");
+        assert_eq!(
+            refused.headers()[header::LOCATION],
+            "/console/sign-in",
+            "{path}"
+        );
+        assert_ne!(
+            refused.headers().get(header::CONTENT_TYPE),
+            Some(&header::HeaderValue::from_static("text/event-stream")),
+            "{path}"
+        );
+    }
+    // A principal that keeps the role is served again, and its stream outlasts several
+    // checks.
+    let stream = get(&after, &run_events, Some(&oncall)).await;
+    assert_eq!(stream.status(), StatusCode::OK);
+    let mut body = first_event(stream).await;
+    let still = tokio::time::timeout(recheck * 5, async {
+        while let Some(chunk) = body.next().await {
+            chunk.expect("data");
+        }
+    })
+    .await;
+    assert!(
+        still.is_err(),
+        "the stream of a session that keeps the role ended"
+    );
+    db.close().await;
 }
 
 #[tokio::test]
