@@ -413,6 +413,15 @@ impl Allowlist {
     ///
     /// Why not, and how to allow it; a name that does not resolve.
     pub async fn admit(&self, url: &Url) -> Result<Vec<SocketAddr>, Refusal> {
+        self.admit_with(url, &SystemDns).await
+    }
+
+    /// [`admit`](Self::admit), the host name looked up by `dns`.
+    pub(crate) async fn admit_with(
+        &self,
+        url: &Url,
+        dns: &dyn Dns,
+    ) -> Result<Vec<SocketAddr>, Refusal> {
         self.check_url(url)?;
         let port = url
             .port_or_known_default()
@@ -422,10 +431,10 @@ impl Allowlist {
             Some(Target::Name(name)) => name,
             None => return Err(Self::refuse(url, "the URL names no host".to_owned())),
         };
-        let mut addrs: Vec<SocketAddr> = tokio::net::lookup_host((name, port))
+        let mut addrs = dns
+            .lookup(name, port)
             .await
-            .map_err(|e| Self::refuse(url, format!("{name} does not resolve ({e})")))?
-            .collect();
+            .map_err(|e| Self::refuse(url, format!("{name} does not resolve ({e})")))?;
         addrs.sort();
         addrs.dedup();
         if addrs.is_empty() {
@@ -435,6 +444,23 @@ impl Allowlist {
             self.check_ip(url, addr.ip(), Some(name))?;
         }
         Ok(addrs)
+    }
+}
+
+/// Looks host names up for [`Allowlist::admit_with`].
+#[async_trait::async_trait]
+pub(crate) trait Dns: Send + Sync {
+    /// The addresses `name` stands for, each with `port`.
+    async fn lookup(&self, name: &str, port: u16) -> std::io::Result<Vec<SocketAddr>>;
+}
+
+/// The system's resolver.
+pub(crate) struct SystemDns;
+
+#[async_trait::async_trait]
+impl Dns for SystemDns {
+    async fn lookup(&self, name: &str, port: u16) -> std::io::Result<Vec<SocketAddr>> {
+        Ok(tokio::net::lookup_host((name, port)).await?.collect())
     }
 }
 

@@ -22,7 +22,7 @@ use convene_proto::v1;
 use reqwest::Url;
 use serde_json::{Value, json};
 
-use super::allow::{self, Allowlist};
+use super::allow::{self, Allowlist, Dns};
 use super::{A2aProvider, Bearer, EVIDENCE_KIND, EVIDENCE_SCHEME};
 use crate::provider::{RemoteAnswer, RemoteArtifact, RemoteError, RemoteTask, clip};
 use crate::tools::{canonical_json, format_time};
@@ -52,13 +52,18 @@ struct Pins {
 impl Pins {
     /// Admits `url`; resolves its host unless it is pinned already. Returns whether a
     /// host was added (the client must then be built again).
-    async fn admit(&mut self, allow: &Allowlist, url: &Url) -> Result<bool, RemoteError> {
+    async fn admit(
+        &mut self,
+        allow: &Allowlist,
+        dns: &dyn Dns,
+        url: &Url,
+    ) -> Result<bool, RemoteError> {
         let host = url.host_str().unwrap_or_default().to_owned();
         if self.hosts.contains_key(&host) {
             allow.check_url(url).map_err(refused)?;
             return Ok(false);
         }
-        let addrs = allow.admit(url).await.map_err(refused)?;
+        let addrs = allow.admit_with(url, dns).await.map_err(refused)?;
         self.hosts.insert(host, addrs);
         Ok(true)
     }
@@ -221,7 +226,8 @@ pub(super) async fn delegate(
         binding: "agent card".to_owned(),
     };
     let mut pins = Pins::default();
-    pins.admit(&provider.allow, &provider.card_url).await?;
+    pins.admit(&provider.allow, provider.dns.as_ref(), &provider.card_url)
+        .await?;
     let mut client = pins.client(budget)?;
     let card = fetch_card(&peer, &client, &provider.card_url).await?;
     let iface = choose_interface(&peer, &card)?;
@@ -235,7 +241,10 @@ pub(super) async fn delegate(
             ),
         )
     })?;
-    if pins.admit(&provider.allow, &endpoint).await? {
+    if pins
+        .admit(&provider.allow, provider.dns.as_ref(), &endpoint)
+        .await?
+    {
         client = pins.client(budget)?;
     }
     peer.endpoint = allow::shown(&endpoint);
@@ -680,7 +689,252 @@ impl Answered<'_> {
 
 #[cfg(test)]
 mod tests {
+    use std::net::{IpAddr, Ipv4Addr};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use axum::serve::ListenerExt as _;
+
     use super::*;
+    use crate::a2a::RemoteSpec;
+
+    /// The address the agent's name first resolves to: the one the worker checks.
+    const CHECKED: Ipv4Addr = Ipv4Addr::new(127, 0, 0, 1);
+    /// Another loopback address, on the same port: where a later answer or a redirect
+    /// points.
+    const OTHER: Ipv4Addr = Ipv4Addr::new(127, 0, 0, 2);
+    /// The agent's host name, known only to the test's resolver.
+    const NAME: &str = "agent.test";
+
+    /// How a test agent answers.
+    #[derive(Clone, Copy)]
+    enum Serve {
+        /// As an A2A agent: its card, then a task that completes at the first `GetTask`.
+        Agent,
+        /// Its card with a redirect to [`OTHER`].
+        RedirectCard,
+        /// Its card, then every JSON-RPC call with a redirect to [`OTHER`].
+        RedirectRpc,
+    }
+
+    /// An A2A agent on `ip:port` that answers as `serve` says, closes every connection
+    /// after one answer (so each request is dialled anew), and counts the connections it
+    /// accepts.
+    async fn agent(ip: Ipv4Addr, port: u16, base: String, serve: Serve) -> Arc<AtomicUsize> {
+        use axum::http::{StatusCode, header};
+        use axum::response::IntoResponse;
+        use axum::routing::{get, post};
+        let listener = tokio::net::TcpListener::bind((ip, port))
+            .await
+            .unwrap_or_else(|e| panic!("cannot listen on {ip}:{port}: {e}"));
+        let dialled = Arc::new(AtomicUsize::new(0));
+        let counter = dialled.clone();
+        let listener = listener.tap_io(move |_| {
+            counter.fetch_add(1, Ordering::SeqCst);
+        });
+        let elsewhere = move |path: &str| {
+            (
+                StatusCode::TEMPORARY_REDIRECT,
+                [(header::LOCATION, format!("http://{OTHER}:{port}{path}"))],
+            )
+                .into_response()
+        };
+        let card = json!({
+            "name": "History",
+            "description": "Finds similar incidents.",
+            "version": "1",
+            "supportedInterfaces": [
+                { "url": format!("{base}/rpc"), "protocolBinding": "JSONRPC", "protocolVersion": "1.0" }
+            ],
+            "capabilities": {},
+            "defaultInputModes": ["text/plain"],
+            "defaultOutputModes": ["text/plain"],
+            "skills": []
+        });
+        let app = axum::Router::new()
+            .route(
+                "/.well-known/agent-card.json",
+                get(move || async move {
+                    match serve {
+                        Serve::RedirectCard => elsewhere("/.well-known/agent-card.json"),
+                        _ => axum::Json(card).into_response(),
+                    }
+                }),
+            )
+            .route(
+                "/rpc",
+                post(move |axum::Json(call): axum::Json<Value>| async move {
+                    if matches!(serve, Serve::RedirectRpc) {
+                        return elsewhere("/rpc");
+                    }
+                    let task = |state: &str| {
+                        json!({ "id": "t-1", "contextId": "c-1", "status": { "state": state } })
+                    };
+                    let result = match call["method"].as_str() {
+                        Some("SendMessage") => json!({ "task": task("TASK_STATE_WORKING") }),
+                        Some("GetTask") => {
+                            let mut done = task("TASK_STATE_COMPLETED");
+                            done["artifacts"] = json!([{
+                                "artifactId": "a-1",
+                                "parts": [{ "text": format!("answered at {ip}") }]
+                            }]);
+                            done
+                        }
+                        other => panic!("an unexpected call {other:?}"),
+                    };
+                    axum::Json(json!({ "jsonrpc": "2.0", "id": call["id"], "result": result }))
+                        .into_response()
+                }),
+            )
+            .layer(axum::middleware::map_response(
+                |mut response: axum::response::Response| async move {
+                    response
+                        .headers_mut()
+                        .insert(header::CONNECTION, "close".parse().unwrap());
+                    response
+                },
+            ));
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        dialled
+    }
+
+    /// A free port on both [`CHECKED`] and [`OTHER`].
+    fn shared_port() -> u16 {
+        for _ in 0..20 {
+            let first = std::net::TcpListener::bind((CHECKED, 0)).unwrap();
+            let port = first.local_addr().unwrap().port();
+            if std::net::TcpListener::bind((OTHER, port)).is_ok() {
+                return port;
+            }
+        }
+        panic!("no port is free on both {CHECKED} and {OTHER}");
+    }
+
+    /// A resolver whose first answer for [`NAME`] is [`CHECKED`] and every later one
+    /// [`OTHER`]: DNS rebinding.
+    #[derive(Default)]
+    struct Rebinding {
+        asked: AtomicUsize,
+    }
+
+    #[async_trait::async_trait]
+    impl Dns for Rebinding {
+        async fn lookup(&self, name: &str, port: u16) -> std::io::Result<Vec<SocketAddr>> {
+            assert_eq!(name, NAME, "only the agent's name is looked up");
+            let ip = if self.asked.fetch_add(1, Ordering::SeqCst) == 0 {
+                CHECKED
+            } else {
+                OTHER
+            };
+            Ok(vec![SocketAddr::new(IpAddr::V4(ip), port)])
+        }
+    }
+
+    /// The provider of a profile whose agent is at `url`, calling what `allow` and
+    /// `allow_private` admit.
+    fn provider(url: &str, allow: &[String], allow_private: &[&str]) -> A2aProvider {
+        let private: Vec<String> = allow_private.iter().map(|p| (*p).to_owned()).collect();
+        A2aProvider::new(
+            "history",
+            &RemoteSpec {
+                url: url.to_owned(),
+                ..RemoteSpec::default()
+            },
+            Arc::new(Allowlist::new(allow, &private).unwrap()),
+        )
+        .unwrap()
+    }
+
+    fn history_task() -> v1::DelegationTask {
+        v1::DelegationTask {
+            delegation_id: "del-1".into(),
+            run_id: "run-1".into(),
+            profile_id: "history".into(),
+            goal: "Find similar incidents".into(),
+            ..v1::DelegationTask::default()
+        }
+    }
+
+    #[tokio::test]
+    async fn a_resolved_address_is_pinned_so_a_second_answer_is_never_dialled() {
+        let port = shared_port();
+        let base = format!("http://{NAME}:{port}");
+        let checked = agent(CHECKED, port, base.clone(), Serve::Agent).await;
+        let other = agent(OTHER, port, base.clone(), Serve::Agent).await;
+        // Only the first answer is an address the worker may reach: the later one is
+        // what a rebinding name turns to.
+        let mut provider = provider(&base, std::slice::from_ref(&base), &["127.0.0.1"]);
+        let dns = Arc::new(Rebinding::default());
+        provider.dns = dns.clone();
+
+        let task = history_task();
+        let answer = delegate(
+            &provider,
+            RemoteTask {
+                task: &task,
+                instructions: "",
+            },
+        )
+        .await
+        .unwrap_or_else(|e| panic!("the delegation completes at the checked address: {e:?}"));
+        assert_eq!(
+            other.load(Ordering::SeqCst),
+            0,
+            "the address of the later answer is never dialled"
+        );
+        assert_eq!(
+            checked.load(Ordering::SeqCst),
+            3,
+            "the card, SendMessage and GetTask each dialled the checked address"
+        );
+        assert_eq!(
+            dns.asked.load(Ordering::SeqCst),
+            1,
+            "the name is looked up once, for the card; the interface on the same host \
+             reuses the checked addresses"
+        );
+        assert_eq!(answer.artifacts.len(), 1, "{answer:?}");
+        assert_eq!(
+            answer.artifacts[0].texts,
+            [format!("answered at {CHECKED}")]
+        );
+    }
+
+    #[tokio::test]
+    async fn a_redirect_to_another_address_is_never_followed() {
+        for (serve, code, says) in [
+            (Serve::RedirectCard, "a2a_refused", "a redirect"),
+            (Serve::RedirectRpc, "remote_protocol_error", "SendMessage"),
+        ] {
+            let port = shared_port();
+            let base = format!("http://{CHECKED}:{port}");
+            let checked = agent(CHECKED, port, base.clone(), serve).await;
+            let other = agent(OTHER, port, base.clone(), Serve::Agent).await;
+            // The redirect's target is on the allowlist and allow_private covers it:
+            // only the refusal to follow redirects keeps the worker from it.
+            let target = format!("http://{OTHER}:{port}");
+            let provider = provider(&base, &[base.clone(), target], &["127.0.0.0/8"]);
+
+            let task = history_task();
+            let err = delegate(
+                &provider,
+                RemoteTask {
+                    task: &task,
+                    instructions: "",
+                },
+            )
+            .await
+            .expect_err("a redirect fails the delegation");
+            assert_eq!(err.code, code, "{err:?}");
+            assert!(!err.retryable, "{err:?}");
+            assert!(err.message.contains(says), "{}", err.message);
+            assert!(checked.load(Ordering::SeqCst) >= 1);
+            assert_eq!(
+                other.load(Ordering::SeqCst),
+                0,
+                "the redirect's target is never dialled"
+            );
+        }
+    }
 
     #[test]
     fn the_credential_is_masked_wherever_a_remote_echoes_it() {
@@ -748,6 +1002,7 @@ mod tests {
             credential_source: None,
             bearer: Some(Bearer("sekrit-token".into())),
             allow: Arc::new(Allowlist::default()),
+            dns: Arc::new(allow::SystemDns),
         };
         let peer = Peer {
             provider: &provider,

@@ -178,6 +178,8 @@ pub struct A2aProvider {
     credential_source: Option<String>,
     bearer: Option<Bearer>,
     allow: Arc<Allowlist>,
+    /// Where the agent's host names are looked up, once per delegation.
+    dns: Arc<dyn allow::Dns>,
 }
 
 impl fmt::Debug for A2aProvider {
@@ -254,6 +256,7 @@ impl A2aProvider {
             credential_source,
             bearer,
             allow,
+            dns: Arc::new(allow::SystemDns),
         })
     }
 }
