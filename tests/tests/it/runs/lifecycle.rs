@@ -84,38 +84,49 @@ async fn finished_runs_revoked(mode: Mode) {
         let run = closed.expect("ResumeRun").into_inner().run.expect("run");
         assert!(convene_supervisor::store::is_final(run.state), "{run:#?}");
     }
-    // The revocation follows the terminal state; wait for the last of them.
-    let revoked = wait_for("every finished run to be revoked", LIMIT, async || {
-        let revoked = revoked_runs().await;
-        if revoked.len() >= RUNS {
-            Ok(revoked)
-        } else {
-            Err(revoked)
+    // The decision log: rows of the database in one process, a file of the policy
+    // process otherwise.
+    let logged_runs = || async {
+        let mut logged: Vec<String> = db
+            .fetch_all(convene_store::sql(
+                "SELECT run_id FROM decision_log WHERE kind = 'revoke'",
+            ))
+            .await
+            .expect("decision log read")
+            .iter()
+            .map(|r| r.get::<String>("run_id").expect("run_id"))
+            .collect();
+        if let Ok(text) = std::fs::read_to_string(mesh.data_dir().join("policy/decisions.jsonl")) {
+            // Whole lines only: the last may be half written.
+            for line in text.split_inclusive('\n').filter(|l| l.ends_with('\n')) {
+                let record: serde_json::Value = serde_json::from_str(line).expect("a JSON record");
+                if record["kind"] == "revoke" && record["target"] == "run" {
+                    logged.push(record["id"].as_str().expect("id").to_owned());
+                }
+            }
         }
-    })
+        logged
+    };
+    // The revocation follows the terminal state, and its record follows the revocation
+    // (a policy process appends it to its file after the revocation committed): wait
+    // for the last of both.
+    let (revoked, mut logged) = wait_for(
+        "every finished run to be revoked and logged",
+        LIMIT,
+        async || {
+            let revoked = revoked_runs().await;
+            let logged = logged_runs().await;
+            if revoked.len() >= RUNS && logged.len() >= RUNS {
+                Ok((revoked, logged))
+            } else {
+                Err((revoked, logged))
+            }
+        },
+    )
     .await;
     let revoked_set: BTreeSet<String> = revoked.iter().cloned().collect();
     assert_eq!(revoked_set, ids, "the revoked runs are the finished ones");
     assert_eq!(revoked.len(), RUNS, "each run revoked once: {revoked:?}");
-    // The decision log: rows of the database in one process, a file of the policy
-    // process otherwise.
-    let mut logged: Vec<String> = db
-        .fetch_all(convene_store::sql(
-            "SELECT run_id FROM decision_log WHERE kind = 'revoke'",
-        ))
-        .await
-        .expect("decision log read")
-        .iter()
-        .map(|r| r.get::<String>("run_id").expect("run_id"))
-        .collect();
-    if let Ok(text) = std::fs::read_to_string(mesh.data_dir().join("policy/decisions.jsonl")) {
-        for line in text.lines() {
-            let record: serde_json::Value = serde_json::from_str(line).expect("a JSON record");
-            if record["kind"] == "revoke" && record["target"] == "run" {
-                logged.push(record["id"].as_str().expect("id").to_owned());
-            }
-        }
-    }
     logged.sort();
     let expected: Vec<String> = ids.iter().cloned().collect();
     assert_eq!(logged, expected, "each run in the decision log once");
