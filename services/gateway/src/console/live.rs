@@ -7,7 +7,9 @@
 //!
 //! A stream lasts as long as its session ([`while_signed`]): it ends at sign-out, at the
 //! session's expiry, and when a check every [`Console::live_recheck`] finds the session
-//! closed (on another replica) or its principal without the viewing role.
+//! closed (on another replica). A role taken away in the policy file takes effect when
+//! the gateway restarts with it: the restart ends every stream, and the session opens
+//! none again.
 
 use std::convert::Infallible;
 use std::pin::Pin;
@@ -65,8 +67,8 @@ async fn still_signed(console: &Console, token: &str) -> bool {
 
 /// `events` for as long as `signed`'s session lasts: they end at its expiry, at a
 /// sign-out on this replica that closed it, and at the first check (every
-/// [`Console::live_recheck`]) that finds it closed or its principal without the
-/// viewing role.
+/// [`Console::live_recheck`]) that finds it closed (the check also asks for the
+/// viewing role, which changes only with the policy a gateway starts with).
 pub fn while_signed(
     console: Arc<Console>,
     signed: &Signed,

@@ -15,7 +15,8 @@
 //!   static assets `Cache-Control: no-store`.
 //! - **Live streams** ([`live`]) end when their session does: at sign-out (at once on
 //!   this replica), at its expiry, and when a check every [`Console::live_recheck`]
-//!   finds it closed or its principal without the viewing role.
+//!   finds it closed. Roles come from the policy read at start: one taken away takes
+//!   effect at the restart, which ends every stream.
 //! - **Acting for a person**: the console calls the mesh with its own credential (a
 //!   principal holding `principals:act-as`) and names the signed-in principal in
 //!   `x-convene-act-as` metadata ([`convene_mesh::auth::ACT_AS`]); each service then
@@ -100,8 +101,8 @@ pub struct Console {
     pub session_ttl: Duration,
     /// Jaeger's base URL, for links to a run's trace (`CONVENE_JAEGER_URL`).
     pub jaeger_url: Option<String>,
-    /// How often a live stream checks that its session is still open and its principal
-    /// still holds the viewing role.
+    /// How often a live stream checks that its session is still open (closed on another
+    /// replica, say).
     pub live_recheck: Duration,
     /// Sign-outs on this replica, for their sessions' streams to end at once.
     pub sign_outs: SignOuts,
@@ -348,7 +349,8 @@ impl FromRequestParts<Arc<Console>> for Signed {
 
 impl Console {
     /// The session of cookie token `token` if it is still open and its principal still
-    /// holds the viewing role in the session's tenant (the policy may have changed).
+    /// holds the viewing role in the session's tenant (under the policy this gateway
+    /// started with, which may differ from the one the session was opened under).
     ///
     /// # Errors
     ///
