@@ -333,6 +333,7 @@ impl RunActor {
                                 },
                             }),
                             dropped: false,
+                            defaults: d.defaults.clone(),
                         }
                     }
                 })

@@ -463,6 +463,7 @@ mod tests {
                 result: Some(result(v1::TaskStatus::Completed, "found it")),
                 error: None,
                 dropped: false,
+                ..Default::default()
             },
             v1::DelegateOutcome {
                 name: "failed".into(),
@@ -478,6 +479,7 @@ mod tests {
                 }),
                 error: None,
                 dropped: false,
+                ..Default::default()
             },
             v1::DelegateOutcome {
                 name: "extra".into(),
