@@ -3,11 +3,18 @@
 //! stdio or run by the test over streamable HTTP on loopback, with the real policy
 //! service (over `examples/mcp/policy.yaml`) and evidence store.
 //!
+//! The tests of the worker's secrets run the `convene-worker` binary in an environment
+//! they give it (the tests' own environment is never changed), with the example server
+//! wrapped by the scripts of `services/worker/tests/servers/`: behind a bearer token,
+//! and writing down the environment it starts with.
+//!
 //! The server needs a Python that imports `mcp`: `CONVENE_TEST_PYTHON`, else
 //! `.venv/bin/python` or `python3` when they do. Without one these tests skip (and fail
 //! under `CONVENE_TEST_REQUIRE_SERVICES=1`), but for the one whose server cannot start
 //! on purpose.
 
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
@@ -17,7 +24,9 @@ use convene_mesh::auth;
 use convene_mesh::handles::{EvidenceHandle, GrpcEvidenceStore, GrpcPolicy, PolicyHandle};
 use convene_policy::decision_log::AuthorizeRecord;
 use convene_proto::v1;
-use convene_server::test_util::endpoint;
+use convene_proto::v1::worker_client::WorkerClient;
+use convene_server::test_util::{connect, endpoint, pick_listener, wait_ready};
+use convene_worker::model_server::{Reply, Script, ScriptedModel};
 use convene_worker::models::ModelSettings;
 use convene_worker::profiles::{self, ProviderRegistry};
 use convene_worker::provider::{
@@ -74,6 +83,21 @@ async fn wait_for(what: &str, mut done: impl FnMut() -> bool) {
     }
 }
 
+/// The URL an HTTP server started with piped stdout prints first (`listening on <url>`),
+/// once it accepts connections.
+async fn listening_url(child: &mut tokio::process::Child) -> String {
+    let stdout = child.stdout.take().expect("piped stdout");
+    let mut lines = tokio::io::BufReader::new(stdout).lines();
+    let line = tokio::time::timeout(PATIENCE, lines.next_line())
+        .await
+        .expect("the HTTP server says where it listens")
+        .unwrap()
+        .expect("a line on stdout");
+    line.strip_prefix("listening on ")
+        .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
+        .to_owned()
+}
+
 /// How the worker reaches the example server.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Via {
@@ -122,17 +146,7 @@ impl Runbooks {
             .kill_on_drop(true)
             .spawn()
             .expect("the example server starts");
-        let stdout = child.stdout.take().expect("piped stdout");
-        let mut lines = tokio::io::BufReader::new(stdout).lines();
-        let line = tokio::time::timeout(PATIENCE, lines.next_line())
-            .await
-            .expect("the HTTP server says where it listens")
-            .unwrap()
-            .expect("a line on stdout");
-        let url = line
-            .strip_prefix("listening on ")
-            .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
-            .to_owned();
+        let url = listening_url(&mut child).await;
         let port = url
             .rsplit_once(':')
             .and_then(|(_, rest)| rest.split('/').next())
@@ -929,4 +943,462 @@ fn the_example_mcp_files_load_and_keep_the_payment_incident_policy() {
         .map(|t| t.name.as_str())
         .collect();
     assert_eq!(added, [LOOKUP, SEARCH, SLOW, RELOAD]);
+}
+
+/// A bearer token only the tests below know: it may travel to the MCP server in the
+/// Authorization header, and nowhere else.
+const BEARER_TOKEN: &str = "mcp-bearer-5d1c8e7a93f24b60-never-log-me";
+/// Its distinctive middle, which also catches a token cut short or reformatted.
+const BEARER_TOKEN_CORE: &str = "5d1c8e7a93f24b60";
+/// The worker's variable holding it, which `bearer_token_env` names.
+const BEARER_TOKEN_ENV: &str = "RUNBOOKS_TEST_BEARER_TOKEN";
+
+/// A script of the worker's MCP tests (`services/worker/tests/servers/`).
+fn test_server(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/servers")
+        .join(name)
+}
+
+/// Fails if the bearer token (or its middle) is in `text`, showing where.
+fn assert_no_bearer_token(what: &str, text: &str) {
+    let leaks: Vec<&str> = text
+        .lines()
+        .filter(|line| line.contains(BEARER_TOKEN_CORE))
+        .take(5)
+        .collect();
+    assert!(
+        leaks.is_empty(),
+        "the bearer token leaked into {what}:\n{}",
+        leaks.join("\n")
+    );
+}
+
+/// The `convene-worker` binary over the mesh, in an environment the test gives it whole
+/// (a worker's variables are set there, never in the test's own process), with its
+/// standard output and error (its logs) in files. Killed when dropped.
+struct WorkerProcess {
+    child: std::process::Child,
+    addr: SocketAddr,
+    dir: TempDir,
+}
+
+impl WorkerProcess {
+    /// Starts the worker with the MCP `servers`, the profiles of `profiles_yaml` and the
+    /// environment `env`, and waits until it serves.
+    async fn start(
+        mesh: &McpMesh,
+        servers: Vec<McpServerConfig>,
+        profiles_yaml: &str,
+        env: &[(&str, &str)],
+    ) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let profiles = dir.path().join("profiles.yaml");
+        std::fs::write(&profiles, profiles_yaml).unwrap();
+        let config = dir.path().join("worker.yaml");
+        let settings = json!({
+            "worker_id": "worker-mcp-process",
+            "data_dir": mesh.mesh.dir.path(),
+            "tools_data_dir": example_data(),
+            "profiles_file": profiles,
+            "policy_endpoint": mesh.policy_endpoint,
+            "evidence_endpoint": mesh.evidence_endpoint,
+            "register": false,
+            "mcp": McpConfig { servers },
+        });
+        std::fs::write(&config, serde_yaml::to_string(&settings).unwrap()).unwrap();
+        let free = pick_listener().await;
+        let addr = free.local_addr().unwrap();
+        drop(free);
+        let output = |name: &str| std::fs::File::create(dir.path().join(name)).unwrap();
+        let child = std::process::Command::new(env!("CARGO_BIN_EXE_convene-worker"))
+            .env_clear()
+            .envs(env.iter().copied())
+            .arg("--config")
+            .arg(&config)
+            .args(["--listen", &addr.to_string()])
+            .stdout(output("stdout.log"))
+            .stderr(output("stderr.log"))
+            .spawn()
+            .expect("the worker binary starts");
+        let mut worker = Self { child, addr, dir };
+        let ready = wait_ready(addr);
+        tokio::pin!(ready);
+        loop {
+            tokio::select! {
+                () = &mut ready => return worker,
+                () = tokio::time::sleep(Duration::from_millis(100)) => {
+                    if let Some(status) = worker.child.try_wait().unwrap() {
+                        panic!("the worker exited ({status}) before it served:\n{}", worker.logs());
+                    }
+                }
+            }
+        }
+    }
+
+    /// Runs `task` with a fresh token, as the supervisor.
+    async fn execute(&self, mesh: &McpMesh, task: &v1::DelegationTask) -> v1::TaskResult {
+        let token = mesh.token(task).await;
+        let mut client = WorkerClient::new(connect(self.addr).await);
+        let request = auth::request(
+            v1::WorkerExecuteRequest {
+                task: Some(task.clone()),
+                task_token: token,
+                attempt: 1,
+            },
+            &mesh.mesh.supervisor,
+        );
+        tokio::time::timeout(PATIENCE, client.execute(request))
+            .await
+            .expect("the task ends")
+            .expect("Execute answers")
+            .into_inner()
+            .result
+            .expect("Execute answers with a result")
+    }
+
+    /// Kills the worker, so its logs are complete.
+    fn stop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Everything it wrote on standard output and error.
+    fn logs(&self) -> String {
+        ["stdout.log", "stderr.log"]
+            .iter()
+            .map(|name| std::fs::read_to_string(self.dir.path().join(name)).unwrap_or_default())
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+}
+
+impl Drop for WorkerProcess {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// The `runbook-reader` profile played by the `openai` provider against `model`.
+fn model_profile(model: &ScriptedModel, key_file: &std::path::Path) -> String {
+    profile_yaml(
+        "openai",
+        &format!(
+            "    model: scripted-model\n    base_url: {}\n    api_key_file: {}\n",
+            model.base_url(),
+            key_file.display()
+        ),
+    )
+}
+
+/// The model's turn that calls the payment-api lookup with call id `id`.
+fn lookup_turn(id: &str) -> Reply {
+    let arguments = json!({"service": "payment-api", "evidence_kind": "runbook"});
+    Reply::tool_calls(vec![(
+        id.to_owned(),
+        convene_worker::openai::function_name(LOOKUP),
+        arguments.to_string(),
+    )])
+}
+
+/// The model's turn that hands in an empty report.
+fn report_turn() -> Reply {
+    let report = FinalReport {
+        summary: "scripted".into(),
+        ..FinalReport::default()
+    };
+    Reply::tool_calls(vec![(
+        "report".to_owned(),
+        SUBMIT_REPORT.to_owned(),
+        serde_json::to_string(&report).unwrap(),
+    )])
+}
+
+/// What call `id` came to, as `model` read it.
+fn model_outcome(model: &ScriptedModel, id: &str) -> ToolOutcome {
+    model
+        .requests()
+        .iter()
+        .flat_map(|r| r.last_tool_results())
+        .find(|r| r.tool_call_id == id)
+        .map(|r| ToolOutcome::from_content(&r.content).expect("a tool outcome"))
+        .unwrap_or_else(|| panic!("no outcome of call {id}"))
+}
+
+/// How the bearer-token server refuses a token it does not take.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Refusal {
+    /// 401 with a `WWW-Authenticate: Bearer` challenge, as the MCP authorization spec
+    /// has it.
+    Challenge,
+    /// 401 with no challenge, quoting the refused Authorization header in its body.
+    Quote,
+}
+
+/// The log lines holding the bearer token, each as the target (module) that wrote it.
+fn log_lines_with_the_token(logs: &str) -> Vec<String> {
+    logs.lines()
+        .filter(|line| line.contains(BEARER_TOKEN_CORE))
+        .map(|line| {
+            serde_json::from_str::<Value>(line)
+                .ok()
+                .and_then(|entry| entry["target"].as_str().map(str::to_owned))
+                .unwrap_or_else(|| format!("(not a log entry) {line}"))
+        })
+        .collect()
+}
+
+/// A worker whose `runbooks` server is reached over HTTP with a bearer token: the
+/// server takes the token for one task, then refuses it (`refusal`) for the next, whose
+/// two calls fail (the first in the session the server now refuses, the second in the
+/// handshake of a new one). The token reaches the server in the Authorization header of
+/// every request, and the errors the model reads, the requests to the model and the
+/// tasks' results hold none of it. Returns the worker's logs, written at every level as
+/// JSON lines, and the errors.
+async fn a_bearer_token_reaches_only_the_mcp_server(
+    python: PathBuf,
+    refusal: Refusal,
+) -> (String, Vec<String>) {
+    let mesh = McpMesh::start().await;
+    let state = tempfile::tempdir().unwrap();
+    let accepted_token = state.path().join("accepted-token");
+    let record = state.path().join("authorization");
+    std::fs::write(&accepted_token, BEARER_TOKEN).unwrap();
+    let mut command = tokio::process::Command::new(&python);
+    command
+        .arg(test_server("bearer_runbooks.py"))
+        .arg("--token-file")
+        .arg(&accepted_token)
+        .arg("--record")
+        .arg(&record);
+    if refusal == Refusal::Quote {
+        command.arg("--quote-refused");
+    }
+    let mut server = command
+        .stdout(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("the bearer-token server starts");
+    let mut runbooks = McpServerConfig::http("runbooks", listening_url(&mut server).await);
+    runbooks.bearer_token_env = Some(BEARER_TOKEN_ENV.to_owned());
+
+    let model = ScriptedModel::start(Script::new(vec![
+        lookup_turn("accepted"),
+        report_turn(),
+        lookup_turn("refused"),
+        lookup_turn("refused_again"),
+        report_turn(),
+    ]))
+    .unwrap();
+    let model_key = state.path().join("model.key");
+    std::fs::write(&model_key, "scripted-model-key").unwrap();
+    let path = std::env::var("PATH").unwrap_or_default();
+    let mut worker = WorkerProcess::start(
+        &mesh,
+        vec![runbooks],
+        &model_profile(&model, &model_key),
+        &[
+            ("PATH", &path),
+            ("RUST_LOG", "trace"),
+            ("CONVENE_LOG_FORMAT", "json"),
+            (BEARER_TOKEN_ENV, BEARER_TOKEN),
+        ],
+    )
+    .await;
+    let sent = || {
+        std::fs::read_to_string(&record)
+            .unwrap_or_default()
+            .lines()
+            .map(str::to_owned)
+            .collect::<Vec<_>>()
+    };
+    let bearer = format!("Bearer {BEARER_TOKEN}");
+
+    // Taken: the token travels in the Authorization header of every request.
+    let accepted = worker
+        .execute(&mesh, &task(&format!("del-bearer-accepted-{refusal:?}")))
+        .await;
+    let outcome = model_outcome(&model, "accepted");
+    assert!(outcome.success, "{outcome:?}");
+    assert_eq!(
+        outcome.output.unwrap()["structured_content"]["owner"],
+        "team-payments"
+    );
+    let before_refusal = sent();
+    assert!(before_refusal.len() >= 3, "{before_refusal:?}");
+    assert!(
+        before_refusal.iter().all(|h| *h == bearer),
+        "{before_refusal:?}"
+    );
+
+    // Refused: the server takes another token from now on.
+    std::fs::write(&accepted_token, "a-token-the-worker-does-not-hold").unwrap();
+    let refused = worker
+        .execute(&mesh, &task(&format!("del-bearer-refused-{refusal:?}")))
+        .await;
+    let mut errors = Vec::new();
+    for id in ["refused", "refused_again"] {
+        let outcome = model_outcome(&model, id);
+        assert!(!outcome.success, "{id}: {outcome:?}");
+        let error = outcome.error.unwrap();
+        assert!(error.contains("MCP server runbooks"), "{error}");
+        assert_no_bearer_token("a failed call's error", &error);
+        errors.push(error);
+    }
+    let after_refusal = sent();
+    assert!(
+        after_refusal.len() > before_refusal.len(),
+        "the refused calls reached the server: {after_refusal:?}"
+    );
+    assert!(
+        after_refusal.iter().all(|h| *h == bearer),
+        "{after_refusal:?}"
+    );
+    for request in model.requests() {
+        assert_no_bearer_token("a request to the model", &request.body.to_string());
+    }
+    for result in [&accepted, &refused] {
+        assert_no_bearer_token("a task's result", &format!("{result:#?}"));
+    }
+    // The result names the failed calls with their errors, the same as the model read.
+    let failure = &refused.error.as_ref().expect("the task failed").message;
+    assert!(failure.contains(&errors[1]), "{failure}");
+
+    worker.stop();
+    let logs = worker.logs();
+    // The logs were written at every level, and hold the connection and the failed
+    // calls with their errors.
+    let entries: Vec<Value> = logs
+        .lines()
+        .filter_map(|line| serde_json::from_str(line).ok())
+        .collect();
+    assert!(
+        entries.iter().any(|e| e["level"] == "TRACE"),
+        "no trace-level log entry"
+    );
+    assert!(
+        entries
+            .iter()
+            .any(|e| e["fields"]["message"] == "MCP server connected"),
+        "no log of the connection"
+    );
+    for (id, error) in ["refused", "refused_again"].iter().zip(&errors) {
+        assert!(
+            entries
+                .iter()
+                .any(|e| e["fields"]["call_id"] == *id && e["fields"]["error"] == **error),
+            "no log of call {id}"
+        );
+    }
+    (logs, errors)
+}
+
+/// The bearer token reaches the MCP server in the Authorization header, and nothing
+/// else: not the worker's logs (at every level), not what the model reads, not the
+/// tasks' results, also when the server refuses it with 401 and the calls fail.
+#[tokio::test]
+async fn an_mcp_bearer_token_never_reaches_logs_results_or_errors() {
+    let Some(python) = python() else { return };
+    let (logs, _) = a_bearer_token_reaches_only_the_mcp_server(python, Refusal::Challenge).await;
+    let leaks = log_lines_with_the_token(&logs);
+    assert!(
+        leaks.is_empty(),
+        "the bearer token leaked into logs of {leaks:?}"
+    );
+}
+
+/// An MCP server that quotes the token it refuses in its 401 answer sends it back to the
+/// worker, which masks it wherever it writes the server's answer: the errors the model
+/// reads, the task's result and its own logs. The MCP client library the worker uses
+/// (rmcp) logs that answer itself, as it got it, before the worker sees it: its lines
+/// are the only ones that may hold the token.
+#[tokio::test]
+async fn a_bearer_token_an_mcp_server_quotes_back_is_masked_in_what_the_worker_writes() {
+    let Some(python) = python() else { return };
+    let (logs, errors) = a_bearer_token_reaches_only_the_mcp_server(python, Refusal::Quote).await;
+    for error in &errors {
+        assert!(
+            error.contains("401") && error.contains("not accepted: Bearer [redacted"),
+            "the error quotes the server's answer, masked: {error}"
+        );
+    }
+    let leaks = log_lines_with_the_token(&logs);
+    assert!(
+        leaks.iter().all(|target| target.starts_with("rmcp")),
+        "the bearer token leaked into logs of {leaks:?}"
+    );
+}
+
+/// The worker's secret, which no stdio server's configuration names.
+const WORKER_SECRET: &str = "worker-secret-e2b7a4c91f6d3058";
+/// The worker's variable holding it.
+const WORKER_SECRET_ENV: &str = "RUNBOOKS_TEST_WORKER_SECRET";
+/// The worker's variable the server's `pass_env` names.
+const PASSED_ENV: &str = "RUNBOOKS_TEST_PASSED";
+
+/// A stdio server starts with a cleared environment: the worker's PATH, HOME, locale,
+/// TMPDIR and TZ, the variables its `pass_env` names (those the worker has) and its
+/// `env`; nothing else of the worker's, its secrets least of all.
+#[tokio::test]
+async fn a_stdio_mcp_server_sees_only_the_variables_its_config_names() {
+    let Some(python) = python() else { return };
+    let mesh = McpMesh::start().await;
+    let state = tempfile::tempdir().unwrap();
+    let env_file = state.path().join("server-env.json");
+    let mut runbooks = McpServerConfig::stdio(
+        "runbooks",
+        python.display().to_string(),
+        [
+            test_server("environment_runbooks.py").display().to_string(),
+            "--env-file".to_owned(),
+            env_file.display().to_string(),
+        ],
+    );
+    runbooks.env = BTreeMap::from([("RUNBOOKS_REGION".to_owned(), "eu".to_owned())]);
+    runbooks.pass_env = vec![PASSED_ENV.to_owned(), "RUNBOOKS_TEST_UNSET".to_owned()];
+
+    let home = state.path().join("home");
+    std::fs::create_dir(&home).unwrap();
+    let home = home.display().to_string();
+    let tmp = state.path().display().to_string();
+    let path = std::env::var("PATH").unwrap_or_default();
+    let inherited = [
+        ("PATH", path.as_str()),
+        ("HOME", home.as_str()),
+        ("LANG", "C.UTF-8"),
+        ("LC_ALL", "C.UTF-8"),
+        ("TMPDIR", tmp.as_str()),
+        ("TZ", "UTC"),
+    ];
+    let mut env = inherited.to_vec();
+    env.extend([
+        (PASSED_ENV, "passed-on-purpose"),
+        (WORKER_SECRET_ENV, WORKER_SECRET),
+        ("RUST_LOG", "info"),
+    ]);
+    let worker = WorkerProcess::start(&mesh, vec![runbooks], &playbook_profile(), &env).await;
+    wait_for("the stdio server to write its environment", || {
+        env_file.exists()
+    })
+    .await;
+
+    let text = std::fs::read_to_string(&env_file).unwrap();
+    let seen: BTreeMap<String, String> = serde_json::from_str(&text).unwrap();
+    let mut expected: BTreeMap<String, String> = inherited
+        .iter()
+        .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+        .collect();
+    expected.insert(PASSED_ENV.into(), "passed-on-purpose".into());
+    expected.insert("RUNBOOKS_REGION".into(), "eu".into());
+    assert_eq!(seen, expected);
+    assert!(!text.contains(WORKER_SECRET), "{text}");
+
+    // The server works in that environment: the worker's task reads its runbook.
+    let result = worker.execute(&mesh, &task("del-stdio-env")).await;
+    let claim = result
+        .claims
+        .iter()
+        .find(|c| c.topic == "runbook.payment-api.owner")
+        .unwrap_or_else(|| panic!("the runbook claim: {result:#?}\n{}", worker.logs()));
+    assert_eq!(claim.value, "team-payments");
 }

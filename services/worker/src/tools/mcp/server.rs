@@ -32,6 +32,9 @@ pub const RECONNECT_PAUSE: Duration = Duration::from_secs(1);
 /// The most characters of a server's error text a failed call quotes.
 const MAX_ERROR_TEXT: usize = 2000;
 
+/// What stands for the bearer token in a text that quoted it.
+const REDACTED: &str = "[redacted bearer token]";
+
 /// An MCP server and the tools the catalog declares for it.
 #[derive(Debug)]
 pub struct McpServer {
@@ -404,9 +407,13 @@ impl McpServer {
                 humantime::format_duration(limit)
             )
         });
-        let (client, pid, tools) = started
-            .and_then(|r| r)
-            .map_err(|why| format!("MCP server {} cannot be used: {why}", self.config.name))?;
+        let (client, pid, tools) = started.and_then(|r| r).map_err(|why| {
+            format!(
+                "MCP server {} cannot be used: {}",
+                self.config.name,
+                self.redact(&why)
+            )
+        })?;
         self.listing.apply(&tools);
         let relister = tokio::spawn(relist(
             client.peer().clone(),
@@ -414,6 +421,7 @@ impl McpServer {
             changed,
             closed.clone(),
             limit,
+            bearer_token(&self.config),
         ));
         Ok(Connection {
             serial,
@@ -516,13 +524,13 @@ impl McpServer {
             biased;
             answer = tokio::time::timeout(limit, peer.call_tool(params)) => match answer {
                 Ok(Ok(result)) => Ok(result),
-                Ok(Err(ServiceError::McpError(e))) => {
-                    Err(Lost::Refused(format!("JSON-RPC error {}: {}", e.code.0, e.message)))
-                }
+                Ok(Err(ServiceError::McpError(e))) => Err(Lost::Refused(
+                    self.redact(&format!("JSON-RPC error {}: {}", e.code.0, e.message)),
+                )),
                 Ok(Err(e @ (ServiceError::TransportClosed | ServiceError::TransportSend(_)))) => {
-                    Err(Lost::Closed(e.to_string()))
+                    Err(Lost::Closed(self.redact(&e.to_string())))
                 }
-                Ok(Err(e)) => Err(Lost::Other(e.to_string())),
+                Ok(Err(e)) => Err(Lost::Other(self.redact(&e.to_string()))),
                 Err(_) => Err(Lost::TimedOut),
             },
             () = closed.cancelled() => Err(Lost::Closed("the connection ended".into())),
@@ -561,7 +569,7 @@ impl McpServer {
         if result.is_error == Some(true) {
             return Err(failed(format!(
                 "MCP server {server} answered that the call failed: {}",
-                clip(&text_of(&content))
+                clip(&self.redact(&text_of(&content)))
             )));
         }
         let mut output = Map::new();
@@ -582,6 +590,26 @@ impl McpServer {
         }
         Ok(output)
     }
+
+    /// `text` with the server's bearer token masked: a server may quote the credential
+    /// it refuses, and error texts reach the logs, the model and the task's result.
+    fn redact(&self, text: &str) -> String {
+        redact(text, bearer_token(&self.config).as_deref())
+    }
+}
+
+/// The bearer token `bearer_token_env` names, when the worker's variable holds one.
+fn bearer_token(config: &McpServerConfig) -> Option<String> {
+    let var = config.bearer_token_env.as_ref()?;
+    std::env::var(var).ok().filter(|token| !token.is_empty())
+}
+
+/// `text` with every occurrence of `token` masked.
+fn redact(text: &str, token: Option<&str>) -> String {
+    match token {
+        Some(token) if text.contains(token) => text.replace(token, REDACTED),
+        _ => text.to_owned(),
+    }
 }
 
 /// Lists the tools again each time the server says they changed, until the connection
@@ -592,6 +620,7 @@ async fn relist(
     changed: Arc<Notify>,
     closed: CancellationToken,
     limit: Duration,
+    bearer_token: Option<String>,
 ) {
     loop {
         tokio::select! {
@@ -601,7 +630,8 @@ async fn relist(
         match tokio::time::timeout(limit, peer.list_all_tools()).await {
             Ok(Ok(tools)) => listing.apply(&tools),
             Ok(Err(e)) => {
-                tracing::warn!(server = %listing.server, error = %e, "listing the MCP server's tools again failed; the last listing stays");
+                let error = redact(&e.to_string(), bearer_token.as_deref());
+                tracing::warn!(server = %listing.server, %error, "listing the MCP server's tools again failed; the last listing stays");
             }
             Err(_) => {
                 tracing::warn!(server = %listing.server, "the MCP server did not list its tools in time; the last listing stays");
