@@ -181,6 +181,8 @@ impl Default for RegistrySettings {
 /// The registry (also the `WorkerRegistry` gRPC service).
 pub struct Registry {
     workers: Mutex<HashMap<String, Entry>>,
+    /// What each profile is for, as the workers serving it last described it.
+    descriptions: Mutex<HashMap<String, String>>,
     connector: Arc<dyn Connector>,
     changed: Notify,
     settings: RegistrySettings,
@@ -227,12 +229,35 @@ impl Registry {
     ) -> Self {
         Self {
             workers: Mutex::new(HashMap::new()),
+            descriptions: Mutex::new(HashMap::new()),
             connector,
             changed: Notify::new(),
             settings,
             auth,
             round_robin: AtomicU64::new(0),
         }
+    }
+
+    /// Keeps what `profile` is for, as a worker registering it describes it (the last
+    /// registration's word counts; an empty description is not kept).
+    pub fn describe(&self, profile: &str, description: &str) {
+        let description = description.trim();
+        if description.is_empty() {
+            return;
+        }
+        self.descriptions
+            .lock()
+            .expect("registry lock poisoned")
+            .insert(profile.to_owned(), description.to_owned());
+    }
+
+    /// What `profile` is for, if a worker serving it has described it.
+    pub fn description(&self, profile: &str) -> Option<String> {
+        self.descriptions
+            .lock()
+            .expect("registry lock poisoned")
+            .get(profile)
+            .cloned()
     }
 
     /// Registers a worker for `owner` (what the RPC does once it has authenticated the
@@ -462,6 +487,9 @@ impl WorkerRegistry for RegistryService {
             .into());
         }
         self.register_worker(&owner, &r.worker_id, &r.endpoint, profiles, r.capacity)?;
+        for p in &r.profiles {
+            self.describe(&p.id, &p.description);
+        }
         Ok(Response::new(v1::RegisterResponse {
             lease_ttl: Some(to_duration(self.settings.lease_ttl)),
             heartbeat_interval: Some(to_duration(self.settings.heartbeat_interval)),

@@ -9,6 +9,7 @@ use convene_tokens::Claims;
 use tokio::sync::oneshot;
 use tracing::{Instrument as _, Span};
 
+use super::propose::{self, Delegator};
 use super::slot::{Batch, Slot, SlotState};
 use super::{RunActor, deadline_of};
 use crate::error::Error;
@@ -139,19 +140,42 @@ impl RunActor {
                 .map(|t| (t.profile_id.as_str(), t.goal.as_str())),
         );
         let plan = self.check_batch(depth, children.len())?;
+        // What the delegating task may hand on: its token's scopes and tools.
+        let holds = claims.permissions().map_err(|e| {
+            Error::PermissionDenied(format!("your task token's scopes cannot be read: {e}"))
+        })?;
+        let delegator = Delegator {
+            name: "this task",
+            scope: parent_task.scope.as_ref(),
+            holds: &holds,
+            tools: Some(&claims.tools),
+        };
         let mut planned = Vec::with_capacity(children.len());
+        let mut filled = Vec::with_capacity(children.len());
         let mut names = std::collections::BTreeSet::new();
         for (i, c) in children.iter().enumerate() {
             let field = format!("delegations[{i}]");
-            let p = self.check_proposal(&field, c, &path)?;
+            let mut wire = c.clone();
+            let description = self.deps.registry.description(&wire.profile_id);
+            let defaults = propose::apply_defaults(
+                &mut wire,
+                &self.deps.policy_file,
+                &delegator,
+                description.as_deref(),
+            );
+            let p = self.check_proposal(&field, &wire, &path)?;
             if !names.insert(p.name.clone()) {
                 return Err(Error::invalid(
                     format!("{field}.name"),
                     format!("name {} is used twice in this call", p.name),
                 ));
             }
+            propose::check_servable(&wire, &self.deps.policy_file, &delegator)
+                .map_err(|e| Error::FailedPrecondition(format!("{field}: {e}")))?;
             planned.push(p);
+            filled.push((wire, defaults));
         }
+        let children = &filled;
         drop(path);
         drop(chain);
         let t = self.deps.clock.now();
@@ -170,9 +194,11 @@ impl RunActor {
         let mut kept: Vec<Kept> = Vec::with_capacity(children.len());
         let mut tasks = Vec::new();
         let mut revive: Vec<Option<usize>> = Vec::new();
+        // Per new child (not revived), in order: the defaults it was given.
+        let mut new_defaults: Vec<Vec<v1::AppliedDefault>> = Vec::new();
         let mut repeated = false;
         let mut dropped_names = Vec::new();
-        for (i, (p, wire)) in planned.iter().zip(children).enumerate() {
+        for (i, (p, (wire, defaults))) in planned.iter().zip(children).enumerate() {
             if plan.dropped.contains(&i) {
                 dropped_names.push(p.name.clone());
                 continue;
@@ -228,6 +254,7 @@ impl RunActor {
                     kept.push(Kept::ToStart(tasks.len()));
                     tasks.push(task);
                     revive.push(None);
+                    new_defaults.push(defaults.clone());
                 }
             }
         }
@@ -241,6 +268,7 @@ impl RunActor {
         self.batches
             .push(Batch::new(self.spec.limits.max_parallel_workers as usize));
         let mut created = Vec::with_capacity(tasks.len());
+        let mut new_defaults = new_defaults.into_iter();
         for ((task, token), revived) in tasks.into_iter().zip(tokens).zip(revive) {
             // A child's span hangs under the call that asked for it, which is how its
             // parent delegation reached the supervisor.
@@ -257,6 +285,8 @@ impl RunActor {
                 continue;
             }
             let index = self.add_pending(task);
+            Arc::make_mut(&mut self.run).delegations[index].defaults =
+                new_defaults.next().unwrap_or_default();
             let mut slot = Slot::new(false, batch, SlotState::Waiting, span);
             slot.token = token;
             self.slots.push(slot);

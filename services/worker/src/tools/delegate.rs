@@ -64,7 +64,13 @@ impl Tool for Delegate {
             description: "Hand parts of the task to specialist workers and wait for their \
                           results. Each delegation names a worker profile, a goal, a scope \
                           and the scopes it needs; a child can only get a subset of what this \
-                          task holds. Returns one outcome per delegation, in the order asked: \
+                          task holds. A delegation that leaves out its scope gets this task's, \
+                          one that leaves out required_scopes gets what its profile's tools \
+                          need within what this task holds, one that leaves out \
+                          acceptance_criteria gets the profile's description; each outcome \
+                          lists the defaults applied. A delegation whose profile could use \
+                          none of its tools under those permissions is refused. Returns one \
+                          outcome per delegation, in the order asked: \
                           its status, summary and claims, or why it did not run (dropped by \
                           the width limit). When the call is refused (too deep, too wide, not \
                           allowed to delegate, wider scopes than this task holds), the error \
@@ -341,6 +347,13 @@ pub fn summarize(outcomes: &[v1::DelegateOutcome]) -> Value {
             if let (Some(error), Value::Object(map)) = (error, &mut item) {
                 map.insert("error".to_owned(), error);
             }
+            if !o.defaults.is_empty() {
+                item["defaults_applied"] = o
+                    .defaults
+                    .iter()
+                    .map(|d| json!({ "field": d.field, "value": d.value, "source": d.source }))
+                    .collect();
+            }
             item
         })
         .collect();
@@ -463,7 +476,11 @@ mod tests {
                 result: Some(result(v1::TaskStatus::Completed, "found it")),
                 error: None,
                 dropped: false,
-                ..Default::default()
+                defaults: vec![v1::AppliedDefault {
+                    field: "required_scopes".into(),
+                    value: "logs:read on service/*".into(),
+                    source: "the capabilities its tools need".into(),
+                }],
             },
             v1::DelegateOutcome {
                 name: "failed".into(),
@@ -510,6 +527,11 @@ mod tests {
             "connection_pool_exhaustion"
         );
         assert!(v["outcomes"][0].get("error").is_none());
+        assert_eq!(
+            v["outcomes"][0]["defaults_applied"][0]["value"], "logs:read on service/*",
+            "the model reads the defaults its child was given"
+        );
+        assert!(v["outcomes"][1].get("defaults_applied").is_none());
         assert_eq!(v["outcomes"][1]["status"], "FAILED");
         assert_eq!(v["outcomes"][1]["error"]["code"], "no_findings");
         assert_eq!(v["outcomes"][2]["status"], "DROPPED");

@@ -29,12 +29,14 @@ use convene_core::ids;
 use convene_core::join::{self, JoinState};
 use convene_core::limits::{self, Progress, ProgressDetector};
 use convene_core::model::Overflow;
+use convene_core::permissions::PermissionSet;
 use convene_core::time::to_timestamp;
 use convene_proto::v1::{self, run_event::Kind};
 use tonic::Request;
 use tracing::{Instrument as _, Span};
 
 use self::prompt::{Citable, DELEGATE, FINISH};
+use super::propose::{self, Delegator};
 use super::slot::{Batch, Slot, SlotState};
 use super::{Msg, RunActor, backoff, status_is_transient};
 use crate::crash::CrashPoint;
@@ -93,17 +95,18 @@ fn overflow_name(o: Overflow) -> &'static str {
 /// What one call of a turn came to, before the commit.
 struct Proposed {
     call: v1::PlannerCall,
-    /// For an accepted `delegate`: its task and token.
-    task: Option<(v1::DelegationTask, String)>,
+    /// For an accepted `delegate`: its task, token and the defaults it was given.
+    task: Option<(v1::DelegationTask, String, Vec<v1::AppliedDefault>)>,
 }
 
 /// A `delegate` call that passed its own checks: its position in the turn's calls, its
-/// call index in the round, and the proposal.
+/// call index in the round, the proposal (its defaults applied) and those defaults.
 type Valid = (
     usize,
     u32,
     convene_core::model::PlannedTask,
     v1::PlannedDelegation,
+    Vec<v1::AppliedDefault>,
 );
 
 /// How a committed turn ends the run, if it does.
@@ -138,6 +141,50 @@ impl RunActor {
             .filter(|(id, p)| id.as_str() != own && !p.tools.is_empty())
             .map(|(id, _)| id.clone())
             .collect()
+    }
+
+    /// The offered profiles as the planner is told them: what each is for, its tools,
+    /// and the resources each tool may read within what the run may hand on.
+    fn profile_views(&self, profiles: &[String]) -> Vec<prompt::ProfileView> {
+        let holds = self.principal_holds();
+        let policy = &self.deps.policy_file;
+        profiles
+            .iter()
+            .map(|id| {
+                let tools = policy.profiles.get(id).map_or_else(Vec::new, |profile| {
+                    profile
+                        .tools
+                        .iter()
+                        .filter_map(|t| policy.tools.get(t))
+                        .map(|tool| prompt::ToolView {
+                            name: tool.name.clone(),
+                            action: tool.action.clone(),
+                            reads: propose::needed(profile, tool)
+                                .intersect(&holds)
+                                .permissions()
+                                .iter()
+                                .map(|p| p.resource.to_string())
+                                .collect(),
+                            description: tool.description.clone(),
+                        })
+                        .collect()
+                });
+                prompt::ProfileView {
+                    id: id.clone(),
+                    description: self.deps.registry.description(id),
+                    tools,
+                }
+            })
+            .collect()
+    }
+
+    /// What the run's principal may hand on to the planner's delegations: its grants
+    /// within its delegable scopes (nothing when the policy no longer lists it).
+    fn principal_holds(&self) -> PermissionSet {
+        self.deps
+            .policy_file
+            .principal(&self.run.principal)
+            .map_or_else(PermissionSet::empty, |p| p.grants.intersect(&p.delegable))
     }
 
     /// Whether a top-level delegation runs, or waits for a slot it can still get (once
@@ -238,7 +285,8 @@ impl RunActor {
                 max_rounds: self.spec.limits.max_rounds,
                 max_depth: self.spec.limits.max_depth,
             };
-            let task = prompt::message("user", prompt::task_message(&self.run, &profiles, &view));
+            let views = self.profile_views(&profiles);
+            let task = prompt::message("user", prompt::task_message(&self.run, &views, &view));
             self.planner_mut().messages.push(task.clone());
             messages.push(task);
         }
@@ -406,6 +454,13 @@ impl RunActor {
             .map(|s| s.goal.clone())
             .unwrap_or_default();
         let offered = self.delegable_profiles();
+        let holds = self.principal_holds();
+        let delegator = Delegator {
+            name: "the planner",
+            scope: None,
+            holds: &holds,
+            tools: None,
+        };
         let mut proposed: Vec<Proposed> = Vec::with_capacity(message.tool_calls.len());
         let mut ending = None;
         // Valid delegate proposals, by position in `proposed`.
@@ -455,17 +510,30 @@ impl RunActor {
                                     ))
                                 }
                             })
-                            .and_then(|wire| {
-                                self.check_proposal(
-                                    &field,
-                                    &wire,
-                                    &[(planner_profile.as_str(), goal.as_str())],
-                                )
-                                .map(|p| (p, wire))
-                                .map_err(|e| e.to_string())
+                            .and_then(|mut wire| {
+                                let description =
+                                    self.deps.registry.description(&wire.profile_id);
+                                let defaults = propose::apply_defaults(
+                                    &mut wire,
+                                    &self.deps.policy_file,
+                                    &delegator,
+                                    description.as_deref(),
+                                );
+                                let p = self
+                                    .check_proposal(
+                                        &field,
+                                        &wire,
+                                        &[(planner_profile.as_str(), goal.as_str())],
+                                    )
+                                    .map_err(|e| e.to_string())?;
+                                propose::check_servable(&wire, &self.deps.policy_file, &delegator)
+                                    .map_err(|e| format!("{field}: {e}"))?;
+                                Ok((p, wire, defaults))
                             });
                         match checked {
-                            Ok((p, wire)) => valid.push((proposed.len(), index, p, wire)),
+                            Ok((p, wire, defaults)) => {
+                                valid.push((proposed.len(), index, p, wire, defaults));
+                            }
                             Err(e) => call.error = e,
                         }
                     }
@@ -543,8 +611,9 @@ impl RunActor {
         };
         let mut created = Vec::new();
         for p in &mut proposed {
-            if let Some((task, token)) = p.task.take() {
+            if let Some((task, token, defaults)) = p.task.take() {
                 let index = self.add_pending(task);
+                Arc::make_mut(&mut self.run).delegations[index].defaults = defaults;
                 created.push((index, token, p.call.call_id.clone()));
             }
         }
@@ -671,7 +740,7 @@ impl RunActor {
         let batch = match self.check_batch(1, valid.len()) {
             Ok(plan) => plan,
             Err(e) => {
-                for (at, _, _, _) in &valid {
+                for (at, _, _, _, _) in &valid {
                     proposed[*at].call.error = e.to_string();
                 }
                 return;
@@ -680,10 +749,10 @@ impl RunActor {
         let dropped_names: Vec<String> = batch
             .dropped
             .iter()
-            .filter_map(|k| valid.get(*k).map(|(_, _, p, _)| p.name.clone()))
+            .filter_map(|k| valid.get(*k).map(|(_, _, p, _, _)| p.name.clone()))
             .collect();
         let now = self.deps.clock.now();
-        for (k, (at, call_index, p, wire)) in valid.into_iter().enumerate() {
+        for (k, (at, call_index, p, wire, defaults)) in valid.into_iter().enumerate() {
             if batch.dropped.contains(&k) {
                 let call = &mut proposed[at].call;
                 call.dropped = true;
@@ -714,7 +783,7 @@ impl RunActor {
             match self.issue_tokens(std::slice::from_ref(&task), None).await {
                 Ok(mut tokens) => {
                     proposed[at].call.delegation_id = task.delegation_id.clone();
-                    proposed[at].task = Some((task, tokens.pop().unwrap_or_default()));
+                    proposed[at].task = Some((task, tokens.pop().unwrap_or_default(), defaults));
                 }
                 Err(e) => {
                     proposed[at].call.error = format!("the policy refused this delegation: {e}");

@@ -114,16 +114,71 @@ pub(crate) fn tools(profiles: &[String]) -> Vec<v1::ToolDefinition> {
     ]
 }
 
+/// A profile the planner may delegate to, as the planner is told it.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct ProfileView {
+    /// The profile id.
+    pub(crate) id: String,
+    /// What it is for, when a worker serving it described it.
+    pub(crate) description: Option<String>,
+    /// Its tools: name, the action each call performs, the resources it may read
+    /// (within what the run may hand on), and what the tool does.
+    pub(crate) tools: Vec<ToolView>,
+}
+
+/// One tool of an offered profile.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct ToolView {
+    pub(crate) name: String,
+    pub(crate) action: String,
+    pub(crate) reads: Vec<String>,
+    pub(crate) description: String,
+}
+
+/// The lines that describe the offered profiles: each one's purpose, its tools, the
+/// action each performs and the resources it reads, so scopes can be chosen well.
+fn profile_lines(profiles: &[ProfileView]) -> String {
+    let mut text = String::new();
+    for p in profiles {
+        text.push_str(&format!("- {}", p.id));
+        if let Some(d) = p.description.as_deref().filter(|d| !d.trim().is_empty()) {
+            text.push_str(&format!(": {}", d.trim()));
+        }
+        text.push('\n');
+        for t in &p.tools {
+            let reads = if t.reads.is_empty() {
+                "nothing this run may hand on".to_owned()
+            } else {
+                t.reads.join(", ")
+            };
+            text.push_str(&format!("  - tool {} ({} on {reads})", t.name, t.action));
+            if !t.description.trim().is_empty() {
+                text.push_str(&format!(": {}", t.description.trim()));
+            }
+            text.push('\n');
+        }
+    }
+    text
+}
+
 /// The task that opens a planner's conversation.
-pub(crate) fn task_message(run: &v1::Run, profiles: &[String], limits: &LimitsView) -> String {
+pub(crate) fn task_message(run: &v1::Run, profiles: &[ProfileView], limits: &LimitsView) -> String {
     let spec = run.spec.as_ref();
     let goal = spec.map_or("", |s| s.goal.as_str());
     let join = spec.and_then(|s| s.join.as_ref());
     let mut text = format!("Run {}. Goal of the run: {goal}\n\n", run.run_id);
-    text.push_str(&format!(
-        "Profiles you may delegate to: {}.\n",
-        profiles.join(", ")
-    ));
+    text.push_str(
+        "Profiles you may delegate to, their tools, the action each tool performs and the \
+         resources it reads:\n",
+    );
+    text.push_str(&profile_lines(profiles));
+    text.push_str(
+        "A delegation that leaves out scope gets the planner's (none: the run's grants \
+         bound it), one that leaves out required_scopes gets what its profile's tools need \
+         within that scope, one that leaves out acceptance_criteria gets the profile's \
+         description; the answer to the call lists every default applied. Narrow scope and \
+         required_scopes to the resources the task is about.\n",
+    );
     text.push_str(&format!(
         "Limits: at most {} delegations at once (overflow {}), {} delegation round(s), \
          depth {}.\n",
@@ -417,6 +472,13 @@ pub(crate) fn delegate_answer(d: &v1::Delegation, decision: Option<&v1::JoinDeci
         }
     } else if !d.detail.is_empty() {
         v["error"] = json!(d.detail);
+    }
+    if !d.defaults.is_empty() {
+        v["defaults_applied"] = d
+            .defaults
+            .iter()
+            .map(|a| json!({"field": a.field, "value": a.value, "source": a.source}))
+            .collect();
     }
     if let Some(decision) = decision {
         if decision.accepted.contains(&task.delegation_id) {
