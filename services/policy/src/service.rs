@@ -716,6 +716,7 @@ fn list_tools(policy: &Policy, prefix: &str) -> v1::ListToolsResponse {
                 .unwrap_or_default(),
             risk_level: t.risk.to_proto().into(),
             description: t.description.clone(),
+            evidence_kinds: t.evidence_kinds.clone(),
         })
         .collect();
     v1::ListToolsResponse { tools }

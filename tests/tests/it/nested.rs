@@ -73,6 +73,7 @@ pub(crate) fn nested_policy() -> String {
         risk: "R0".to_owned(),
         description: "Hand parts of a task to specialist workers through the supervisor."
             .to_owned(),
+        evidence_kinds: Vec::new(),
     });
     serde_yaml::to_string(&file).expect("the policy serializes")
 }

@@ -194,6 +194,12 @@ pub struct ToolEntry {
     /// What it does.
     #[serde(default)]
     pub description: String,
+    /// The kinds of evidence a call of the tool may record, e.g. `[runbook]`; the first
+    /// is the default when a call names none. Left out: any kind, and the tool's own
+    /// default. Declared for MCP tools only; a worker profile declares the kinds of the
+    /// built-in tools it uses (its `evidence_kinds`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub evidence_kinds: Vec<String>,
 }
 
 /// An action that needs approval (never a tool an investigator holds).
@@ -367,6 +373,8 @@ pub struct Tool {
     pub risk: RiskLevel,
     /// What it does.
     pub description: String,
+    /// Kinds of evidence its calls may record, the default first; empty: any.
+    pub evidence_kinds: Vec<String>,
 }
 
 /// A runtime rule, compiled.
@@ -575,12 +583,24 @@ impl PolicyFile {
                 }
                 (None, None) => None,
             };
+            if !t.evidence_kinds.is_empty() && mcp.is_none() {
+                return Err(invalid(
+                    format!("{field}.evidence_kinds"),
+                    "only an MCP tool's catalog entry declares evidence kinds; declare the \
+                     kinds of a built-in tool in the worker profiles that use it (their \
+                     `evidence_kinds`)"
+                        .into(),
+                ));
+            }
+            check_evidence_kinds(&t.evidence_kinds)
+                .map_err(|m| invalid(format!("{field}.evidence_kinds"), m))?;
             let tool = Tool {
                 name: t.name.clone(),
                 action: t.action.clone(),
                 resource,
                 risk: risk(&t.risk, format!("{field}.risk"))?,
                 description: t.description.clone(),
+                evidence_kinds: t.evidence_kinds.clone(),
             };
             if tools.insert(t.name.clone(), tool).is_some() {
                 return Err(invalid(
@@ -685,6 +705,32 @@ impl PolicyFile {
             rules,
         })
     }
+}
+
+/// Checks a list of evidence kinds a tool may record (a catalog entry's, or a worker
+/// profile's for one tool): each a non-blank word of letters, digits, `_`, `-` or `.`,
+/// none twice. The first is the default.
+///
+/// # Errors
+///
+/// What is wrong, naming the kind.
+pub fn check_evidence_kinds(kinds: &[String]) -> Result<(), String> {
+    for (i, kind) in kinds.iter().enumerate() {
+        let word = !kind.is_empty()
+            && kind.len() <= 100
+            && kind
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'));
+        if !word {
+            return Err(format!(
+                "{kind:?} must be 1-100 letters, digits, `_`, `-` or `.`, e.g. impact_metric"
+            ));
+        }
+        if kinds[..i].contains(kind) {
+            return Err(format!("{kind} is listed twice"));
+        }
+    }
+    Ok(())
 }
 
 fn scope_set(
@@ -879,6 +925,7 @@ rules:
         assert!(err.to_string().contains("tools[0].action"), "{err}");
         let err = compile(&text.replace("runbook/{service}", "runbook/{service")).unwrap_err();
         assert!(err.to_string().contains("tools[0].resource"), "{err}");
+        assert!(tool.evidence_kinds.is_empty());
         for bad in [
             "mcp:runbooks@1",
             "mcp:/lookup@1",
@@ -888,6 +935,42 @@ rules:
             let err = compile(&text.replace("mcp:runbooks/lookup_runbook@1", bad)).unwrap_err();
             assert!(err.to_string().contains("tools[0].name"), "{bad}: {err}");
         }
+    }
+
+    #[test]
+    fn an_mcp_tool_declares_the_evidence_kinds_it_may_record() {
+        let mcp = "  - { name: \"mcp:runbooks/lookup_runbook@1\", action: \"runbooks:read\", \
+                   resource: \"runbook/{service}\", risk: R0, evidence_kinds: [runbook, causal_signal] }\n";
+        let text = SAMPLE.replace(
+            "tools:\n  - { name: search_logs@1",
+            &format!("tools:\n{mcp}  - {{ name: search_logs@1"),
+        );
+        let policy = compile(&text).unwrap();
+        assert_eq!(
+            policy.tools["mcp:runbooks/lookup_runbook@1"].evidence_kinds,
+            ["runbook", "causal_signal"]
+        );
+        for (bad, why) in [
+            ("[runbook, runbook]", "twice"),
+            ("[\"\"]", "letters"),
+            ("[\"run book\"]", "letters"),
+        ] {
+            let err = compile(&text.replace("[runbook, causal_signal]", bad)).unwrap_err();
+            assert!(
+                err.to_string().contains("tools[0].evidence_kinds"),
+                "{bad}: {err}"
+            );
+            assert!(err.to_string().contains(why), "{bad}: {err}");
+        }
+        // A built-in tool's kinds are its profiles' to declare.
+        let builtin = SAMPLE.replace(
+            "{ name: search_logs@1",
+            "{ evidence_kinds: [causal_signal], name: search_logs@1",
+        );
+        assert_ne!(builtin, SAMPLE);
+        let err = compile(&builtin).unwrap_err();
+        assert!(err.to_string().contains("evidence_kinds"), "{err}");
+        assert!(err.to_string().contains("worker profiles"), "{err}");
     }
 
     #[test]

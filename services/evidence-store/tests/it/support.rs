@@ -333,6 +333,7 @@ pub fn evidence(id: &str, uri: &str, hash: &str) -> v1::Evidence {
         trace_id: "4bf92f3577b34da6a3ce929d0e0e4736".into(),
         delegation_id: String::new(),
         tenant: String::new(),
+        kind_defaulted: false,
     }
 }
 

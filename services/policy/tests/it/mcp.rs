@@ -28,7 +28,8 @@ fn mcp_policy() -> String {
             "tools:\n  - { name: search_logs@1",
             &format!(
                 "tools:\n  - {{ name: \"{LOOKUP}\", action: \"runbooks:read\", resource: \
-                 \"runbook/{{service}}\", risk: R0, description: The runbook of a service }}\n  \
+                 \"runbook/{{service}}\", risk: R0, description: The runbook of a service, \
+                 evidence_kinds: [runbook, causal_signal] }}\n  \
                  - {{ name: search_logs@1"
             ),
         )
@@ -73,6 +74,8 @@ async fn list_tools_serves_the_catalog_to_principals_only() {
             resource_template: "runbook/{service}".into(),
             risk_level: v1::RiskLevel::R0.into(),
             description: "The runbook of a service".into(),
+            // The kinds its calls may record, the default first.
+            evidence_kinds: vec!["runbook".into(), "causal_signal".into()],
         }]
     );
     let all = client
