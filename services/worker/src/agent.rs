@@ -57,7 +57,7 @@ use crate::provider::{
 use crate::report::{
     self, Ending, FinalReport, Infra, LoopEnd, Progress, Reporter, SUBMIT_REPORT, ToolOutcome,
 };
-use crate::tools::ToolRegistry;
+use crate::tools::{ToolRegistry, with_kinds_offered};
 
 mod calls;
 mod remote;
@@ -283,8 +283,21 @@ impl Agent {
         let mut specs: Vec<Arc<ToolSpec>> = ctx
             .callable
             .iter()
-            .filter_map(|name| self.tools.model_spec(name))
-            .cloned()
+            .filter_map(|name| {
+                let spec = self.tools.model_spec(name)?;
+                // The kinds the profile (or the tool's catalog entry) declares are the
+                // only ones offered.
+                let declared = self.profile.evidence_kinds_of(name).or_else(|| {
+                    self.tools
+                        .get(name)
+                        .map(|t| t.evidence_kinds())
+                        .filter(|k| !k.is_empty())
+                });
+                Some(match declared {
+                    Some(kinds) => Arc::new(with_kinds_offered(spec, kinds)),
+                    None => Arc::clone(spec),
+                })
+            })
             .collect();
         specs.push(submit_report_spec());
         let system = format!("{}\n\n{REPORT_INSTRUCTIONS}", profile.instructions.trim());

@@ -129,6 +129,12 @@ pub struct ProfileEntry {
     /// Whether its delegations complete without external input.
     #[serde(default)]
     pub supports_parallel_completion: bool,
+    /// The kinds of evidence each of its tools may record, by tool (`name@version`, one
+    /// of `default_tools`), the default first: a call naming another kind is refused, a
+    /// call naming none records the default. A tool left out records what its catalog
+    /// entry declares (MCP tools), else any kind it is given and its own default.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub evidence_kinds: BTreeMap<String, Vec<String>>,
     /// The `openai` provider's API base, with its version path (default: the
     /// `OPENAI_BASE_URL` variable, else OpenAI's).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -194,6 +200,17 @@ pub struct Profile {
     pub hold: Option<Hold>,
     /// Injected faults (none in real profiles).
     pub faults: Faults,
+    /// The kinds of evidence each tool may record, by tool, the default first (see
+    /// [`ProfileEntry::evidence_kinds`]).
+    pub evidence_kinds: BTreeMap<String, Vec<String>>,
+}
+
+impl Profile {
+    /// The kinds of evidence `tool` declares it may record, the default first, as this
+    /// profile declares them for it; `None` when the profile declares none for it.
+    pub fn evidence_kinds_of(&self, tool: &str) -> Option<&[String]> {
+        self.evidence_kinds.get(tool).map(Vec::as_slice)
+    }
 }
 
 /// Loads and validates a profiles file.
@@ -301,6 +318,7 @@ impl ProfileEntry {
                 format!("name a model provider, e.g. `{}`", playbook::PROVIDER_NAME),
             ));
         }
+        self.check_evidence_kinds(field, &profile)?;
         self.check_script(field, &profile)?;
         let connection = self.connection(field, &profile.provider)?;
         let remote = self.remote(field, &profile)?;
@@ -340,11 +358,61 @@ impl ProfileEntry {
             remote,
             hold: self.hold.clone(),
             faults: self.faults.clone(),
+            evidence_kinds: self.evidence_kinds.clone(),
         })
     }
 }
 
 impl ProfileEntry {
+    /// Checks `evidence_kinds`: each for one of the profile's tools, a list of kinds the
+    /// catalog's rules allow; and every playbook step names a kind its tool may record.
+    fn check_evidence_kinds(
+        &self,
+        field: &str,
+        profile: &model::WorkerProfile,
+    ) -> Result<(), (String, String)> {
+        for (tool, kinds) in &self.evidence_kinds {
+            let at = format!("{field}.evidence_kinds.{tool}");
+            if !profile.default_tools.contains(tool) {
+                return Err((
+                    at,
+                    format!(
+                        "{tool} is not one of the profile's default_tools ({}); declare kinds \
+                         only for tools the profile uses",
+                        profile.default_tools.join(", ")
+                    ),
+                ));
+            }
+            if kinds.is_empty() {
+                return Err((
+                    at,
+                    "list the kinds the tool may record, the default first, e.g. \
+                     [impact_metric]; leave the tool out to allow any kind"
+                        .into(),
+                ));
+            }
+            convene_mesh::policy_file::check_evidence_kinds(kinds).map_err(|m| (at, m))?;
+        }
+        if let Some(playbook) = &self.playbook {
+            for (j, step) in playbook.steps.iter().enumerate() {
+                if let Some(kinds) = self.evidence_kinds.get(&step.tool)
+                    && !kinds.contains(&step.evidence_kind)
+                {
+                    return Err((
+                        format!("{field}.playbook.steps[{j}].evidence_kind"),
+                        format!(
+                            "{} is not a kind {} may record here; evidence_kinds allows {}",
+                            step.evidence_kind,
+                            step.tool,
+                            kinds.join(", ")
+                        ),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Checks the `playbook` or `planner` section against the provider: the `playbook`
     /// provider needs exactly one of them, other providers read neither.
     fn check_script(
@@ -938,6 +1006,50 @@ profiles:
         let twice = format!("{MINIMAL}{}", &MINIMAL[MINIMAL.find("  - id").unwrap()..]);
         assert_eq!(invalid_field(&twice), "profiles[1].id");
         assert_eq!(invalid_field("profiles: []"), "profiles");
+    }
+
+    #[test]
+    fn a_profile_declares_the_evidence_kinds_of_its_tools() {
+        let declared = |kinds: &str| {
+            MINIMAL.replace(
+                "    evidence_prefixes",
+                &format!("    evidence_kinds:\n      {kinds}\n    evidence_prefixes"),
+            )
+        };
+        let text = declared("search_logs@1: [log_query, causal_signal]");
+        let profiles = parse(&text, "p.yaml").unwrap();
+        assert_eq!(
+            profiles[0].evidence_kinds_of("search_logs@1"),
+            Some(&["log_query".to_owned(), "causal_signal".to_owned()][..])
+        );
+        assert_eq!(profiles[0].evidence_kinds_of("query_metrics@1"), None);
+        // Left out: nothing declared, as before.
+        assert_eq!(
+            parse(MINIMAL, "p.yaml").unwrap()[0].evidence_kinds_of("search_logs@1"),
+            None
+        );
+        for (bad, field) in [
+            // Not one of the profile's tools.
+            (
+                "query_metrics@1: [impact_metric]",
+                "profiles[0].evidence_kinds.query_metrics@1",
+            ),
+            (
+                "search_logs@1: []",
+                "profiles[0].evidence_kinds.search_logs@1",
+            ),
+            (
+                "search_logs@1: [log_query, log_query]",
+                "profiles[0].evidence_kinds.search_logs@1",
+            ),
+            // The playbook's step names a kind its tool may not record.
+            (
+                "search_logs@1: [causal_signal]",
+                "profiles[0].playbook.steps[0].evidence_kind",
+            ),
+        ] {
+            assert_eq!(invalid_field(&declared(bad)), field, "{bad}");
+        }
     }
 
     #[test]

@@ -17,7 +17,7 @@ use tracing::field::Empty;
 use super::{Agent, TaskContext, describe, lock};
 use crate::provider::ToolCall;
 use crate::report::{CallRecord, CallState, Infra, Progress, ToolOutcome};
-use crate::tools::{PreparedCall, ToolEnv, ToolError, canonical_json, split_kind};
+use crate::tools::{PreparedCall, ToolEnv, ToolError, canonical_json, choose_kind, split_kind};
 
 /// Why a tool call did not succeed.
 pub(super) enum CallError {
@@ -167,10 +167,25 @@ impl Agent {
                 describe(&ctx.callable)
             )));
         }
-        let (args, kind) = split_kind(&call.arguments);
+        let (args, named_kind) = split_kind(&call.arguments);
         let prepared = tool
             .prepare(&args, &ctx.window)
             .map_err(|e| CallError::Failed(e.to_string()))?;
+        // The kind is chosen before anything is asked or read: a kind the tool may not
+        // record is refused like a tool the task may not call.
+        let allowed = self
+            .profile
+            .evidence_kinds_of(&call.name)
+            .unwrap_or_else(|| tool.evidence_kinds());
+        let (kind, kind_defaulted) =
+            choose_kind(&call.name, named_kind, allowed, prepared.default_kind)
+                .map_err(|refusal| {
+                    let span = tracing::Span::current();
+                    span.record("convene.authz.decision", "deny");
+                    span.record("convene.authz.reason", "EVIDENCE_KIND_NOT_ALLOWED");
+                    CallError::Denied(refusal)
+                })?
+                .into_parts();
         let tool_call_id = format!("{}/{}", ctx.task.delegation_id, call.id);
 
         // The token travels in the message, which is what the policy service judges;
@@ -241,7 +256,7 @@ impl Agent {
         );
         let record = v1::Evidence {
             evidence_id,
-            kind: kind.unwrap_or_else(|| prepared.default_kind.to_owned()),
+            kind,
             source: prepared.source.clone(),
             query_fingerprint: prepared.fingerprint(),
             scope: Some(evidence_scope(ctx, &prepared)),
@@ -258,6 +273,7 @@ impl Agent {
             trace_id: convene_telemetry::current_trace_id().unwrap_or_default(),
             delegation_id: String::new(),
             tenant: String::new(),
+            kind_defaulted,
         };
         let stored = self.store(ctx, record, output.bytes, tool_call_id).await?;
         Ok((stored, output.value))

@@ -123,6 +123,7 @@ impl Agent {
                 trace_id: convene_telemetry::current_trace_id().unwrap_or_default(),
                 delegation_id: String::new(),
                 tenant: String::new(),
+                kind_defaulted: false,
             };
             let index = {
                 let mut p = lock(progress);

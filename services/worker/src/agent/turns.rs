@@ -79,6 +79,7 @@ impl Agent {
             trace_id: convene_telemetry::current_trace_id().unwrap_or_default(),
             delegation_id: String::new(),
             tenant: String::new(),
+            kind_defaulted: false,
         };
         match self.store(ctx, record, content, tool_call_id).await {
             Ok(_) => Ok(()),

@@ -17,7 +17,8 @@
 //!
 //! Every tool's model-facing schema also offers [`EVIDENCE_KIND_ARG`], which names the
 //! kind of evidence a call records; the loop takes it off before the tool sees the
-//! arguments.
+//! arguments, and checks it against the kinds the profile (or the tool's catalog entry)
+//! declares for the tool, whose first is the default.
 //!
 //! Data layout under the directory:
 //! - `logs/<service>.jsonl`: one JSON object per line with at least `ts` (RFC 3339);
@@ -47,7 +48,7 @@ use serde_json::Value;
 pub use changes::ListChanges;
 pub use delegate::Delegate;
 pub use kind::EVIDENCE_KIND_ARG;
-pub(crate) use kind::{split_kind, with_kind_arg};
+pub(crate) use kind::{choose_kind, split_kind, with_kind_arg, with_kinds_offered};
 pub use logs::SearchLogs;
 pub use metrics::{
     BASELINE_POINTS, CHANGE_PERSISTENCE, CHANGE_THRESHOLD, QueryMetrics, change_point, median,
@@ -262,6 +263,14 @@ pub trait Tool: Send + Sync + std::fmt::Debug {
 
     /// What the model is told about the tool.
     fn spec(&self) -> ToolSpec;
+
+    /// The kinds of evidence a call may record as its tool declares them (an MCP tool's
+    /// catalog entry), the default first; empty, as for the built-in tools, when any
+    /// kind may be named and [`PreparedCall::default_kind`] is the default. A profile's
+    /// own declaration for the tool takes precedence.
+    fn evidence_kinds(&self) -> &[String] {
+        &[]
+    }
 
     /// Checks and normalizes `args`; `scope` is the task's time window, the default
     /// window of the call.

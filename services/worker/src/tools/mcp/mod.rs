@@ -21,7 +21,8 @@
 //!   output is `{server, tool, content, structured_content}` (the MCP content blocks and
 //!   the structured content, if any), stored as the artifact of an evidence record
 //!   `mcp://<server>/<tool>/<run>/<delegation>/<call>`, source `mcp.<server>.<tool>`,
-//!   kind `mcp_result` unless the call names one.
+//!   of a kind among the catalog entry's `evidence_kinds` (the first unless the call
+//!   names another; any kind, `mcp_result` by default, when the entry declares none).
 //! - **A server's failure is the call's, never the task's.** A server that cannot be
 //!   started or reached, exits or drops the connection during a call, does not answer
 //!   within `call_timeout`, or answers with a JSON-RPC error or a result marked
@@ -112,6 +113,9 @@ pub struct CatalogEntry {
     pub risk: v1::RiskLevel,
     /// What the tool does, as the catalog says.
     pub description: String,
+    /// Kinds of evidence its calls may record, the default first; empty: any kind, and
+    /// [`DEFAULT_KIND`] by default.
+    pub evidence_kinds: Vec<String>,
 }
 
 impl CatalogEntry {
@@ -145,6 +149,7 @@ impl CatalogEntry {
             resource,
             risk: v1::RiskLevel::try_from(tool.risk_level).unwrap_or(v1::RiskLevel::Unspecified),
             description: tool.description.clone(),
+            evidence_kinds: tool.evidence_kinds.clone(),
         }))
     }
 }
@@ -336,6 +341,10 @@ impl Tool for McpTool {
             .map_or_else(|| self.offer.placeholder(), |s| (**s).clone())
     }
 
+    fn evidence_kinds(&self) -> &[String] {
+        &self.offer.entry.evidence_kinds
+    }
+
     fn prepare(&self, args: &Value, scope: &TimeWindow) -> Result<PreparedCall, ToolError> {
         let entry = &self.offer.entry;
         let invalid = |detail: String| ToolError::InvalidArguments {
@@ -400,6 +409,7 @@ mod tests {
             resource_template: "runbook/{service}".into(),
             risk_level: v1::RiskLevel::R0.into(),
             description: "The runbook of a service".into(),
+            evidence_kinds: vec!["runbook".into()],
         }
     }
 
@@ -432,6 +442,7 @@ mod tests {
             (entry.server.as_str(), entry.tool.as_str(), entry.risk),
             ("runbooks", "lookup_runbook", v1::RiskLevel::R0)
         );
+        assert_eq!(entry.evidence_kinds, ["runbook"]);
         let no_template = v1::CatalogTool {
             resource_template: String::new(),
             ..lookup()
