@@ -681,3 +681,103 @@ async fn a_model_that_never_reports_stops_at_the_iteration_limit() {
     assert_eq!(rig.model.request_count(), 3);
     assert_eq!(result.evidence.len(), 3, "what it gathered is kept");
 }
+
+#[tokio::test]
+async fn a_kind_left_out_is_the_tools_default_and_one_it_may_not_record_is_refused() {
+    let capture = Capture::new();
+    let _guard = capture.set_default();
+    let naive = json!({"service": "payment-api"}).to_string();
+    let wrong = json!({"service": "payment-api", "evidence_kind": "smoking_gun"}).to_string();
+    let model = turns(vec![
+        Box::new(move |_| {
+            Reply::tool_calls(vec![
+                ("call_naive", "search_logs_v1", naive.clone()),
+                ("call_wrong", "search_logs_v1", wrong.clone()),
+            ])
+        }),
+        Box::new(|r| {
+            let id = outcome_of(r, "call_naive")["evidence_id"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned();
+            report("call_report", &[&id])
+        }),
+    ]);
+    let rig = rig(model, |_| {}).await;
+    let task = the_task("del-kinds-1");
+    let (result, token) = rig.run(&task).await;
+
+    // The model was offered the kinds the profile declares for the tool, the default
+    // first.
+    let requests = rig.model.requests();
+    assert_eq!(requests.len(), 2);
+    let offered = &requests[0].body["tools"][0]["function"];
+    assert_eq!(offered["name"], "search_logs_v1");
+    let kind_arg = &offered["parameters"]["properties"]["evidence_kind"];
+    assert_eq!(kind_arg["enum"], json!(["causal_signal", "impact_metric"]));
+    assert!(
+        kind_arg["description"]
+            .as_str()
+            .unwrap()
+            .contains("left out, causal_signal"),
+        "{kind_arg}"
+    );
+
+    // The call that named no kind recorded the default, and says so.
+    let naive = outcome_of(&requests[1], "call_naive");
+    assert_eq!(naive["success"], true, "{naive}");
+    let evidence_id = format!("logs://payment-api/{RUN_ID}/del-kinds-1/call_naive");
+    assert_eq!(naive["evidence_id"], evidence_id.as_str());
+    assert_eq!(result.evidence.len(), 1, "{result:#?}");
+    assert_eq!(result.evidence[0].kind, "causal_signal");
+    assert!(result.evidence[0].kind_defaulted);
+    let stored = rig.evidence(&token, vec![evidence_id.clone()]).await;
+    assert_eq!(stored.len(), 1);
+    assert_eq!(stored[0].kind, "causal_signal");
+    assert!(stored[0].kind_defaulted, "the store keeps the flag");
+    assert_eq!(result.claims[0].evidence_refs, [evidence_id]);
+
+    // The call that named a kind the tool may not record was refused, the model told
+    // which kinds it may name; nothing was authorized or read for it.
+    let wrong = outcome_of(&requests[1], "call_wrong");
+    assert_eq!(wrong["success"], false, "{wrong}");
+    let error = wrong["error"].as_str().unwrap();
+    for part in [
+        "smoking_gun",
+        "causal_signal, impact_metric",
+        "search_logs@1",
+    ] {
+        assert!(error.contains(part), "{part}: {error}");
+    }
+    let decisions = rig.mesh.decisions_for("del-kinds-1");
+    assert_eq!(
+        decisions.len(),
+        1,
+        "only the allowed call reaches the policy"
+    );
+    let usage = result.usage.as_ref().unwrap();
+    assert_eq!(
+        usage.tool_calls, 2,
+        "the refused call counts toward the budget"
+    );
+    // It is a refusal: a denied tool call, with its reason on the span.
+    let refused: Vec<_> = capture
+        .spans()
+        .into_iter()
+        .filter(|s| {
+            s.name == "tool.call"
+                && attr(s, "convene.authz.reason")
+                    == Some(OtelValue::from("EVIDENCE_KIND_NOT_ALLOWED"))
+        })
+        .collect();
+    assert_eq!(refused.len(), 1);
+    assert_eq!(
+        attr(&refused[0], "convene.authz.decision"),
+        Some(OtelValue::from("deny"))
+    );
+    assert_eq!(
+        attr(&refused[0], "error.type"),
+        Some(OtelValue::from("permission_denied"))
+    );
+    assert_eq!(status(&result), v1::TaskStatus::Completed, "{result:#?}");
+}
