@@ -54,6 +54,7 @@ fn fixture(
             EvidenceFact::Verified {
                 kind: "impact_metric".into(),
                 content_hash: "sha256:00".into(),
+                kind_defaulted: false,
             },
         );
         results.push(v1::TaskResult {

@@ -137,6 +137,8 @@ pub enum EvidenceFact {
         kind: String,
         /// The verified `sha256:<hex>` of the artifact.
         content_hash: String,
+        /// Whether the kind is its tool's default, the call having named none.
+        kind_defaulted: bool,
     },
     /// No such evidence in the tenant.
     Unknown,
@@ -772,6 +774,32 @@ impl<'a> Evaluation<'a> {
             ));
         }
         let quorum_met = count_met && weight_met && missing_evidence_kinds.is_empty();
+        // Kinds no call named but a tool's declaration gave: the decision may rest on them,
+        // so it says which they are.
+        let mut defaulted: Vec<String> = Vec::new();
+        for id in self
+            .accepted()
+            .flat_map(|(_, r)| &r.claims)
+            .flat_map(|c| &c.evidence_refs)
+        {
+            if let Some(EvidenceFact::Verified {
+                kind,
+                kind_defaulted: true,
+                ..
+            }) = self.input.evidence.get(id)
+            {
+                let entry = format!("`{id}` ({kind})");
+                if !defaulted.contains(&entry) {
+                    defaulted.push(entry);
+                }
+            }
+        }
+        if !defaulted.is_empty() {
+            reasons.push(format!(
+                "evidence kind defaulted by its tool, not named by the call: {}",
+                defaulted.join(", ")
+            ));
+        }
 
         // Check 10: conflicts.
         let conflicts = self.conflicts();

@@ -165,6 +165,7 @@ fn store() -> BTreeMap<String, EvidenceFact> {
             EvidenceFact::Verified {
                 kind: kind.to_owned(),
                 content_hash: hash_of(id),
+                kind_defaulted: false,
             },
         )
     })
@@ -376,6 +377,46 @@ fn insufficient_evidence_when_a_required_delegation_is_rejected() {
                 == "required delegation `logs` rejected: claim `claim-log-1` cites no evidence"),
         "{:?}",
         d.reasons
+    );
+}
+
+#[test]
+fn a_decision_names_the_evidence_whose_kind_its_tool_defaulted() {
+    let mut case = Case::new(
+        JoinStrategy::All,
+        vec![changes_result(), logs_result(), metrics_result()],
+    );
+    case.contract.minimum.required_evidence_kinds = ids(&["impact_metric", "causal_signal"]);
+    let named = case.decided();
+    assert!(
+        !named.reasons.iter().any(|r| r.contains("defaulted")),
+        "{:?}",
+        named.reasons
+    );
+    // The metrics call named no kind: its tool's default, impact_metric, counts all the
+    // same, and the decision says which evidence rests on a default.
+    case.evidence.insert(
+        IMPACT_EVIDENCE.to_owned(),
+        EvidenceFact::Verified {
+            kind: "impact_metric".to_owned(),
+            content_hash: hash_of(IMPACT_EVIDENCE),
+            kind_defaulted: true,
+        },
+    );
+    let d = case.decided();
+    assert_eq!(d.outcome(), named.outcome());
+    assert!(d.quorum_met && d.missing_evidence_kinds.is_empty());
+    let defaulted: Vec<&String> = d
+        .reasons
+        .iter()
+        .filter(|r| r.contains("defaulted"))
+        .collect();
+    assert_eq!(
+        defaulted,
+        [&format!(
+            "evidence kind defaulted by its tool, not named by the call: `{IMPACT_EVIDENCE}` \
+             (impact_metric)"
+        )]
     );
 }
 

@@ -204,7 +204,11 @@ fn fact() -> impl Strategy<Value = EvidenceFact> {
         // different evidence ids.
         100 => (select(&["impact_metric", "causal_signal"][..]), select(&["h1", "h2"][..]))
             .prop_map(|(kind, hash)| {
-                EvidenceFact::Verified { kind: kind.to_owned(), content_hash: hash.to_owned() }
+                EvidenceFact::Verified {
+                    kind: kind.to_owned(),
+                    content_hash: hash.to_owned(),
+                    kind_defaulted: false,
+                }
             }),
         1 => Just(EvidenceFact::Unknown),
         1 => Just(EvidenceFact::ArtifactMissing),
@@ -637,6 +641,7 @@ proptest! {
                 let fact = EvidenceFact::Verified {
                     kind: "impact_metric".to_owned(),
                     content_hash: "sha256:00".to_owned(),
+                    kind_defaulted: false,
                 };
                 (id.clone(), fact)
             })

@@ -108,6 +108,7 @@ impl RunActor {
                     Some(e) => EvidenceFact::Verified {
                         kind: e.kind.clone(),
                         content_hash: e.content_hash.clone(),
+                        kind_defaulted: e.kind_defaulted,
                     },
                     None => EvidenceFact::Unknown,
                 },
