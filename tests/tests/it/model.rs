@@ -4,6 +4,8 @@
 //! over OTLP. The run ends as the playbook version does — the same outcome and the same
 //! preserved conflict — every worker.execute has its model.call spans with the GenAI
 //! attributes, and the API key the workers hold never leaves the Authorization header.
+//! A model that never names an evidence kind gets its tools' declared kinds, so the join
+//! decides on what its claims say.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -13,7 +15,9 @@ use crate::harness::{
 };
 use convene_proto::v1;
 use convene_telemetry::test_util::{OtlpReceiver, ReceivedSpan};
-use convene_worker::model_server::{PlaybookResponder, ScriptedModel};
+use convene_worker::model_server::{PlaybookResponder, Recorded, Reply, ScriptedModel};
+use convene_worker::openai::function_name;
+use serde_json::{Value, json};
 
 const ONCALL: &str = "oncall@acme";
 const LIMIT: Duration = Duration::from_secs(60);
@@ -227,4 +231,196 @@ async fn the_model_tokens_count_against_the_runs_budget() {
     let requests = model.requests();
     assert_eq!(requests.len(), 2);
     assert_eq!(requests[1].body["max_completion_tokens"], 340);
+}
+
+/// A model that knows nothing of evidence kinds: it calls each tool it is offered once,
+/// with the required arguments only (never `evidence_kind`), then hands in a report whose
+/// claims cite every evidence id the calls returned. Which specialist it plays it tells
+/// from the tools offered; its findings are the playbooks' (the logs blame the connection
+/// pool, the change audit the risk rule).
+fn naive_model(request: &Recorded) -> Reply {
+    let tools = request.tools();
+    let offered = |tool: &str| tools.contains(&function_name(tool).as_str());
+    let (calls, topic, value): (Vec<(&str, &str, Value)>, &str, &str) = if offered("list_changes@1")
+    {
+        (
+            vec![
+                ("call_changes", "list_changes@1", json!({})),
+                (
+                    "call_hit_rate",
+                    "query_metrics@1",
+                    json!({"metric": "risk.rule_hit_rate.RC-4711"}),
+                ),
+            ],
+            "primary_cause",
+            "risk_rule_change",
+        )
+    } else if offered("query_metrics@1") {
+        (
+            vec![(
+                "call_success_rate",
+                "query_metrics@1",
+                json!({"metric": "payment.success_rate"}),
+            )],
+            "impact.success_rate",
+            "99.6% -> 93.1% at 02:02",
+        )
+    } else {
+        (
+            vec![(
+                "call_logs",
+                "search_logs@1",
+                json!({"service": "payment-api"}),
+            )],
+            "primary_cause",
+            "connection_pool_exhaustion",
+        )
+    };
+    let results = request.last_tool_results();
+    if results.is_empty() {
+        return Reply::tool_calls(
+            calls
+                .into_iter()
+                .map(|(id, tool, args)| (id, function_name(tool), args.to_string())),
+        );
+    }
+    let refs: Vec<String> = results
+        .iter()
+        .filter_map(|r| {
+            let outcome: Value = serde_json::from_str(&r.content).ok()?;
+            outcome["evidence_id"].as_str().map(str::to_owned)
+        })
+        .collect();
+    let report = json!({
+        "summary": format!("{topic}: {value}"),
+        "claims": [{
+            "claim_id": "claim-naive",
+            "topic": topic,
+            "value": value,
+            "statement": format!("{topic} is {value}"),
+            "evidence_refs": refs,
+            "confidence": 0.7
+        }]
+    });
+    Reply::tool_calls([(
+        "call_report",
+        "submit_report".to_owned(),
+        report.to_string(),
+    )])
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_model_that_names_no_evidence_kinds_gets_its_tools_kinds_and_a_real_decision() {
+    let model = ScriptedModel::start(naive_model).unwrap();
+    let mesh = TestMesh::start(
+        Mode::InProcess,
+        MeshOptions {
+            workers: vec![Workers {
+                profiles: Some(profiles_at(&model.base_url())),
+                ..Workers::default()
+            }],
+            ..MeshOptions::default()
+        },
+    )
+    .await;
+    let mut spec = model_spec();
+    spec.idempotency_key = "model-naive-kinds".to_owned();
+    let run_id = mesh.start_run_id(ONCALL, spec).await;
+    let run = mesh.wait_terminal(ONCALL, &run_id, LIMIT).await;
+
+    // No call named a kind, yet the join has the kinds it requires: it decides on what
+    // the claims say, here the logs and the change audit disagreeing on the cause.
+    let decision = run.decision.clone().expect("decision");
+    assert!(
+        decision.missing_evidence_kinds.is_empty(),
+        "{:?}",
+        decision.reasons
+    );
+    assert!(decision.quorum_met, "{:?}", decision.reasons);
+    assert_eq!(decision.accepted.len(), 3, "{decision:#?}");
+    assert_eq!(
+        run.outcome,
+        v1::JoinOutcome::ConflictRequiresHuman as i32,
+        "{:?}",
+        decision.reasons
+    );
+    let conflict = decision
+        .conflicts
+        .iter()
+        .find(|c| c.topic == "primary_cause")
+        .expect("the primary_cause conflict");
+    assert_eq!(conflict.claims.len(), 2);
+
+    // Every record carries its tool's kind as the profile declares it, marked defaulted.
+    let mut kinds: Vec<(String, String)> = Vec::new();
+    for d in &run.delegations {
+        let result = d.result.as_ref().expect("result");
+        assert_eq!(
+            result.status,
+            v1::TaskStatus::Completed as i32,
+            "{result:#?}"
+        );
+        for e in &result.evidence {
+            assert!(e.kind_defaulted, "{e:#?}");
+            let call = e.evidence_id.rsplit('/').next().unwrap_or_default();
+            kinds.push((call.to_owned(), e.kind.clone()));
+        }
+    }
+    kinds.sort();
+    let expected: Vec<(String, String)> = [
+        ("call_changes", "causal_signal"),
+        ("call_hit_rate", "causal_signal"),
+        ("call_logs", "causal_signal"),
+        ("call_success_rate", "impact_metric"),
+    ]
+    .iter()
+    .map(|(c, k)| ((*c).to_owned(), (*k).to_owned()))
+    .collect();
+    assert_eq!(kinds, expected);
+
+    // The decision says which of the evidence it rests on had its kind defaulted.
+    let defaulted = decision
+        .reasons
+        .iter()
+        .find(|r| r.contains("evidence kind defaulted"))
+        .unwrap_or_else(|| {
+            panic!(
+                "no reason names the defaulted kinds: {:?}",
+                decision.reasons
+            )
+        });
+    for call in [
+        "call_changes",
+        "call_hit_rate",
+        "call_logs",
+        "call_success_rate",
+    ] {
+        assert!(defaulted.contains(call), "{call}: {defaulted}");
+    }
+    assert!(defaulted.contains("(impact_metric)"), "{defaulted}");
+
+    // The model was never asked to name a kind it could not use: each tool's kinds were
+    // offered as an enum, and no call was refused.
+    let requests = model.requests();
+    assert_eq!(requests.len(), 6, "two turns for each specialist");
+    for r in requests.iter().filter(|r| r.last_tool_results().is_empty()) {
+        for tool in r.body["tools"].as_array().expect("tools") {
+            let function = &tool["function"];
+            if function["name"] == "submit_report" {
+                continue;
+            }
+            let kinds = &function["parameters"]["properties"]["evidence_kind"]["enum"];
+            assert!(kinds.is_array(), "{function}");
+        }
+    }
+    for r in requests
+        .iter()
+        .filter(|r| !r.last_tool_results().is_empty())
+    {
+        for result in r.last_tool_results() {
+            let outcome: Value = serde_json::from_str(&result.content).unwrap();
+            assert_eq!(outcome["success"], true, "{outcome}");
+        }
+    }
+    mesh.stop(Duration::from_secs(10)).await;
 }
