@@ -149,6 +149,7 @@ impl RunActor {
             scope: parent_task.scope.as_ref(),
             holds: &holds,
             tools: Some(&claims.tools),
+            refuses_wider: true,
         };
         let mut planned = Vec::with_capacity(children.len());
         let mut filled = Vec::with_capacity(children.len());

@@ -83,6 +83,10 @@ pub(crate) struct Delegator<'a> {
     pub(crate) holds: &'a PermissionSet,
     /// The tools it may hand on; `None`: any (a planner's delegations are top-level).
     pub(crate) tools: Option<&'a [String]>,
+    /// Whether the policy service refuses a proposal that asks for more than the
+    /// delegator holds (a nested child's token can only narrow its parent's) instead of
+    /// narrowing it, as it does for a planner's top-level delegations.
+    pub(crate) refuses_wider: bool,
 }
 
 /// The catalog tools a task for `profile` could be given: the profile's, narrowed by
@@ -295,6 +299,20 @@ pub(crate) fn check_servable(
     if profile.tools.is_empty() {
         return Ok(());
     }
+    let required = PermissionSet::from_proto(&wire.required_scopes, "required_scopes")
+        .map_err(|e| e.to_string())?;
+    let scope = scope_term(wire.scope.as_ref())?;
+    let asked = required.intersect(&scope);
+    if by.refuses_wider {
+        // Asked for more than the delegator holds: the policy service refuses the call
+        // outright, naming what is wider, and issues no token.
+        let tools_wider = by
+            .tools
+            .is_some_and(|held| wire.allowed_tools.iter().any(|t| !held.contains(t)));
+        if tools_wider || asked.not_covered_by(by.holds).next().is_some() {
+            return Ok(());
+        }
+    }
     let tools = candidate_tools(policy, profile, wire, by);
     if tools.is_empty() {
         return Err(format!(
@@ -305,10 +323,6 @@ pub(crate) fn check_servable(
             by.name
         ));
     }
-    let required = PermissionSet::from_proto(&wire.required_scopes, "required_scopes")
-        .map_err(|e| e.to_string())?;
-    let scope = scope_term(wire.scope.as_ref())?;
-    let asked = required.intersect(&scope);
     let effective = by.holds.intersect(&profile.capabilities).intersect(&asked);
     if tools.iter().any(|t| {
         effective
@@ -399,6 +413,7 @@ mod tests {
             scope: None,
             holds: &holds,
             tools: None,
+            refuses_wider: false,
         };
         let mut wire = bare("change-auditor-model");
         let defaults = apply_defaults(
@@ -449,6 +464,7 @@ mod tests {
             scope: None,
             holds: &holds,
             tools: None,
+            refuses_wider: false,
         };
         let mut wire = bare("logs-investigator-model");
         wire.scope = Some(v1::TaskScope {
@@ -493,6 +509,7 @@ mod tests {
             scope: Some(&parent_scope),
             holds: &holds,
             tools: Some(&tools),
+            refuses_wider: true,
         };
         let mut wire = bare("logs-investigator");
         let defaults = apply_defaults(&mut wire, &policy, &parent, None);
@@ -517,6 +534,16 @@ mod tests {
         apply_defaults(&mut wire, &policy, &parent, None);
         let e = check_servable(&wire, &policy, &parent).unwrap_err();
         assert!(e.contains("query_metrics@1"), "{e}");
+
+        // One that asks outright for more than the parent holds is left to the policy
+        // service, which refuses a child wider than its parent, naming what is wider.
+        let mut wire = bare("metrics-investigator");
+        wire.required_scopes = vec![v1::PermissionScope {
+            action: "metrics:read".to_owned(),
+            resource: "metric/*".to_owned(),
+            data_scope: None,
+        }];
+        check_servable(&wire, &policy, &parent).expect("the policy's to refuse");
     }
 
     #[test]
@@ -528,6 +555,7 @@ mod tests {
             scope: None,
             holds: &holds,
             tools: None,
+            refuses_wider: false,
         };
         // The naive proposal of old: permissions that give the tools nothing.
         let mut wire = bare("logs-investigator-model");
@@ -567,6 +595,7 @@ mod tests {
             scope: None,
             holds: &none,
             tools: None,
+            refuses_wider: false,
         };
         let mut wire = bare("logs-investigator-model");
         apply_defaults(&mut wire, &policy, &poor, None);

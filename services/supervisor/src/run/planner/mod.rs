@@ -460,6 +460,7 @@ impl RunActor {
             scope: None,
             holds: &holds,
             tools: None,
+            refuses_wider: false,
         };
         let mut proposed: Vec<Proposed> = Vec::with_capacity(message.tool_calls.len());
         let mut ending = None;
