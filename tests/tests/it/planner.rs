@@ -1454,3 +1454,198 @@ async fn the_scripted_example_planner_delegates_only_to_the_profiles_it_is_offer
         run.terminal_reason
     );
 }
+
+// ---------------------------------------------------------------------------------------
+// A model as it is: `delegate` with only its required fields.
+
+/// A `delegate` call with only the schema's required fields.
+fn bare_delegate(id: &str, profile: &str, goal: &str) -> (String, String, String) {
+    (
+        id.to_owned(),
+        "delegate".to_owned(),
+        json!({"profile_id": profile, "goal": goal}).to_string(),
+    )
+}
+
+/// The `issued_tokens` rows of run `run_id` in the mesh's database.
+async fn tokens_issued(mesh: &TestMesh, run_id: &str) -> usize {
+    let db = mesh.open_database().await;
+    db.fetch_all(
+        convene_store::sql("SELECT token_id FROM issued_tokens WHERE run_id = $1").bind(run_id),
+    )
+    .await
+    .expect("the issued tokens are read")
+    .len()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_planner_naming_only_profile_and_goal_gets_working_defaults_and_sees_them() {
+    let playbooks = PlaybookResponder::new(&convene_worker::profiles::example().unwrap())
+        .expect("the example playbooks play");
+    let specialists = [
+        ("logs", "logs-investigator-model", LOGS_GOAL),
+        ("metrics", "metrics-investigator-model", METRICS_GOAL),
+        ("changes", "change-auditor-model", CHANGES_GOAL),
+    ];
+    let model = start_model(
+        move |turn, _| match turn {
+            1 => Reply::tool_calls(
+                specialists
+                    .iter()
+                    .map(|(id, profile, goal)| bare_delegate(id, profile, goal))
+                    .collect::<Vec<_>>(),
+            ),
+            _ => Reply::tool_calls(vec![finish("done", "The assessment is in.", &[])]),
+        },
+        Some(Box::new(move |r: &Recorded| {
+            use convene_worker::model_server::Responder as _;
+            playbooks.reply(r)
+        })),
+    );
+    let (mesh, run) = run_once(
+        options(profiles_at(&model.base_url(), &[]), None),
+        example_spec("run-planner-model.yaml"),
+    )
+    .await;
+    owner_ends(&mesh).await;
+
+    // Round 1's decision accepted the three specialists' results.
+    let calls = calls_of(&run, 1);
+    assert_eq!(calls.len(), 3, "{calls:#?}");
+    for c in calls {
+        assert!(c.error.is_empty(), "every bare call is accepted: {c:#?}");
+    }
+    let first = run.revisions.first().unwrap_or_else(|| {
+        panic!(
+            "round 1 was decided; the run ended {} ({})",
+            state_name(run.state),
+            run.terminal_reason
+        )
+    });
+    for c in calls {
+        let d = delegation(&run, &c.delegation_id);
+        assert!(
+            first.accepted.contains(&c.delegation_id),
+            "round 1 accepted {} ({}): {first:#?}\n{d:#?}",
+            task(d).profile_id,
+            c.delegation_id
+        );
+    }
+    assert!(
+        run.state != v1::RunState::NoProgress as i32 && run.state != v1::RunState::Failed as i32,
+        "the run ended {}: {}",
+        state_name(run.state),
+        run.terminal_reason
+    );
+    assert!(planner_state(&run).finished, "{}", run.terminal_reason);
+
+    // The ledger records each default; the permissions are what the tools need.
+    let logs = delegation(&run, &calls[0].delegation_id);
+    let fields: Vec<&str> = logs.defaults.iter().map(|d| d.field.as_str()).collect();
+    assert_eq!(fields, ["scope", "required_scopes", "acceptance_criteria"]);
+    assert!(
+        task(logs)
+            .required_scopes
+            .iter()
+            .any(|s| s.action == "logs:read" && s.resource == "service/*"),
+        "{:#?}",
+        task(logs).required_scopes
+    );
+    let described = convene_worker::profiles::example()
+        .unwrap()
+        .into_iter()
+        .find(|p| p.wire.id == "logs-investigator-model")
+        .expect("the example describes its logs investigator")
+        .wire
+        .description;
+    assert!(!described.is_empty());
+    assert_eq!(
+        task(logs).acceptance_criteria,
+        [described],
+        "the profile's description, as its worker registered it"
+    );
+
+    // ... and the model read them in the answers to its calls.
+    let requests = planner_requests(&model);
+    let opening = requests[0].messages()[1]["content"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    assert!(
+        opening.contains("tool search_logs@1 (logs:read on service/*)")
+            && opening.contains("tool list_changes@1 (changes:read on change/*)"),
+        "the opening message shows each profile's tools and what they read: {opening}"
+    );
+    let answered = answers(&requests[1]);
+    assert_eq!(answered.len(), 3, "{answered:#?}");
+    for (id, content) in &answered {
+        let applied = content["defaults_applied"]
+            .as_array()
+            .unwrap_or_else(|| panic!("call {id}'s answer lists its defaults: {content:#}"));
+        assert!(
+            applied.iter().any(|a| a["field"] == "required_scopes"),
+            "{content:#}"
+        );
+    }
+    assert!(
+        answered[0].1["defaults_applied"]
+            .to_string()
+            .contains("logs:read on service/*"),
+        "{:#}",
+        answered[0].1
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delegation_that_could_serve_none_of_its_tools_is_refused_before_dispatch() {
+    // The logs investigator asked for with metrics permissions only: its token would
+    // allow search_logs@1 nothing.
+    let model = start_model(
+        |turn, _| match turn {
+            1 => Reply::tool_calls(vec![(
+                "logs".to_owned(),
+                "delegate".to_owned(),
+                json!({
+                    "profile_id": LOGS,
+                    "goal": LOGS_GOAL,
+                    "required_scopes": [{"action": "metrics:read", "resource": "metric/*"}],
+                })
+                .to_string(),
+            )]),
+            _ => Reply::tool_calls(vec![finish("done", "Nothing could run.", &[])]),
+        },
+        None,
+    );
+    let (mesh, run) = run_once(
+        options(profiles_at(&model.base_url(), &[]), None),
+        spec("planner-unservable", &[LOGS], "  max_rounds: 2"),
+    )
+    .await;
+    owner_ends(&mesh).await;
+
+    let call = &calls_of(&run, 1)[0];
+    assert!(
+        run.delegations.is_empty() && call.delegation_id.is_empty(),
+        "an unservable delegation must not be created: {:?}",
+        names(&run)
+    );
+    assert!(
+        call.error.contains("search_logs@1 needs logs:read")
+            && call.error.contains("required_scopes"),
+        "the refusal names what is missing: {}",
+        call.error
+    );
+    // The refusal reached the model in its next turn.
+    let requests = planner_requests(&model);
+    assert_eq!(requests.len(), 2, "the refused turn, then the finish");
+    let answered = answers(&requests[1]);
+    assert_eq!(answered.len(), 1);
+    assert_eq!(answer_error(&answered[0].1), call.error);
+    // No worker ran it, and no token was issued for it: the planner's own is the
+    // run's only token.
+    assert!(
+        model.requests().iter().all(is_planner),
+        "a specialist was asked"
+    );
+    assert_eq!(tokens_issued(&mesh, &run.run_id).await, 1);
+}
