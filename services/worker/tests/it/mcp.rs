@@ -1125,15 +1125,19 @@ fn model_outcome(model: &ScriptedModel, id: &str) -> ToolOutcome {
         .unwrap_or_else(|| panic!("no outcome of call {id}"))
 }
 
-/// How the bearer-token server refuses a token it does not take.
+/// How the bearer-token server treats the token.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Refusal {
-    /// 401 with a `WWW-Authenticate: Bearer` challenge, as the MCP authorization spec
-    /// has it.
-    Challenge,
-    /// 401 with no challenge, quoting the refused Authorization header in its body.
-    Quote,
+enum Server {
+    /// It never quotes the token, and refuses one it does not take with 401 and a
+    /// `WWW-Authenticate: Bearer` challenge, as the MCP authorization spec has it.
+    Careful,
+    /// It quotes the Authorization header it gets: in its answers (a `served_to` field of
+    /// every runbook) and in the body of its 401, which has no challenge.
+    Careless,
 }
+
+/// What stands for the bearer token where the worker masked it.
+const MASKED_BEARER: &str = "Bearer [redacted bearer token]";
 
 /// The log lines holding the bearer token, each as the target (module) that wrote it.
 fn log_lines_with_the_token(logs: &str) -> Vec<String> {
@@ -1148,16 +1152,16 @@ fn log_lines_with_the_token(logs: &str) -> Vec<String> {
         .collect()
 }
 
-/// A worker whose `runbooks` server is reached over HTTP with a bearer token: the
-/// server takes the token for one task, then refuses it (`refusal`) for the next, whose
-/// two calls fail (the first in the session the server now refuses, the second in the
+/// A worker whose `runbooks` server (`server`) is reached over HTTP with a bearer token:
+/// the server takes the token for one task, then refuses it for the next, whose two
+/// calls fail (the first in the session the server now refuses, the second in the
 /// handshake of a new one). The token reaches the server in the Authorization header of
-/// every request, and the errors the model reads, the requests to the model and the
-/// tasks' results hold none of it. Returns the worker's logs, written at every level as
-/// JSON lines, and the errors.
+/// every request, and what the model reads (the first call's result, the errors), the
+/// evidence stored, the requests to the model and the tasks' results hold none of it.
+/// Returns the worker's logs, written at every level as JSON lines, and the errors.
 async fn a_bearer_token_reaches_only_the_mcp_server(
     python: PathBuf,
-    refusal: Refusal,
+    server: Server,
 ) -> (String, Vec<String>) {
     let mesh = McpMesh::start().await;
     let state = tempfile::tempdir().unwrap();
@@ -1171,15 +1175,15 @@ async fn a_bearer_token_reaches_only_the_mcp_server(
         .arg(&accepted_token)
         .arg("--record")
         .arg(&record);
-    if refusal == Refusal::Quote {
-        command.arg("--quote-refused");
+    if server == Server::Careless {
+        command.args(["--quote-refused", "--quote-accepted"]);
     }
-    let mut server = command
+    let mut process = command
         .stdout(std::process::Stdio::piped())
         .kill_on_drop(true)
         .spawn()
         .expect("the bearer-token server starts");
-    let mut runbooks = McpServerConfig::http("runbooks", listening_url(&mut server).await);
+    let mut runbooks = McpServerConfig::http("runbooks", listening_url(&mut process).await);
     runbooks.bearer_token_env = Some(BEARER_TOKEN_ENV.to_owned());
 
     let model = ScriptedModel::start(Script::new(vec![
@@ -1215,15 +1219,25 @@ async fn a_bearer_token_reaches_only_the_mcp_server(
     let bearer = format!("Bearer {BEARER_TOKEN}");
 
     // Taken: the token travels in the Authorization header of every request.
-    let accepted = worker
-        .execute(&mesh, &task(&format!("del-bearer-accepted-{refusal:?}")))
-        .await;
+    let accepted_task = task(&format!("del-bearer-accepted-{server:?}"));
+    let accepted = worker.execute(&mesh, &accepted_task).await;
     let outcome = model_outcome(&model, "accepted");
     assert!(outcome.success, "{outcome:?}");
-    assert_eq!(
-        outcome.output.unwrap()["structured_content"]["owner"],
-        "team-payments"
-    );
+    let output = outcome.output.unwrap();
+    assert_eq!(output["structured_content"]["owner"], "team-payments");
+    // A careless server's answer quotes the token: the model reads it masked, and the
+    // evidence stores it masked.
+    let served_to = match server {
+        Server::Careful => Value::Null,
+        Server::Careless => json!(MASKED_BEARER),
+    };
+    assert_eq!(output["structured_content"]["served_to"], served_to);
+    assert_no_bearer_token("a call's result the model read", &output.to_string());
+    let artifact = stored_artifact(&mesh, &accepted_task, &accepted, "accepted").await;
+    let stored: Value = serde_json::from_slice(&artifact).unwrap();
+    assert_eq!(stored["structured_content"]["owner"], "team-payments");
+    assert_eq!(stored["structured_content"]["served_to"], served_to);
+    assert_no_bearer_token("an evidence artifact", &String::from_utf8_lossy(&artifact));
     let before_refusal = sent();
     assert!(before_refusal.len() >= 3, "{before_refusal:?}");
     assert!(
@@ -1234,7 +1248,7 @@ async fn a_bearer_token_reaches_only_the_mcp_server(
     // Refused: the server takes another token from now on.
     std::fs::write(&accepted_token, "a-token-the-worker-does-not-hold").unwrap();
     let refused = worker
-        .execute(&mesh, &task(&format!("del-bearer-refused-{refusal:?}")))
+        .execute(&mesh, &task(&format!("del-bearer-refused-{server:?}")))
         .await;
     let mut errors = Vec::new();
     for id in ["refused", "refused_again"] {
@@ -1293,13 +1307,45 @@ async fn a_bearer_token_reaches_only_the_mcp_server(
     (logs, errors)
 }
 
+/// The artifact of the evidence the lookup call `call_id` of `task` recorded (its record
+/// is among those of `result`).
+async fn stored_artifact(
+    mesh: &McpMesh,
+    task: &v1::DelegationTask,
+    result: &v1::TaskResult,
+    call_id: &str,
+) -> Vec<u8> {
+    let evidence_id = format!(
+        "mcp://runbooks/lookup_runbook/{RUN_ID}/{}/{call_id}",
+        task.delegation_id
+    );
+    let record = result
+        .evidence
+        .iter()
+        .find(|e| e.evidence_id == evidence_id)
+        .unwrap_or_else(|| panic!("no {evidence_id}: {:#?}", result.evidence));
+    let token = mesh.token(task).await;
+    mesh.evidence()
+        .get_artifact(auth::request(
+            v1::GetArtifactRequest {
+                uri: record.artifact_uri.clone(),
+            },
+            &token,
+        ))
+        .await
+        .unwrap()
+        .into_inner()
+        .content
+}
+
 /// The bearer token reaches the MCP server in the Authorization header, and nothing
 /// else: not the worker's logs (at every level), not what the model reads, not the
-/// tasks' results, also when the server refuses it with 401 and the calls fail.
+/// evidence, not the tasks' results, also when the server refuses it with 401 and the
+/// calls fail.
 #[tokio::test]
 async fn an_mcp_bearer_token_never_reaches_logs_results_or_errors() {
     let Some(python) = python() else { return };
-    let (logs, _) = a_bearer_token_reaches_only_the_mcp_server(python, Refusal::Challenge).await;
+    let (logs, _) = a_bearer_token_reaches_only_the_mcp_server(python, Server::Careful).await;
     let leaks = log_lines_with_the_token(&logs);
     assert!(
         leaks.is_empty(),
@@ -1307,25 +1353,32 @@ async fn an_mcp_bearer_token_never_reaches_logs_results_or_errors() {
     );
 }
 
-/// An MCP server that quotes the token it refuses in its 401 answer sends it back to the
-/// worker, which masks it wherever it writes the server's answer: the errors the model
-/// reads, the task's result and its own logs. The MCP client library the worker uses
-/// (rmcp) logs that answer itself, as it got it, before the worker sees it: its lines
-/// are the only ones that may hold the token.
+/// An MCP server that quotes the token back, in a tool's result and in the body of its
+/// 401, sends it back to the worker, which masks it where the answer enters the worker:
+/// the result the model reads and the evidence stores, the errors the model reads, the
+/// task's result, and every log line, those of the MCP client library (rmcp), which
+/// logs what it receives, included.
 #[tokio::test]
 async fn a_bearer_token_an_mcp_server_quotes_back_is_masked_in_what_the_worker_writes() {
     let Some(python) = python() else { return };
-    let (logs, errors) = a_bearer_token_reaches_only_the_mcp_server(python, Refusal::Quote).await;
+    let (logs, errors) = a_bearer_token_reaches_only_the_mcp_server(python, Server::Careless).await;
     for error in &errors {
         assert!(
-            error.contains("401") && error.contains("not accepted: Bearer [redacted"),
+            error.contains("401") && error.contains(&format!("not accepted: {MASKED_BEARER}")),
             "the error quotes the server's answer, masked: {error}"
         );
     }
     let leaks = log_lines_with_the_token(&logs);
     assert!(
-        leaks.iter().all(|target| target.starts_with("rmcp")),
+        leaks.is_empty(),
         "the bearer token leaked into logs of {leaks:?}"
+    );
+    // The logs hold what rmcp received, masked: the careless server's result.
+    assert!(
+        logs.lines().any(|line| line.contains("rmcp")
+            && line.contains("served_to")
+            && line.contains("[redacted bearer token]")),
+        "no log of rmcp holds the masked result"
     );
 }
 

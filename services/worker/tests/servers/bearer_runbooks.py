@@ -11,7 +11,9 @@ serves the tools of examples/mcp/runbooks.py (the official Python SDK,
   to make the server refuse the worker). The refusal carries a `WWW-Authenticate:
   Bearer` challenge, as the MCP authorization spec has it; with `--quote-refused` it
   carries none and quotes the refused header in its body instead, as a careless server
-  might.
+  might;
+- with `--quote-accepted`, quotes the header of a request it lets through in the
+  answers to it: every runbook has a `served_to` field holding it.
 
 It prints `listening on <url>` on stdout once it accepts connections.
 """
@@ -37,12 +39,18 @@ class BearerGate:
     only those that present the expected bearer token."""
 
     def __init__(
-        self, app, token_file: pathlib.Path, record: pathlib.Path, quote_refused: bool
+        self,
+        app,
+        token_file: pathlib.Path,
+        record: pathlib.Path,
+        quote_refused: bool,
+        quote_accepted: bool,
     ) -> None:
         self.app = app
         self.token_file = token_file
         self.record = record
         self.quote_refused = quote_refused
+        self.quote_accepted = quote_accepted
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -56,6 +64,9 @@ class BearerGate:
             record.write((presented or b"-") + b"\n")
         expected = b"Bearer " + self.token_file.read_text().strip().encode()
         if hmac.compare_digest(presented, expected):
+            if self.quote_accepted:
+                for runbook in runbooks.RUNBOOKS.values():
+                    runbook["served_to"] = presented.decode("latin-1")
             await self.app(scope, receive, send)
             return
         if self.quote_refused:
@@ -79,7 +90,9 @@ class BearerGate:
         await send({"type": "http.response.body", "body": body})
 
 
-async def serve(token_file: pathlib.Path, record: pathlib.Path, quote_refused: bool) -> None:
+async def serve(
+    token_file: pathlib.Path, record: pathlib.Path, quote_refused: bool, quote_accepted: bool
+) -> None:
     import uvicorn
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -88,7 +101,10 @@ async def serve(token_file: pathlib.Path, record: pathlib.Path, quote_refused: b
     url = f"http://127.0.0.1:{sock.getsockname()[1]}/mcp"
     app = runbooks.SERVER.streamable_http_app(streamable_http_path="/mcp", host="127.0.0.1")
     server = uvicorn.Server(
-        uvicorn.Config(BearerGate(app, token_file, record, quote_refused), log_level="warning")
+        uvicorn.Config(
+            BearerGate(app, token_file, record, quote_refused, quote_accepted),
+            log_level="warning",
+        )
     )
     print(f"listening on {url}", flush=True)
     await server.serve(sockets=[sock])
@@ -102,8 +118,10 @@ def main() -> None:
                         help="the file the Authorization header of every request is appended to")
     parser.add_argument("--quote-refused", action="store_true",
                         help="refuse without a challenge, quoting the refused header")
+    parser.add_argument("--quote-accepted", action="store_true",
+                        help="quote the header of an accepted request in its answers")
     args = parser.parse_args()
-    asyncio.run(serve(args.token_file, args.record, args.quote_refused))
+    asyncio.run(serve(args.token_file, args.record, args.quote_refused, args.quote_accepted))
 
 
 if __name__ == "__main__":

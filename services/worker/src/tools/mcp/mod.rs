@@ -36,8 +36,14 @@
 //! - **Nothing of the task reaches a server but the call's arguments**: not the task
 //!   token, and not the worker's environment (a stdio server gets `PATH`, `HOME` and
 //!   the locale, and what its configuration names).
+//! - **A bearer token goes to its server alone.** An HTTP server's `bearer_token_env`
+//!   token travels in the Authorization header of its requests; should the server quote
+//!   it back (in an error, in a tool's result), it is masked where the answer enters the
+//!   worker, before the MCP client library logs it, so no log, error, evidence artifact
+//!   or model request holds it.
 
 mod config;
+mod masked_http;
 mod offer;
 mod server;
 

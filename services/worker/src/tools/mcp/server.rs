@@ -22,6 +22,7 @@ use tokio::sync::{Mutex, Notify};
 use tokio_util::sync::CancellationToken;
 
 use super::config::{INHERITED_ENV, McpServerConfig, Transport as Reach};
+use super::masked_http::{Mask, MaskedHttp};
 use super::offer::Offer;
 use crate::tools::{ToolError, ToolOutput};
 
@@ -31,9 +32,6 @@ pub const RECONNECT_PAUSE: Duration = Duration::from_secs(1);
 
 /// The most characters of a server's error text a failed call quotes.
 const MAX_ERROR_TEXT: usize = 2000;
-
-/// What stands for the bearer token in a text that quoted it.
-const REDACTED: &str = "[redacted bearer token]";
 
 /// An MCP server and the tools the catalog declares for it.
 #[derive(Debug)]
@@ -468,11 +466,11 @@ impl McpServer {
     }
 
     /// The streamable-HTTP transport to `url`, with the bearer token when one is
-    /// configured.
+    /// configured, which is masked in everything the server answers.
     fn http_transport(
         &self,
         url: &str,
-    ) -> Result<StreamableHttpClientTransport<reqwest::Client>, String> {
+    ) -> Result<StreamableHttpClientTransport<MaskedHttp>, String> {
         // The HTTP client needs a TLS provider even for plain http; the worker's binary
         // installs ring, and a worker hosted elsewhere may not have one yet.
         let _ = rustls::crypto::ring::default_provider().install_default();
@@ -480,15 +478,18 @@ impl McpServer {
         // session and send the call again, rather than fail it.
         let mut config =
             StreamableHttpClientTransportConfig::with_uri(url).reinit_on_expired_session(true);
+        let mut token = None;
         if let Some(var) = &self.config.bearer_token_env {
-            let token = std::env::var(var).map_err(|_| {
+            let value = std::env::var(var).map_err(|_| {
                 format!(
                     "bearer_token_env names {var}, which is not set in the worker's environment"
                 )
             })?;
-            config = config.auth_header(token);
+            config = config.auth_header(value.clone());
+            token = Some(value);
         }
-        Ok(StreamableHttpClientTransport::from_config(config))
+        let client = MaskedHttp::new(token.as_deref())?;
+        Ok(StreamableHttpClientTransport::with_client(client, config))
     }
 
     /// Calls `tool` with `arguments` and turns the answer into the call's output; every
@@ -579,7 +580,12 @@ impl McpServer {
         if let Some(structured) = result.structured_content {
             output.insert("structured_content".into(), structured);
         }
-        let output = ToolOutput::new(Value::Object(output), false);
+        let mut output = Value::Object(output);
+        // Stored as evidence and read by the model: never with the bearer token in it.
+        if let Some(mask) = bearer_token(&self.config).as_deref().and_then(Mask::new) {
+            mask.value(&mut output);
+        }
+        let output = ToolOutput::new(output, false);
         let size = output.bytes.len() as u64;
         if size > self.config.max_output_bytes {
             return Err(failed(format!(
@@ -606,9 +612,9 @@ fn bearer_token(config: &McpServerConfig) -> Option<String> {
 
 /// `text` with every occurrence of `token` masked.
 fn redact(text: &str, token: Option<&str>) -> String {
-    match token {
-        Some(token) if text.contains(token) => text.replace(token, REDACTED),
-        _ => text.to_owned(),
+    match token.and_then(Mask::new) {
+        Some(mask) => mask.error_text(text),
+        None => text.to_owned(),
     }
 }
 
