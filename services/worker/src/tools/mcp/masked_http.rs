@@ -9,6 +9,12 @@
 //! event of an SSE stream and in every text an error carries. The response limits the
 //! library configures (SSE event size, JSON and error body sizes) are passed on to
 //! `reqwest` unchanged.
+//!
+//! What the library's `reqwest` client logs itself before it returns is out of reach:
+//! the `Content-Type` of a successful answer it does not take, and the parse error of a
+//! JSON answer to a notification or a response, which may quote a field of it. Neither
+//! is masked. The session id a server assigns is not masked either: it must go back to
+//! the server as it came.
 
 use std::borrow::Cow;
 use std::collections::HashMap;
