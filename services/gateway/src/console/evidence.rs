@@ -123,7 +123,10 @@ fn evidence_page(
         &html! {
             h1 { "Evidence " code { (evidence.evidence_id) } }
             dl.summary {
-                dt { "Kind" } dd { (evidence.kind) }
+                dt { "Kind" } dd {
+                    (evidence.kind)
+                    @if evidence.kind_defaulted { " (its tool's default: the call named no kind)" }
+                }
                 dt { "Source" } dd { (evidence.source) }
                 dt { "Observed" } dd { (time(evidence.observed_at.as_ref())) }
                 dt { "Delegation" } dd { code { (evidence.delegation_id) } }
