@@ -5,7 +5,9 @@
 //! `playbook` section for the `playbook` provider (or, for a planner, its `planner`
 //! section; see [`crate::playbook::planner`]), the server and key of the `openai`
 //! provider (`base_url`, `api_key_env` or `api_key_file`), the remote agent of the
-//! `a2a` provider (`url`, `credential_env`; see [`crate::a2a`]), an optional `hold` section for the
+//! `a2a` provider (`url`, `credential_env`; see [`crate::a2a`]), the kinds of evidence
+//! each of its tools may record (`evidence_kinds`, the default first; see
+//! [`ProfileEntry::evidence_kinds`]), an optional `hold` section for the
 //! bench ([`crate::hold`]) and an optional `faults` section for tests
 //! ([`crate::faults`]; refused by a build without fault injection). Unknown keys are
 //! refused, and every profile is validated with
