@@ -324,6 +324,25 @@ impl TokenKeys {
         check_not_revoked(&snapshot, &claims)?;
         Ok(claims)
     }
+
+    /// Checks again, at `now`, the claims of a token [`Self::verify`] accepted earlier
+    /// under key `kid`: the key is still listed, the token is still within its times,
+    /// and neither it nor its run has been revoked since. The token's signature and
+    /// bytes are not looked at again, so a holder that keeps the accepted claims (a
+    /// worker between the turns of one task) pays for no hashing of the token.
+    pub async fn recheck(&self, kid: &str, claims: &Claims, now: SystemTime) -> Result<(), Status> {
+        let snapshot = self.fresh(now).await?;
+        if !snapshot.verifier.trusts(kid) {
+            return Err(token_status(&TokenError::UnknownKey {
+                kid: kid.to_owned(),
+            }));
+        }
+        snapshot
+            .verifier
+            .check_times(claims, now)
+            .map_err(|e| token_status(&e))?;
+        check_not_revoked(&snapshot, claims)
+    }
 }
 
 fn check_not_revoked(snapshot: &KeySnapshot, claims: &Claims) -> Result<(), Status> {

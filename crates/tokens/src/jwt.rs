@@ -257,6 +257,14 @@ impl Verifier {
                 claims
             }
         };
+        self.check_times(&claims, now)?;
+        Ok(claims)
+    }
+
+    /// The time checks of [`Self::verify`] alone, for claims it accepted earlier:
+    /// `nbf <= now + leeway` ([`TokenError::NotYetValid`]) and `now < exp + leeway`
+    /// ([`TokenError::Expired`]).
+    pub fn check_times(&self, claims: &Claims, now: SystemTime) -> Result<(), TokenError> {
         let now = now.duration_since(UNIX_EPOCH).unwrap_or(Duration::ZERO);
         if now.saturating_add(self.leeway) < Duration::from_secs(claims.not_before) {
             return Err(TokenError::NotYetValid {
@@ -268,7 +276,13 @@ impl Verifier {
                 expired_at: claims.expires_at,
             });
         }
-        Ok(claims)
+        Ok(())
+    }
+
+    /// Whether this verifier trusts the key named `kid` (a token it accepted earlier
+    /// under that key is still good for it only while it does).
+    pub fn trusts(&self, kid: &str) -> bool {
+        self.keys.iter().any(|k| *k.kid == *kid)
     }
 
     /// Everything but the time checks: structure, algorithm, key, signature, claims; the
@@ -429,6 +443,12 @@ impl VerifiedTokens {
     }
 }
 
+/// The key id (`kid`) a token's header names, without checking anything else; `None`
+/// when the header cannot be read or names none.
+pub fn key_id(token: &str) -> Option<String> {
+    jsonwebtoken::decode_header(token).ok()?.kid
+}
+
 fn digest(token: &str) -> [u8; 32] {
     use sha2::Digest as _;
     sha2::Sha256::digest(token.as_bytes()).into()
@@ -535,6 +555,33 @@ mod cache_tests {
             other.verify(&token, at(now + 1)),
             Err(TokenError::UnknownKey { .. })
         ));
+    }
+
+    #[test]
+    fn accepted_claims_are_checked_again_for_their_key_and_times_without_the_token() {
+        let key = SigningKey::generate().expect("key");
+        let verifier = Verifier::from_signing_keys([&key]);
+        let signer = Signer::new(key);
+        let now = 2_000_000_000;
+        let token = signer.sign(&claims(now)).expect("signed");
+        let at = |s: u64| UNIX_EPOCH + Duration::from_secs(s);
+        let accepted = verifier.verify(&token, at(now + 1)).expect("verified");
+        let kid = key_id(&token).expect("a kid in the header");
+        assert_eq!(kid, signer.kid());
+        assert!(verifier.trusts(&kid));
+        assert!(verifier.check_times(&accepted, at(now + 59)).is_ok());
+        assert!(matches!(
+            verifier.check_times(&accepted, at(now + 60)),
+            Err(TokenError::Expired { .. })
+        ));
+        assert!(matches!(
+            verifier.check_times(&accepted, at(now - 1)),
+            Err(TokenError::NotYetValid { .. })
+        ));
+        // Once its key is no longer listed, the key is not trusted.
+        let rotated = Verifier::from_signing_keys([&SigningKey::generate().expect("key")]);
+        assert!(!rotated.trusts(&kid));
+        assert_eq!(key_id("not a token"), None);
     }
 
     thread_local! {

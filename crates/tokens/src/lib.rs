@@ -59,6 +59,6 @@ mod keys;
 
 pub use claims::{Claims, Scope, from_unix_seconds, new_token_id, unix_seconds};
 pub use error::{Error, TokenError};
-pub use jwt::{MAX_TOKEN_LEN, Signer, Verifier};
+pub use jwt::{MAX_TOKEN_LEN, Signer, Verifier, key_id};
 pub use keyring::{KEYRING_FILE, KeyRing};
 pub use keys::{SigningKey, thumbprint};

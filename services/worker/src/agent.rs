@@ -80,6 +80,8 @@ pub struct Assignment {
     pub task: v1::DelegationTask,
     /// The task token.
     pub token: String,
+    /// The task token as [`crate::guard::Guard::task_token`] accepted it.
+    pub verified: crate::guard::Verified,
     /// Dispatch attempt, from 1.
     pub attempt: u32,
 }
@@ -150,6 +152,7 @@ struct TaskContext<'a> {
     task: &'a v1::DelegationTask,
     attempt: u32,
     token: &'a str,
+    verified: &'a crate::guard::Verified,
     audience: String,
     window: TimeWindow,
     scope: Option<v1::TaskScope>,
@@ -211,12 +214,7 @@ impl Agent {
 
     /// The task's token still holds ([`crate::guard`]), or how the loop ends.
     async fn recheck_token(&self, ctx: &TaskContext<'_>) -> Result<(), LoopEnd> {
-        let binding = crate::guard::Binding {
-            run_id: &ctx.task.run_id,
-            delegation_id: Some(&ctx.task.delegation_id),
-            profile_id: &ctx.task.profile_id,
-        };
-        match self.guard.task_token(ctx.token, binding).await {
+        match self.guard.recheck(ctx.verified).await {
             Ok(_) => Ok(()),
             Err(refused) => Err(LoopEnd::Infra(Infra {
                 code: "token_refused",
@@ -258,6 +256,7 @@ impl Agent {
             task: &a.task,
             attempt: a.attempt,
             token: &a.token,
+            verified: &a.verified,
             audience: format!("worker:{}", profile.id),
             window,
             scope: a.task.scope.clone(),

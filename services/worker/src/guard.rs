@@ -11,10 +11,12 @@
 //!   holds against the policy service's keys (refreshed every `key_refresh`, and on an
 //!   unknown key id), it has not expired, neither it nor its run is revoked, and it
 //!   names this run, delegation and profile. The same check runs again before every
-//!   model turn of a long loop, so a token that expires or is revoked mid-task stops the
-//!   loop at its next turn. A token verified once is remembered by the process
-//!   ([`convene_tokens::Verifier::verify`]): later checks repeat only the time and
-//!   revocation checks.
+//!   model turn and remote call of a long loop ([`Guard::recheck`], on the claims the
+//!   first check accepted: the key still listed, the times, the revocations), so a
+//!   token that expires or is revoked mid-task, or whose key is retired, stops the loop
+//!   at its next turn. A token verified once is also remembered by the process
+//!   ([`convene_tokens::Verifier::verify`]), so other services in it repeat only the
+//!   time and revocation checks.
 //!
 //! A refusal is UNAUTHENTICATED (the token is not genuine, current and unrevoked) or
 //! PERMISSION_DENIED (it is another task's), naming the failed claim, and it is logged.
@@ -34,6 +36,14 @@ pub struct Guard {
     callers: ServiceCallers,
     keys: Arc<TokenKeys>,
     clock: Clock,
+}
+
+/// A task token that passed [`Guard::task_token`]: its claims and the id of the key
+/// whose signature held.
+#[derive(Debug, Clone)]
+pub struct Verified {
+    pub claims: Claims,
+    pub kid: String,
 }
 
 /// What a token must be bound to.
@@ -72,7 +82,7 @@ impl Guard {
     }
 
     /// The token's claims, if it is genuine, current, unrevoked and bound to `binding`.
-    pub async fn task_token(&self, token: &str, binding: Binding<'_>) -> Result<Claims, Status> {
+    pub async fn task_token(&self, token: &str, binding: Binding<'_>) -> Result<Verified, Status> {
         let refused = |status: Status| {
             tracing::warn!(
                 convene.run.id = %binding.run_id,
@@ -105,6 +115,28 @@ impl Guard {
         if claims.profile_id != binding.profile_id {
             return Err(mismatch("profile", &claims.profile_id, binding.profile_id));
         }
-        Ok(claims)
+        Ok(Verified {
+            kid: convene_tokens::key_id(token).unwrap_or_default(),
+            claims,
+        })
+    }
+
+    /// Checks again what [`Self::task_token`] accepted, before each model turn and
+    /// remote call of a task: the key still listed, the token unexpired, neither it nor
+    /// its run revoked since. The binding was checked then and the token has not
+    /// changed, so its signature is not checked again.
+    pub async fn recheck(&self, verified: &Verified) -> Result<(), Status> {
+        self.keys
+            .recheck(&verified.kid, &verified.claims, self.clock.now())
+            .await
+            .inspect_err(|refused| {
+                tracing::warn!(
+                    convene.run.id = %verified.claims.run_id,
+                    convene.delegation.id = %verified.claims.delegation_id,
+                    convene.delegation.profile = %verified.claims.profile_id,
+                    refused = %refused.message(),
+                    "task token refused; nothing was called"
+                );
+            })
     }
 }

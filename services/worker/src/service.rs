@@ -544,7 +544,8 @@ impl worker_server::Worker for WorkerService {
         let agent = self.agent(&task.profile_id)?;
         // Nothing starts, joins or answers from the cache under a token that does not
         // hold for this very task.
-        self.inner
+        let verified = self
+            .inner
             .guard
             .task_token(
                 &request.task_token,
@@ -559,6 +560,7 @@ impl worker_server::Worker for WorkerService {
         let assignment = Assignment {
             task,
             token: request.task_token,
+            verified,
             attempt,
         };
         let result = self
