@@ -11,6 +11,12 @@
 //! The key is read once, when the provider is built, and lives only in the client: it
 //! is never part of a profile, a request the loop sees, a span, a log line or an error.
 //!
+//! A profile with `stream: true` asks for the answer as server-sent events
+//! (`"stream": true`, with the usage in the last chunk) and assembles the chunks' text
+//! and tool-call deltas into the same [`ModelResponse`] a whole answer gives
+//! ([`Assembly`]); a stream that breaks or ends before its `finish_reason` is a
+//! transient failure.
+//!
 //! The client makes one HTTP request per [`ModelProvider::complete`] and retries
 //! nothing itself: every failure becomes a [`ProviderError`] that says whether trying
 //! again may help (429, 5xx, a broken connection or a timeout) and, for a 429 or 503,
@@ -20,7 +26,7 @@
 //! names for the API (`^[a-zA-Z0-9_-]{1,64}$`), so each request maps them to function
 //! names (`search_logs_v1`) and the answer's calls back.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -34,9 +40,12 @@ use async_openai::types::chat::{
     ChatCompletionRequestMessage, ChatCompletionRequestSystemMessage,
     ChatCompletionRequestSystemMessageContent, ChatCompletionRequestToolMessage,
     ChatCompletionRequestToolMessageContent, ChatCompletionRequestUserMessage,
-    ChatCompletionRequestUserMessageContent, ChatCompletionTool, ChatCompletionTools,
-    CreateChatCompletionRequest, FinishReason as ApiFinishReason, FunctionCall, FunctionObject,
+    ChatCompletionRequestUserMessageContent, ChatCompletionStreamOptions, ChatCompletionTool,
+    ChatCompletionTools, CompletionUsage, CreateChatCompletionRequest,
+    CreateChatCompletionResponse, CreateChatCompletionStreamResponse,
+    FinishReason as ApiFinishReason, FunctionCall, FunctionObject,
 };
+use futures::StreamExt as _;
 use serde_json::Value;
 
 use crate::provider::{
@@ -68,6 +77,9 @@ pub struct Connection {
     pub api_key_env: Option<String>,
     /// File holding the key (its content, trimmed).
     pub api_key_file: Option<PathBuf>,
+    /// Whether answers are asked for as a stream of server-sent events (default: one
+    /// whole answer).
+    pub stream: bool,
 }
 
 impl Connection {
@@ -135,6 +147,7 @@ pub struct OpenAiProvider {
     client: Client<OpenAIConfig>,
     base_url: String,
     key_source: String,
+    stream: bool,
 }
 
 impl std::fmt::Debug for OpenAiProvider {
@@ -143,6 +156,7 @@ impl std::fmt::Debug for OpenAiProvider {
         f.debug_struct("OpenAiProvider")
             .field("base_url", &self.base_url)
             .field("key_source", &self.key_source)
+            .field("stream", &self.stream)
             .finish_non_exhaustive()
     }
 }
@@ -187,6 +201,7 @@ impl OpenAiProvider {
             client,
             base_url,
             key_source: connection.key_source(),
+            stream: connection.stream,
         })
     }
 }
@@ -205,39 +220,123 @@ impl ModelProvider for OpenAiProvider {
 
     async fn complete(&self, request: &ModelRequest) -> Result<ModelResponse, ProviderError> {
         let names = FunctionNames::new(request);
-        let body = to_api(request, &names);
-        let response = self
+        let mut body = to_api(request, &names);
+        let answer = if self.stream {
+            body.stream_options = Some(ChatCompletionStreamOptions {
+                include_usage: Some(true),
+                include_obfuscation: None,
+            });
+            self.streamed(body).await?
+        } else {
+            let response = self
+                .client
+                .chat()
+                .create(body)
+                .await
+                .map_err(|e| self.error(e))?;
+            Answer::whole(response).ok_or_else(no_choices)?
+        };
+        Ok(answer.into_response(&names))
+    }
+}
+
+impl OpenAiProvider {
+    /// Asks for `body` as a stream and assembles its chunks.
+    async fn streamed(&self, body: CreateChatCompletionRequest) -> Result<Answer, ProviderError> {
+        let mut stream = self
             .client
             .chat()
-            .create(body)
+            .create_stream(body)
             .await
             .map_err(|e| self.error(e))?;
-        let choice = response.choices.into_iter().next().ok_or_else(|| {
-            ProviderError::permanent(
-                PROVIDER_NAME,
-                "the model server answered with no choices; check that the model supports \
-                 chat completions",
-            )
-        })?;
-        let calls: Vec<ToolCall> = choice
+        let mut assembly = Assembly::default();
+        while let Some(chunk) = stream.next().await {
+            assembly.add(chunk.map_err(|e| self.error(e))?);
+        }
+        assembly.finish(&self.base_url)
+    }
+}
+
+/// The error of an answer without choices.
+fn no_choices() -> ProviderError {
+    ProviderError::permanent(
+        PROVIDER_NAME,
+        "the model server answered with no choices; check that the model supports \
+         chat completions",
+    )
+}
+
+/// One tool call of an answer, as the server wrote it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct RawCall {
+    id: String,
+    function: String,
+    /// The arguments' JSON text, or a custom tool's free-form input.
+    arguments: String,
+    custom: bool,
+}
+
+/// The first choice of an answer, whole or assembled from a stream.
+#[derive(Debug, Clone, PartialEq)]
+struct Answer {
+    model: String,
+    content: Option<String>,
+    refusal: Option<String>,
+    calls: Vec<RawCall>,
+    finish_reason: Option<ApiFinishReason>,
+    usage: Option<CompletionUsage>,
+}
+
+impl Answer {
+    /// The first choice of a whole answer; None when it has none.
+    fn whole(response: CreateChatCompletionResponse) -> Option<Self> {
+        let choice = response.choices.into_iter().next()?;
+        let calls = choice
             .message
             .tool_calls
             .unwrap_or_default()
             .into_iter()
             .map(|c| match c {
-                ChatCompletionMessageToolCalls::Function(f) => ToolCall {
+                ChatCompletionMessageToolCalls::Function(f) => RawCall {
                     id: f.id,
-                    name: names.tool(&f.function.name),
-                    arguments: parse_arguments(&f.function.arguments),
+                    function: f.function.name,
+                    arguments: f.function.arguments,
+                    custom: false,
                 },
-                ChatCompletionMessageToolCalls::Custom(c) => ToolCall {
+                ChatCompletionMessageToolCalls::Custom(c) => RawCall {
                     id: c.id,
-                    name: names.tool(&c.custom_tool.name),
-                    arguments: Value::String(c.custom_tool.input),
+                    function: c.custom_tool.name,
+                    arguments: c.custom_tool.input,
+                    custom: true,
                 },
             })
             .collect();
-        let finish = match choice.finish_reason {
+        Some(Self {
+            model: response.model,
+            content: choice.message.content,
+            refusal: choice.message.refusal,
+            calls,
+            finish_reason: choice.finish_reason,
+            usage: response.usage,
+        })
+    }
+
+    /// The answer as the loop reads it, its function names mapped back to tools.
+    fn into_response(self, names: &FunctionNames) -> ModelResponse {
+        let calls: Vec<ToolCall> = self
+            .calls
+            .into_iter()
+            .map(|c| ToolCall {
+                id: c.id,
+                name: names.tool(&c.function),
+                arguments: if c.custom {
+                    Value::String(c.arguments)
+                } else {
+                    parse_arguments(&c.arguments)
+                },
+            })
+            .collect();
+        let finish = match self.finish_reason {
             Some(ApiFinishReason::Length) => FinishReason::Length,
             _ if !calls.is_empty() => FinishReason::ToolCalls,
             Some(ApiFinishReason::ToolCalls | ApiFinishReason::FunctionCall) => {
@@ -245,19 +344,13 @@ impl ModelProvider for OpenAiProvider {
             }
             _ => FinishReason::Stop,
         };
-        let content = choice
-            .message
-            .content
-            .or(choice.message.refusal)
-            .unwrap_or_default();
-        let usage = response
-            .usage
-            .map_or_else(TokenUsage::default, |u| TokenUsage {
-                input: u64::from(u.prompt_tokens),
-                output: u64::from(u.completion_tokens),
-            });
-        Ok(ModelResponse {
-            model: response.model,
+        let content = self.content.or(self.refusal).unwrap_or_default();
+        let usage = self.usage.map_or_else(TokenUsage::default, |u| TokenUsage {
+            input: u64::from(u.prompt_tokens),
+            output: u64::from(u.completion_tokens),
+        });
+        ModelResponse {
+            model: self.model,
             message: Message {
                 role: Role::Assistant,
                 content,
@@ -266,6 +359,107 @@ impl ModelProvider for OpenAiProvider {
             },
             finish,
             usage,
+        }
+    }
+}
+
+/// A streamed answer being put together, chunk by chunk: the first choice's text and
+/// refusal deltas joined, its tool calls gathered by their index (the id and the name
+/// from the first chunk that has them, the argument fragments joined), the finish
+/// reason, and the usage of the last chunk.
+#[derive(Debug, Default)]
+struct Assembly {
+    model: String,
+    content: Option<String>,
+    refusal: Option<String>,
+    calls: BTreeMap<u32, RawCall>,
+    finish_reason: Option<ApiFinishReason>,
+    usage: Option<CompletionUsage>,
+    choices: bool,
+}
+
+impl Assembly {
+    fn add(&mut self, chunk: CreateChatCompletionStreamResponse) {
+        if self.model.is_empty() {
+            self.model = chunk.model;
+        }
+        if chunk.usage.is_some() {
+            self.usage = chunk.usage;
+        }
+        for choice in chunk.choices.into_iter().filter(|c| c.index == 0) {
+            self.choices = true;
+            let delta = choice.delta;
+            if let Some(text) = delta.content {
+                self.content.get_or_insert_default().push_str(&text);
+            }
+            if let Some(text) = delta.refusal {
+                self.refusal.get_or_insert_default().push_str(&text);
+            }
+            for part in delta.tool_calls.unwrap_or_default() {
+                let call = self.calls.entry(part.index).or_insert_with(|| RawCall {
+                    id: String::new(),
+                    function: String::new(),
+                    arguments: String::new(),
+                    custom: false,
+                });
+                if let Some(id) = part.id
+                    && call.id.is_empty()
+                {
+                    call.id = id;
+                }
+                if let Some(function) = part.function {
+                    if let Some(name) = function.name
+                        && call.function.is_empty()
+                    {
+                        call.function = name;
+                    }
+                    if let Some(fragment) = function.arguments {
+                        call.arguments.push_str(&fragment);
+                    }
+                }
+            }
+            if choice.finish_reason.is_some() {
+                self.finish_reason = choice.finish_reason;
+            }
+        }
+    }
+
+    /// The assembled answer of the stream from `base_url`.
+    ///
+    /// # Errors
+    ///
+    /// The stream had no choice (permanent, as a whole answer without one), or ended
+    /// before its finish reason (transient: the connection ended early).
+    fn finish(self, base_url: &str) -> Result<Answer, ProviderError> {
+        if !self.choices {
+            return Err(no_choices());
+        }
+        if self.finish_reason.is_none() {
+            return Err(ProviderError::transient(
+                PROVIDER_NAME,
+                format!(
+                    "the answer stream of {base_url} ended before its finish_reason: the \
+                     answer is incomplete"
+                ),
+            ));
+        }
+        let calls = self
+            .calls
+            .into_iter()
+            .map(|(index, mut call)| {
+                if call.id.is_empty() {
+                    call.id = format!("call_{index}");
+                }
+                call
+            })
+            .collect();
+        Ok(Answer {
+            model: self.model,
+            content: self.content,
+            refusal: self.refusal,
+            calls,
+            finish_reason: self.finish_reason,
+            usage: self.usage,
         })
     }
 }
@@ -282,6 +476,14 @@ impl OpenAiProvider {
                 ),
             },
             OpenAIError::Reqwest(e) => transport_error(&self.base_url, &e),
+            OpenAIError::StreamError(e) => ProviderError::transient(
+                PROVIDER_NAME,
+                format!(
+                    "the answer stream of {} broke: {}",
+                    self.base_url,
+                    clip(&e.to_string())
+                ),
+            ),
             OpenAIError::JSONDeserialize(e, content) => ProviderError::permanent(
                 PROVIDER_NAME,
                 format!(
@@ -756,6 +958,186 @@ mod tests {
         assert!(failure(429).into_provider_error("u", "k").retryable);
         assert!(failure(503).into_provider_error("u", "k").retryable);
         assert!(!failure(400).into_provider_error("u", "k").retryable);
+    }
+
+    /// A `chat.completion.chunk` with `choices` and `usage`.
+    fn chunk(choices: Value, usage: Value) -> CreateChatCompletionStreamResponse {
+        serde_json::from_value(serde_json::json!({
+            "id": "chatcmpl-1",
+            "object": "chat.completion.chunk",
+            "created": 1,
+            "model": "m-1",
+            "choices": choices,
+            "usage": usage,
+        }))
+        .expect("a chunk")
+    }
+
+    fn names_of(tools: &[&str]) -> FunctionNames {
+        FunctionNames::new(&ModelRequest {
+            model: "m".into(),
+            system: String::new(),
+            messages: Vec::new(),
+            tools: tools
+                .iter()
+                .map(|n| {
+                    std::sync::Arc::new(crate::provider::ToolSpec {
+                        name: (*n).to_owned(),
+                        description: String::new(),
+                        parameters: serde_json::json!({"type": "object"}),
+                    })
+                })
+                .collect(),
+            max_tokens: 1,
+            temperature: 0.0,
+        })
+    }
+
+    #[test]
+    fn streamed_chunks_assemble_into_the_answer_a_whole_completion_gives() {
+        use serde_json::json;
+        // Text and two tool calls, their arguments in fragments and the calls' chunks
+        // interleaved, then the finish reason, then the usage alone.
+        let chunks = [
+            chunk(
+                json!([{"index": 0, "delta": {"role": "assistant", "content": "Look"}}]),
+                Value::Null,
+            ),
+            chunk(
+                json!([{"index": 0, "delta": {"content": "ing."}}]),
+                Value::Null,
+            ),
+            chunk(
+                json!([{"index": 0, "delta": {"tool_calls": [
+                    {"index": 0, "id": "call_a", "type": "function",
+                     "function": {"name": "search_logs_v1", "arguments": ""}},
+                    {"index": 1, "id": "call_b", "type": "function",
+                     "function": {"name": "submit_report", "arguments": "{\"summ"}}
+                ]}}]),
+                Value::Null,
+            ),
+            chunk(
+                json!([{"index": 0, "delta": {"tool_calls": [
+                    {"index": 0, "function": {"arguments": "{\"service\":"}},
+                    {"index": 1, "function": {"arguments": "ary\":\"x\"}"}}
+                ]}}]),
+                Value::Null,
+            ),
+            chunk(
+                json!([{"index": 0, "delta": {"tool_calls": [
+                    {"index": 0, "function": {"arguments": "\"payment-api\"}"}}
+                ]}}]),
+                Value::Null,
+            ),
+            chunk(
+                json!([{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]),
+                Value::Null,
+            ),
+            chunk(
+                json!([]),
+                json!({"prompt_tokens": 30, "completion_tokens": 7, "total_tokens": 37}),
+            ),
+        ];
+        let mut assembly = Assembly::default();
+        for c in chunks {
+            assembly.add(c);
+        }
+        let names = names_of(&["search_logs@1"]);
+        let streamed = assembly
+            .finish("http://x/v1")
+            .unwrap()
+            .into_response(&names);
+
+        // The same answer, whole.
+        let whole: CreateChatCompletionResponse = serde_json::from_value(json!({
+            "id": "chatcmpl-1",
+            "object": "chat.completion",
+            "created": 1,
+            "model": "m-1",
+            "choices": [{
+                "index": 0,
+                "message": {
+                    "role": "assistant",
+                    "content": "Looking.",
+                    "tool_calls": [
+                        {"id": "call_a", "type": "function", "function":
+                            {"name": "search_logs_v1", "arguments": "{\"service\":\"payment-api\"}"}},
+                        {"id": "call_b", "type": "function", "function":
+                            {"name": "submit_report", "arguments": "{\"summary\":\"x\"}"}}
+                    ]
+                },
+                "finish_reason": "tool_calls"
+            }],
+            "usage": {"prompt_tokens": 30, "completion_tokens": 7, "total_tokens": 37}
+        }))
+        .unwrap();
+        let whole = Answer::whole(whole).unwrap().into_response(&names);
+        assert_eq!(streamed, whole);
+        assert_eq!(streamed.message.content, "Looking.");
+        assert_eq!(streamed.message.tool_calls.len(), 2);
+        assert_eq!(streamed.message.tool_calls[0].name, "search_logs@1");
+        assert_eq!(
+            streamed.message.tool_calls[0].arguments,
+            json!({"service": "payment-api"})
+        );
+        assert_eq!(streamed.message.tool_calls[1].name, "submit_report");
+        assert_eq!(streamed.finish, FinishReason::ToolCalls);
+        assert_eq!(streamed.usage.input, 30);
+        assert_eq!(streamed.usage.output, 7);
+        assert_eq!(streamed.model, "m-1");
+    }
+
+    #[test]
+    fn a_streamed_text_answer_its_length_stop_and_malformed_arguments_are_kept() {
+        use serde_json::json;
+        let mut assembly = Assembly::default();
+        assembly.add(chunk(
+            json!([{"index": 0, "delta": {"content": "cut "}}]),
+            Value::Null,
+        ));
+        assembly.add(chunk(
+            json!([{"index": 0, "delta": {"content": "off"}, "finish_reason": "length"}]),
+            Value::Null,
+        ));
+        let answer = assembly.finish("u").unwrap().into_response(&names_of(&[]));
+        assert_eq!(answer.message.content, "cut off");
+        assert_eq!(answer.finish, FinishReason::Length);
+        assert_eq!(answer.usage, TokenUsage::default(), "no usage chunk came");
+
+        // A call without an id gets one from its index; arguments that are not JSON are
+        // kept as written, as for a whole answer.
+        let mut assembly = Assembly::default();
+        assembly.add(chunk(
+            json!([{"index": 0, "delta": {"tool_calls": [
+                {"index": 3, "function": {"name": "made_up", "arguments": "{oops"}}
+            ]}, "finish_reason": "tool_calls"}]),
+            Value::Null,
+        ));
+        let answer = assembly.finish("u").unwrap().into_response(&names_of(&[]));
+        assert_eq!(answer.message.tool_calls[0].id, "call_3");
+        assert_eq!(answer.message.tool_calls[0].name, "made_up");
+        assert_eq!(
+            answer.message.tool_calls[0].arguments,
+            Value::String("{oops".into())
+        );
+    }
+
+    #[test]
+    fn a_stream_without_choices_or_a_finish_reason_is_an_error() {
+        use serde_json::json;
+        let empty = Assembly::default().finish("http://x/v1").unwrap_err();
+        assert!(!empty.retryable);
+        assert!(empty.message.contains("no choices"), "{}", empty.message);
+
+        let mut cut = Assembly::default();
+        cut.add(chunk(
+            json!([{"index": 0, "delta": {"content": "half an ans"}}]),
+            Value::Null,
+        ));
+        let cut = cut.finish("http://x/v1").unwrap_err();
+        assert!(cut.retryable, "a stream cut short may be asked again");
+        assert!(cut.message.contains("finish_reason"), "{}", cut.message);
+        assert!(cut.message.contains("http://x/v1"), "{}", cut.message);
     }
 
     #[test]

@@ -4,8 +4,8 @@
 //! (capabilities in the policy file's scope syntax), plus the provider-specific
 //! `playbook` section for the `playbook` provider (or, for a planner, its `planner`
 //! section; see [`crate::playbook::planner`]), the server and key of the `openai`
-//! provider (`base_url`, `api_key_env` or `api_key_file`), the remote agent of the
-//! `a2a` provider (`url`, `credential_env`; see [`crate::a2a`]), the kinds of evidence
+//! provider (`base_url`, `api_key_env` or `api_key_file`) and whether it streams
+//! (`stream`), the remote agent of the `a2a` provider (`url`, `credential_env`; see [`crate::a2a`]), the kinds of evidence
 //! each of its tools may record (`evidence_kinds`, the default first; see
 //! [`ProfileEntry::evidence_kinds`]), an optional `hold` section for the
 //! bench ([`crate::hold`]) and an optional `faults` section for tests
@@ -148,6 +148,10 @@ pub struct ProfileEntry {
     /// The `openai` provider: a file holding the API key, instead of a variable.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub api_key_file: Option<std::path::PathBuf>,
+    /// The `openai` provider: ask for each answer as a stream of server-sent events,
+    /// assembled into the same answer (default false: one whole answer).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub stream: bool,
     /// The `a2a` provider: the remote agent's base URL, or its agent card's URL (ending
     /// in `.json`). The worker configuration's `a2a.allow` must cover it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -536,12 +540,14 @@ impl ProfileEntry {
             base_url: self.base_url.clone(),
             api_key_env: self.api_key_env.clone(),
             api_key_file: self.api_key_file.clone(),
+            stream: self.stream,
         };
         if provider != openai::PROVIDER_NAME {
             let set = [
                 ("base_url", connection.base_url.is_some()),
                 ("api_key_env", connection.api_key_env.is_some()),
                 ("api_key_file", connection.api_key_file.is_some()),
+                ("stream", connection.stream),
             ];
             if let Some((key, _)) = set.iter().find(|(_, on)| *on) {
                 return Err((
@@ -830,6 +836,19 @@ profiles:
         );
         assert_eq!(p.connection.api_key_env.as_deref(), Some("MY_MODEL_KEY"));
         assert_eq!(p.connection.key_source(), "the variable MY_MODEL_KEY");
+        assert!(
+            !p.connection.stream,
+            "whole answers unless the profile streams"
+        );
+        let streaming = parse(
+            &MODEL.replace(
+                "    model: llama3.1:8b\n",
+                "    model: llama3.1:8b\n    stream: true\n",
+            ),
+            "p.yaml",
+        )
+        .unwrap();
+        assert!(streaming[0].connection.stream);
         // CONVENE_MODEL's override reaches the profile and its registered form.
         override_model(&mut profiles, "qwen2.5:7b");
         assert_eq!(profiles[0].profile.model, "qwen2.5:7b");
@@ -861,6 +880,13 @@ profiles:
                 "    version: \"1\"\n    base_url: http://x/v1\n"
             )),
             "profiles[0].base_url"
+        );
+        assert_eq!(
+            invalid_field(&MINIMAL.replace(
+                "    version: \"1\"\n",
+                "    version: \"1\"\n    stream: true\n"
+            )),
+            "profiles[0].stream"
         );
         // A key written into the profile is an unknown field, not a setting.
         let err = parse(

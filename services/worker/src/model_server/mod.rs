@@ -13,7 +13,10 @@
 //! `Fn(&Recorded) -> Reply` decides from the request. A reply is a complete
 //! `chat.completion` object ([`Reply::text`], [`Reply::tool_calls`]), an HTTP error
 //! ([`Reply::error`], with headers such as `Retry-After`), a delay ([`Reply::delayed`]),
-//! no answer at all ([`Reply::hang`]) or a dropped connection ([`Reply::disconnect`]):
+//! no answer at all ([`Reply::hang`]) or a dropped connection ([`Reply::disconnect`]).
+//! A request with `"stream": true` gets its completion as server-sent
+//! `chat.completion.chunk` events, as OpenAI streams it (the usage in a last chunk when
+//! `stream_options.include_usage` asks for it); errors stay plain HTTP errors:
 //!
 //! ```no_run
 //! # async fn demo() -> std::io::Result<()> {
@@ -63,7 +66,10 @@ use tokio_util::sync::CancellationToken;
 use connection::{Connection, Listener};
 pub use playbook::PlaybookResponder;
 pub use reply::{ErrorBody, Reply};
-use reply::{Kind, completion_json, error_reply, error_response, json_response, with_headers};
+use reply::{
+    Kind, completion_json, completion_sse, error_reply, error_response, json_response,
+    sse_response, with_headers,
+};
 pub use script::{Recorded, Responder, Script, ToolResult};
 
 /// The model `GET /v1/models` lists, and the one an answer names when its request names
@@ -124,6 +130,7 @@ struct Shared {
     model: Option<String>,
     keep_requests: bool,
     count: AtomicUsize,
+    abandoned: AtomicUsize,
     requests: Mutex<Vec<Arc<Recorded>>>,
     models_body: Bytes,
     shutdown: CancellationToken,
@@ -168,6 +175,7 @@ impl ScriptedModel {
             model: options.model,
             keep_requests: options.keep_requests,
             count: AtomicUsize::new(0),
+            abandoned: AtomicUsize::new(0),
             requests: Mutex::new(Vec::new()),
             models_body: Bytes::from(models_body),
             shutdown: CancellationToken::new(),
@@ -217,6 +225,13 @@ impl ScriptedModel {
     /// How many chat-completions requests have arrived, kept or not.
     pub fn request_count(&self) -> usize {
         self.shared.count.load(Ordering::Acquire)
+    }
+
+    /// How many chat-completions requests their clients gave up on: the connection
+    /// closed while the reply was still being prepared (a delayed or hanging reply), so
+    /// the answer was never sent. A client that cancels a slow call shows here.
+    pub fn abandoned(&self) -> usize {
+        self.shared.abandoned.load(Ordering::Acquire)
     }
 
     /// Stops accepting connections, ends hanging and delayed replies by dropping their
@@ -277,12 +292,26 @@ impl Shared {
                         .as_deref()
                         .or_else(|| request.model())
                         .unwrap_or(DEFAULT_MODEL);
-                    let response = match completion_json(&completion, model, request.index) {
-                        Ok(body) => json_response(StatusCode::OK, body),
-                        Err(e) => error_response(
-                            StatusCode::INTERNAL_SERVER_ERROR,
-                            &format!("cannot encode the scripted completion: {e}"),
-                        ),
+                    let response = if request.streams() {
+                        let include_usage = request
+                            .body
+                            .pointer("/stream_options/include_usage")
+                            .and_then(Value::as_bool)
+                            == Some(true);
+                        sse_response(completion_sse(
+                            &completion,
+                            model,
+                            request.index,
+                            include_usage,
+                        ))
+                    } else {
+                        match completion_json(&completion, model, request.index) {
+                            Ok(body) => json_response(StatusCode::OK, body),
+                            Err(e) => error_response(
+                                StatusCode::INTERNAL_SERVER_ERROR,
+                                &format!("cannot encode the scripted completion: {e}"),
+                            ),
+                        }
                     };
                     return with_headers(response, reply.headers);
                 }
@@ -343,18 +372,33 @@ async fn chat_completions(State(shared): State<Arc<Shared>>, request: Request) -
             ),
         );
     }
-    if recorded.body.get("stream").and_then(Value::as_bool) == Some(true) {
-        return error_response(
-            StatusCode::BAD_REQUEST,
-            "the scripted model server does not stream: send the request with \"stream\": false",
-        );
-    }
     let reply = shared.responder.reply(&recorded);
     let connection = parts
         .extensions
         .get::<ConnectInfo<Connection>>()
         .map(|info| &info.0);
-    shared.answer(reply, &recorded, connection).await
+    // Dropped unanswered when the client closes the connection first.
+    let mut pending = Pending {
+        abandoned: &shared.abandoned,
+        answered: false,
+    };
+    let response = shared.answer(reply, &recorded, connection).await;
+    pending.answered = true;
+    response
+}
+
+/// Counts a request as abandoned if its handler is dropped before it answers.
+struct Pending<'a> {
+    abandoned: &'a AtomicUsize,
+    answered: bool,
+}
+
+impl Drop for Pending<'_> {
+    fn drop(&mut self) {
+        if !self.answered {
+            self.abandoned.fetch_add(1, Ordering::AcqRel);
+        }
+    }
 }
 
 async fn models(State(shared): State<Arc<Shared>>) -> Response {

@@ -316,6 +316,107 @@ pub(super) fn completion_json(
     })
 }
 
+/// Characters of content one streamed chunk carries at most.
+const STREAM_PIECE: usize = 4096;
+
+/// `text` in pieces of at most `max` characters (one empty piece for an empty text).
+fn pieces(text: &str, max: usize) -> Vec<&str> {
+    let mut out = Vec::new();
+    let mut rest = text;
+    while rest.chars().count() > max {
+        let cut = rest.char_indices().nth(max).map_or(rest.len(), |(i, _)| i);
+        let (piece, tail) = rest.split_at(cut);
+        out.push(piece);
+        rest = tail;
+    }
+    out.push(rest);
+    out
+}
+
+/// `completion` as the answer to request `index`, naming `model`, streamed as OpenAI
+/// streams it: server-sent `chat.completion.chunk` events (the role, the content in
+/// pieces, each tool call's id and name and then its arguments in two halves, the
+/// finish reason), the usage in a last chunk without choices when `include_usage`, and
+/// `data: [DONE]`.
+pub(super) fn completion_sse(
+    completion: &Completion,
+    model: &str,
+    index: usize,
+    include_usage: bool,
+) -> Vec<u8> {
+    let created = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |elapsed| elapsed.as_secs());
+    let id = format!("chatcmpl-{index}");
+    let mut body = Vec::new();
+    let mut event = |choices: Value, usage: Value| {
+        let chunk = serde_json::json!({
+            "id": id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+            "system_fingerprint": SYSTEM_FINGERPRINT,
+            "choices": choices,
+            "usage": usage,
+        });
+        body.extend_from_slice(b"data: ");
+        body.extend_from_slice(chunk.to_string().as_bytes());
+        body.extend_from_slice(b"\n\n");
+    };
+    let delta = |delta: Value| serde_json::json!([{ "index": 0, "delta": delta, "logprobs": null, "finish_reason": null }]);
+    event(
+        delta(serde_json::json!({"role": "assistant", "content": ""})),
+        Value::Null,
+    );
+    if let Some(content) = &completion.content {
+        for piece in pieces(content, STREAM_PIECE) {
+            event(delta(serde_json::json!({ "content": piece })), Value::Null);
+        }
+    }
+    for (i, call) in completion.tool_calls.iter().enumerate() {
+        event(
+            delta(serde_json::json!({"tool_calls": [{
+                "index": i,
+                "id": call.id,
+                "type": call.kind,
+                "function": {"name": call.function.name, "arguments": ""},
+            }]})),
+            Value::Null,
+        );
+        let half = call.function.arguments.chars().count().div_ceil(2).max(1);
+        for piece in pieces(&call.function.arguments, half) {
+            event(
+                delta(serde_json::json!({"tool_calls": [{
+                    "index": i,
+                    "function": {"arguments": piece},
+                }]})),
+                Value::Null,
+            );
+        }
+    }
+    event(
+        serde_json::json!([{ "index": 0, "delta": {}, "logprobs": null, "finish_reason": completion.finish_reason }]),
+        Value::Null,
+    );
+    if include_usage {
+        event(
+            serde_json::json!([]),
+            serde_json::json!({
+                "prompt_tokens": completion.prompt_tokens,
+                "completion_tokens": completion.completion_tokens,
+                "total_tokens": completion.prompt_tokens.saturating_add(completion.completion_tokens),
+            }),
+        );
+    }
+    body.extend_from_slice(b"data: [DONE]\n\n");
+    body
+}
+
+/// A streamed answer's response: `text/event-stream`.
+pub(super) fn sse_response(body: Vec<u8>) -> Response {
+    response(StatusCode::OK, "text/event-stream", body)
+}
+
 /// The OpenAI-shaped error body for `message` under `status`.
 fn error_json(status: StatusCode, message: &str) -> Vec<u8> {
     let (kind, code) = match status.as_u16() {

@@ -108,6 +108,11 @@ impl Recorded {
         self.header(AUTHORIZATION.as_str())
     }
 
+    /// Whether the request asks for its answer as a stream (`"stream": true`).
+    pub fn streams(&self) -> bool {
+        self.body.get("stream").and_then(Value::as_bool) == Some(true)
+    }
+
     /// The `model` the request asked for.
     pub fn model(&self) -> Option<&str> {
         self.body.get("model")?.as_str()

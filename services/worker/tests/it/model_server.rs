@@ -376,22 +376,99 @@ async fn a_body_that_is_not_json_is_refused_and_recorded() {
     let message = error_of(refused).await.error.message;
     assert!(message.contains("not JSON"), "{message}");
 
-    let streaming = post(
-        &model,
-        &json!({"model": "m", "messages": [], "stream": true}),
-    )
-    .await;
-    assert_eq!(streaming.status(), 400);
-    assert!(error_of(streaming).await.error.message.contains("stream"));
-
-    // Neither used a scripted reply.
+    // It used no scripted reply.
     assert_eq!(
         content_of(post(&model, &first_turn()).await).await,
         "first reply"
     );
     let requests = model.requests();
-    assert_eq!(requests.len(), 3);
+    assert_eq!(requests.len(), 2);
     assert_eq!(requests[0].raw_body.as_deref(), Some("not json"));
     assert_eq!(requests[0].body, Value::Null);
     assert_eq!(requests[1].raw_body, None);
+}
+
+#[tokio::test]
+async fn a_streaming_request_gets_sse_chunks_that_add_up_to_the_scripted_reply() {
+    use convene_worker::openai::{ClientSettings, Connection, OpenAiProvider};
+    use convene_worker::provider::{FinishReason as Finish, Message, ModelProvider, ModelRequest};
+
+    let long = "x".repeat(10_000);
+    let model = ScriptedModel::start(Script::new(vec![
+        Reply::tool_calls(vec![
+            ("call_1", "read_file", r#"{"path":"a.log"}"#),
+            ("call_2", "search_logs", r#"{"q":"é"}"#),
+        ])
+        .with_content("Reading.")
+        .with_usage(120, 8),
+        Reply::text(long.clone()),
+        Reply::error(429, "slow down"),
+    ]))
+    .unwrap();
+
+    // Raw: server-sent events, the content in pieces, the usage last, then [DONE].
+    let mut body = first_turn();
+    body["stream"] = json!(true);
+    body["stream_options"] = json!({"include_usage": true});
+    let response = post(&model, &body).await;
+    assert_eq!(response.status(), 200);
+    assert_eq!(
+        response.headers()["content-type"].to_str().unwrap(),
+        "text/event-stream"
+    );
+    let text = response.text().await.unwrap();
+    let events: Vec<&str> = text
+        .split("\n\n")
+        .filter(|e| !e.is_empty())
+        .map(|e| e.strip_prefix("data: ").expect("a data line"))
+        .collect();
+    assert_eq!(events.last(), Some(&"[DONE]"));
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    assert!(
+        chunks
+            .iter()
+            .all(|c| c["object"] == "chat.completion.chunk")
+    );
+    let usage = &chunks.last().unwrap()["usage"];
+    assert_eq!(usage["total_tokens"], 128);
+    assert!(
+        chunks
+            .iter()
+            .filter(|c| c["choices"][0]["delta"]["tool_calls"].is_array())
+            .count()
+            >= 4
+    );
+
+    // Through the provider, streaming as a profile with `stream: true` asks: the same
+    // answer a whole completion gives.
+    let provider = OpenAiProvider::new(
+        &Connection {
+            base_url: Some(model.base_url()),
+            stream: true,
+            ..Connection::default()
+        },
+        &ClientSettings::default(),
+    )
+    .unwrap();
+    let request = ModelRequest {
+        model: "gpt-test".into(),
+        system: "s".into(),
+        messages: vec![Message::user("go")],
+        tools: Vec::new(),
+        max_tokens: 100,
+        temperature: 0.0,
+    };
+    let answer = provider.complete(&request).await.unwrap();
+    assert_eq!(answer.message.content, long);
+    assert_eq!(answer.finish, Finish::Stop);
+    let asked = &model.requests()[1];
+    assert!(asked.streams());
+    assert_eq!(asked.body["stream_options"]["include_usage"], true);
+    // An error is still an HTTP error, read as one.
+    let refused = provider.complete(&request).await.unwrap_err();
+    assert!(refused.retryable, "{refused}");
+    assert!(refused.message.contains("429"), "{}", refused.message);
 }
