@@ -1414,6 +1414,11 @@ async fn a_delegation_to_a_profile_the_run_does_not_offer_is_refused() {
         "the refusal names the profile and the ones offered: {}",
         call.error
     );
+    assert!(
+        call.error.contains("is not offered to this run's planner;"),
+        "the refusal reads as one sentence: {}",
+        call.error
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -505,7 +505,8 @@ impl RunActor {
                                     Ok(wire)
                                 } else {
                                     Err(format!(
-                                        "{field}: profile {} is not offered to this run's                                          planner; delegate to one of: {}",
+                                        "{field}: profile {} is not offered to this run's \
+                                         planner; delegate to one of: {}",
                                         wire.profile_id,
                                         offered.join(", ")
                                     ))
