@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant, SystemTime};
 
 use convene_proto::v1;
-use convene_tokens::{Claims, TokenError, Verifier};
+use convene_tokens::{Accepted, Claims, TokenError, Verifier};
 use sha2::{Digest as _, Sha256};
 use tonic::{Request, Status};
 
@@ -146,21 +146,23 @@ pub fn token_status(e: &TokenError) -> Status {
 /// on a token naming an unknown key id.
 pub use convene_server::DEFAULT_KEY_REFRESH;
 
-/// The digest under which the policy service lists a revoked token (`token:<jti>`).
+/// The digest under which the policy service lists a revoked token (`token:<jti>`), in
+/// hex.
 pub fn revoked_token_digest(token_id: &str) -> String {
-    hex::encode(Sha256::digest(format!("token:{token_id}")))
+    hex::encode(convene_tokens::revoked_token_digest(token_id))
 }
 
-/// The digest under which the policy service lists a revoked run (`run:<run id>`).
+/// The digest under which the policy service lists a revoked run (`run:<run id>`), in
+/// hex.
 pub fn revoked_run_digest(run_id: &str) -> String {
-    hex::encode(Sha256::digest(format!("run:{run_id}")))
+    hex::encode(convene_tokens::revoked_run_digest(run_id))
 }
 
 /// What a verifier knows from one fetch: the keys and the revocations.
 struct KeySnapshot {
     verifier: Arc<Verifier>,
     /// Revoked tokens' and runs' digests, with when they were revoked.
-    revoked: HashMap<String, SystemTime>,
+    revoked: HashMap<[u8; 32], SystemTime>,
     /// The `revoked_since` of the next fetch.
     revoked_through: Option<prost_types::Timestamp>,
     at: Instant,
@@ -229,12 +231,12 @@ impl TokenKeys {
             .revocations_kept
             .and_then(|d| Duration::try_from(d).ok())
             .unwrap_or(Duration::from_secs(24 * 3600));
-        let mut revoked: HashMap<String, SystemTime> = previous
+        let mut revoked: HashMap<[u8; 32], SystemTime> = previous
             .map(|p| {
                 p.revoked
                     .iter()
                     .filter(|(_, at)| now.duration_since(**at).unwrap_or_default() < kept)
-                    .map(|(d, at)| (d.clone(), *at))
+                    .map(|(d, at)| (*d, *at))
                     .collect()
             })
             .unwrap_or_default();
@@ -242,8 +244,12 @@ impl TokenKeys {
             .revoked_through
             .and_then(|t| SystemTime::try_from(t).ok())
             .unwrap_or(now);
-        for digest in answer.revoked {
-            revoked.entry(digest).or_insert(through);
+        for listed in answer.revoked {
+            // Anything but 64 hex digits names no token this process could hold.
+            let mut digest = [0u8; 32];
+            if hex::decode_to_slice(&listed, &mut digest).is_ok() {
+                revoked.entry(digest).or_insert(through);
+            }
         }
         let snapshot = Arc::new(KeySnapshot {
             verifier,
@@ -297,8 +303,14 @@ impl TokenKeys {
     /// Verifies a token at `now`: signature, key, validity window, and that neither the
     /// token nor its run is revoked. Refreshes the keys once if its key id is unknown.
     pub async fn verify(&self, token: &str, now: SystemTime) -> Result<Claims, Status> {
+        self.accept(token, now).await.map(|accepted| accepted.claims)
+    }
+
+    /// [`Self::verify`], returning what [`Self::recheck`] needs to check the token again
+    /// without it.
+    pub async fn accept(&self, token: &str, now: SystemTime) -> Result<Accepted, Status> {
         let snapshot = self.fresh(now).await?;
-        let claims = match snapshot.verifier.verify(token, now) {
+        let accepted = match snapshot.verifier.accept(token, now) {
             Err(TokenError::UnknownKey { .. }) => {
                 let recently = self
                     .last_refresh
@@ -308,60 +320,55 @@ impl TokenKeys {
                 if recently {
                     return snapshot
                         .verifier
-                        .verify(token, now)
+                        .accept(token, now)
                         .map_err(|e| token_status(&e));
                 }
                 let refreshed = self.refresh_once(Some(snapshot.at), now).await?;
-                let claims = refreshed
+                let accepted = refreshed
                     .verifier
-                    .verify(token, now)
+                    .accept(token, now)
                     .map_err(|e| token_status(&e))?;
-                check_not_revoked(&refreshed, &claims)?;
-                return Ok(claims);
+                check_not_revoked(&refreshed, &accepted)?;
+                return Ok(accepted);
             }
             other => other.map_err(|e| token_status(&e))?,
         };
-        check_not_revoked(&snapshot, &claims)?;
-        Ok(claims)
+        check_not_revoked(&snapshot, &accepted)?;
+        Ok(accepted)
     }
 
-    /// Checks again, at `now`, the claims of a token [`Self::verify`] accepted earlier
-    /// under key `kid`: the key is still listed, the token is still within its times,
-    /// and neither it nor its run has been revoked since. The token's signature and
-    /// bytes are not looked at again, so a holder that keeps the accepted claims (a
-    /// worker between the turns of one task) pays for no hashing of the token.
-    pub async fn recheck(&self, kid: &str, claims: &Claims, now: SystemTime) -> Result<(), Status> {
+    /// Checks again, at `now`, a token [`Self::accept`] accepted earlier: its key is
+    /// still listed, it is still within its times, and neither it nor its run has been
+    /// revoked since. The token's signature and bytes are not looked at again, so a
+    /// holder that keeps what was accepted (a worker between the turns of one task)
+    /// pays for no hashing or parsing.
+    pub async fn recheck(&self, accepted: &Accepted, now: SystemTime) -> Result<(), Status> {
         let snapshot = self.fresh(now).await?;
-        if !snapshot.verifier.trusts(kid) {
+        if !snapshot.verifier.trusts(&accepted.kid) {
             return Err(token_status(&TokenError::UnknownKey {
-                kid: kid.to_owned(),
+                kid: accepted.kid.to_string(),
             }));
         }
         snapshot
             .verifier
-            .check_times(claims, now)
+            .check_times(&accepted.claims, now)
             .map_err(|e| token_status(&e))?;
-        check_not_revoked(&snapshot, claims)
+        check_not_revoked(&snapshot, accepted)
     }
 }
 
-fn check_not_revoked(snapshot: &KeySnapshot, claims: &Claims) -> Result<(), Status> {
+fn check_not_revoked(snapshot: &KeySnapshot, accepted: &Accepted) -> Result<(), Status> {
     if snapshot.revoked.is_empty() {
         return Ok(());
     }
-    if snapshot
-        .revoked
-        .contains_key(&revoked_token_digest(&claims.token_id))
-    {
+    let claims = &accepted.claims;
+    if snapshot.revoked.contains_key(&accepted.revocation.token) {
         return Err(Status::unauthenticated(format!(
             "task token refused (Revoked): token {} was revoked; ask the supervisor for a new task token",
             claims.token_id
         )));
     }
-    if snapshot
-        .revoked
-        .contains_key(&revoked_run_digest(&claims.run_id))
-    {
+    if snapshot.revoked.contains_key(&accepted.revocation.run) {
         return Err(Status::unauthenticated(format!(
             "task token refused (Revoked): run {} was revoked; every token of the run is refused",
             claims.run_id

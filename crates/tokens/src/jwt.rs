@@ -9,7 +9,7 @@
 //! audience by [`Claims::check_audience`]), so callers and tests decide the clock and
 //! every refusal names its exact reason.
 
-use std::sync::LazyLock;
+use std::sync::{Arc, LazyLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use base64::Engine;
@@ -88,7 +88,7 @@ impl Signer {
         let signature = self.key.dalek().sign(token.as_bytes());
         token.push('.');
         URL_SAFE_NO_PAD.encode_string(signature.to_bytes(), &mut token);
-        VERIFIED.insert(&token, claims, self.key.kid(), self.public);
+        let _ = VERIFIED.insert(&token, claims, self.key.kid(), self.public);
         Ok(token)
     }
 }
@@ -244,21 +244,28 @@ impl Verifier {
     /// repeats only the time checks; the token's bytes cannot change without failing
     /// the lookup, and a verifier that does not trust the key checks it in full.
     pub fn verify(&self, token: &str, now: SystemTime) -> Result<Claims, TokenError> {
+        self.accept(token, now).map(|accepted| accepted.claims)
+    }
+
+    /// [`Self::verify`], returning with the claims what a holder needs to check them
+    /// again later without the token: the id of the key whose signature held and the
+    /// token's revocation keys, all remembered with the claims, so nothing is hashed
+    /// or parsed again for a token this process has seen.
+    pub fn accept(&self, token: &str, now: SystemTime) -> Result<Accepted, TokenError> {
         let remembered = VERIFIED.get(token, |kid, public| {
             self.keys
                 .iter()
                 .any(|k| *k.kid == *kid && k.public == *public)
         });
-        let claims = match remembered {
-            Some(claims) => claims,
+        let accepted = match remembered {
+            Some(accepted) => accepted,
             None => {
                 let (claims, key) = self.verify_signature(token)?;
-                VERIFIED.insert(token, &claims, &key.kid, key.public);
-                claims
+                VERIFIED.insert(token, &claims, &key.kid, key.public)
             }
         };
-        self.check_times(&claims, now)?;
-        Ok(claims)
+        self.check_times(&accepted.claims, now)?;
+        Ok(accepted)
     }
 
     /// The time checks of [`Self::verify`] alone, for claims it accepted earlier:
@@ -416,37 +423,93 @@ impl Default for VerifiedTokens {
 #[derive(Debug)]
 struct Verified {
     claims: Claims,
-    kid: Box<str>,
+    kid: Arc<str>,
+    revocation: Revocation,
     public: [u8; 32],
+}
+
+/// A token the process accepted ([`Verifier::accept`]): its claims, the id of the key
+/// whose signature holds, and the keys under which its revocation would be listed.
+#[derive(Debug, Clone)]
+pub struct Accepted {
+    pub claims: Claims,
+    pub kid: Arc<str>,
+    pub revocation: Revocation,
+}
+
+/// The digests under which the policy service lists a token's revocation and its
+/// run's: SHA-256 of `token:<jti>` and of `run:<run id>`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Revocation {
+    pub token: [u8; 32],
+    pub run: [u8; 32],
+}
+
+impl Revocation {
+    /// The revocation keys of a token with `claims`.
+    pub fn of(claims: &Claims) -> Self {
+        Self {
+            token: revoked_token_digest(&claims.token_id),
+            run: revoked_run_digest(&claims.run_id),
+        }
+    }
+}
+
+/// The digest under which a revoked token is listed: SHA-256 of `token:<jti>`.
+pub fn revoked_token_digest(token_id: &str) -> [u8; 32] {
+    use sha2::Digest as _;
+    sha2::Sha256::new()
+        .chain_update(b"token:")
+        .chain_update(token_id.as_bytes())
+        .finalize()
+        .into()
+}
+
+/// The digest under which a revoked run is listed: SHA-256 of `run:<run id>`.
+pub fn revoked_run_digest(run_id: &str) -> [u8; 32] {
+    use sha2::Digest as _;
+    sha2::Sha256::new()
+        .chain_update(b"run:")
+        .chain_update(run_id.as_bytes())
+        .finalize()
+        .into()
 }
 
 impl VerifiedTokens {
     /// Entries kept at most; tokens live minutes, and a run's are used within seconds.
     const CAPACITY: usize = 16_384;
 
-    /// The claims of `token`, if it is here and `trusted` accepts the key that signed it.
-    fn get(&self, token: &str, trusted: impl Fn(&str, &[u8; 32]) -> bool) -> Option<Claims> {
+    /// What was accepted of `token`, if it is here and `trusted` accepts the key that
+    /// signed it.
+    fn get(&self, token: &str, trusted: impl Fn(&str, &[u8; 32]) -> bool) -> Option<Accepted> {
         self.map
             .get_with(&digest(token), |entry| {
-                trusted(&entry.kid, &entry.public).then(|| entry.claims.clone())
+                trusted(&entry.kid, &entry.public).then(|| Accepted {
+                    claims: entry.claims.clone(),
+                    kid: entry.kid.clone(),
+                    revocation: entry.revocation,
+                })
             })
             .flatten()
     }
 
-    fn insert(&self, token: &str, claims: &Claims, kid: &str, public: [u8; 32]) {
-        let entry = Verified {
+    /// Remembers `token` as signed by `kid` (public key `public`), and returns what a
+    /// lookup of it would.
+    fn insert(&self, token: &str, claims: &Claims, kid: &str, public: [u8; 32]) -> Accepted {
+        let accepted = Accepted {
             claims: claims.clone(),
             kid: kid.into(),
+            revocation: Revocation::of(claims),
+        };
+        let entry = Verified {
+            claims: claims.clone(),
+            kid: accepted.kid.clone(),
+            revocation: accepted.revocation,
             public,
         };
         self.map.insert(digest(token), entry);
+        accepted
     }
-}
-
-/// The key id (`kid`) a token's header names, without checking anything else; `None`
-/// when the header cannot be read or names none.
-pub fn key_id(token: &str) -> Option<String> {
-    jsonwebtoken::decode_header(token).ok()?.kid
 }
 
 fn digest(token: &str) -> [u8; 32] {
@@ -565,10 +628,22 @@ mod cache_tests {
         let now = 2_000_000_000;
         let token = signer.sign(&claims(now)).expect("signed");
         let at = |s: u64| UNIX_EPOCH + Duration::from_secs(s);
-        let accepted = verifier.verify(&token, at(now + 1)).expect("verified");
-        let kid = key_id(&token).expect("a kid in the header");
-        assert_eq!(kid, signer.kid());
+        let Accepted {
+            claims: accepted,
+            kid,
+            revocation,
+        } = verifier.accept(&token, at(now + 1)).expect("verified");
+        assert_eq!(&*kid, signer.kid());
         assert!(verifier.trusts(&kid));
+        // The revocation keys are those the policy service lists: SHA-256 of
+        // `token:<jti>` and `run:<run id>`.
+        use sha2::Digest as _;
+        let listed = |s: String| -> [u8; 32] { sha2::Sha256::digest(s).into() };
+        assert_eq!(revocation.token, listed(format!("token:{}", accepted.token_id)));
+        assert_eq!(revocation.run, listed(format!("run:{}", accepted.run_id)));
+        // A second acceptance (remembered, not checked again) says the same.
+        let again = verifier.accept(&token, at(now + 2)).expect("verified");
+        assert_eq!((&*again.kid, again.revocation), (&*kid, revocation));
         assert!(verifier.check_times(&accepted, at(now + 59)).is_ok());
         assert!(matches!(
             verifier.check_times(&accepted, at(now + 60)),
@@ -581,7 +656,6 @@ mod cache_tests {
         // Once its key is no longer listed, the key is not trusted.
         let rotated = Verifier::from_signing_keys([&SigningKey::generate().expect("key")]);
         assert!(!rotated.trusts(&kid));
-        assert_eq!(key_id("not a token"), None);
     }
 
     thread_local! {

@@ -27,7 +27,6 @@ use std::time::Duration;
 use convene_core::time::Clock;
 use convene_mesh::auth::{MeshService, ServiceCallers, TokenKeys};
 use convene_mesh::handles::PolicyHandle;
-use convene_tokens::Claims;
 use tonic::{Request, Status};
 
 /// The checks of one worker, shared by its agents.
@@ -38,13 +37,9 @@ pub struct Guard {
     clock: Clock,
 }
 
-/// A task token that passed [`Guard::task_token`]: its claims and the id of the key
-/// whose signature held.
-#[derive(Debug, Clone)]
-pub struct Verified {
-    pub claims: Claims,
-    pub kid: String,
-}
+/// A task token that passed [`Guard::task_token`]: its claims, the id of the key whose
+/// signature held, and its revocation keys.
+pub type Verified = convene_tokens::Accepted;
 
 /// What a token must be bound to.
 #[derive(Debug, Clone, Copy)]
@@ -93,11 +88,12 @@ impl Guard {
             );
             status
         };
-        let claims = self
+        let accepted = self
             .keys
-            .verify(token, self.clock.now())
+            .accept(token, self.clock.now())
             .await
             .map_err(refused)?;
+        let claims = &accepted.claims;
         let mismatch = |claim: &str, token_has: &str, wanted: &str| {
             refused(Status::permission_denied(format!(
                 "task token refused ({claim}): it is bound to {claim} {token_has}, not {wanted}; \
@@ -115,10 +111,7 @@ impl Guard {
         if claims.profile_id != binding.profile_id {
             return Err(mismatch("profile", &claims.profile_id, binding.profile_id));
         }
-        Ok(Verified {
-            kid: convene_tokens::key_id(token).unwrap_or_default(),
-            claims,
-        })
+        Ok(accepted)
     }
 
     /// Checks again what [`Self::task_token`] accepted, before each model turn and
@@ -127,7 +120,7 @@ impl Guard {
     /// changed, so its signature is not checked again.
     pub async fn recheck(&self, verified: &Verified) -> Result<(), Status> {
         self.keys
-            .recheck(&verified.kid, &verified.claims, self.clock.now())
+            .recheck(verified, self.clock.now())
             .await
             .inspect_err(|refused| {
                 tracing::warn!(
