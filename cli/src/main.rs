@@ -263,6 +263,10 @@ enum RunsCommand {
         /// Print the Run as JSON.
         #[arg(long)]
         json: bool,
+        /// Show instead one delegation's whole conversation with its model, rebuilt
+        /// from the turns stored as evidence (each chained to the one before).
+        #[arg(long, value_name = "DELEGATION_ID")]
+        conversation: Option<String>,
         #[command(flatten)]
         client: ClientArgs,
     },
@@ -751,6 +755,18 @@ async fn main_inner(cli: Cli) -> anyhow::Result<ExitCode> {
             RunsCommand::Get {
                 run_id,
                 json,
+                conversation: Some(delegation),
+                client: c,
+            } => {
+                let client = client(&data_dir, c)?;
+                let run = commands::run_of(&client, &run_id).await?;
+                commands::print_conversation(&client, &run, &delegation, json).await?;
+                Ok(ExitCode::SUCCESS)
+            }
+            RunsCommand::Get {
+                run_id,
+                json,
+                conversation: None,
                 client: c,
             } => {
                 commands::runs_get(&client(&data_dir, c)?, &run_id, json, jaeger().as_deref())

@@ -18,9 +18,10 @@ mod evidence;
 mod runs;
 
 pub use approvals::{ApprovalVerb, approvals_decide, approvals_execute, approvals_list};
-pub use evidence::evidence_verify;
+pub use evidence::{evidence_verify, print_conversation};
 pub use runs::{
-    ListFilters, ResolveInput, ResolveOptions, runs_cancel, runs_get, runs_list, runs_resolve,
+    ListFilters, ResolveInput, ResolveOptions, run_of, runs_cancel, runs_get, runs_list,
+    runs_resolve,
 };
 
 /// Prints a message in the protobuf JSON mapping.

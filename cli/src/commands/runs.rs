@@ -17,16 +17,7 @@ pub async fn runs_get(
     json: bool,
     jaeger: Option<&str>,
 ) -> anyhow::Result<v1::Run> {
-    let run = client
-        .supervisor()?
-        .get_run(client.request(v1::GetRunRequest {
-            run_id: run_id.to_owned(),
-        }))
-        .await
-        .map_err(|s| client.explain(&s))?
-        .into_inner()
-        .run
-        .context("the supervisor returned no run")?;
+    let run = run_of(client, run_id).await?;
     if json {
         print_json(&run)?;
     } else {
@@ -35,6 +26,20 @@ pub async fn runs_get(
         print!("{}", report::waiting(&run, None));
     }
     Ok(run)
+}
+
+/// The run `run_id`, from the supervisor.
+pub async fn run_of(client: &Client, run_id: &str) -> anyhow::Result<v1::Run> {
+    client
+        .supervisor()?
+        .get_run(client.request(v1::GetRunRequest {
+            run_id: run_id.to_owned(),
+        }))
+        .await
+        .map_err(|s| client.explain(&s))?
+        .into_inner()
+        .run
+        .context("the supervisor returned no run")
 }
 
 /// What `convene runs list` keeps besides the states: labels and a time window.

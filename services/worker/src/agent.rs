@@ -60,6 +60,7 @@ use crate::report::{
 use crate::tools::{ToolRegistry, with_kinds_offered};
 
 mod calls;
+pub mod context;
 mod remote;
 pub mod turns;
 
@@ -301,6 +302,9 @@ impl Agent {
         specs.push(submit_report_spec());
         let system = format!("{}\n\n{REPORT_INSTRUCTIONS}", profile.instructions.trim());
         let mut messages = vec![Message::user(task_prompt(ctx))];
+        let mut chain = turns::TurnChain::default();
+        let window = self.profile.context_window();
+        let tools_tokens = context::tools_estimate(&specs);
         for iteration in 1..=profile.max_iterations {
             let (used, cost) = {
                 let mut p = lock(progress);
@@ -313,22 +317,64 @@ impl Agent {
                     detail: spent,
                 };
             }
-            let request = ModelRequest {
-                model: profile.model.clone(),
-                system: system.clone(),
-                messages: messages.clone(),
-                tools: specs.clone(),
-                max_tokens: budget.answer_limit(profile.max_tokens, used),
-                temperature: profile.temperature,
+            let max_tokens = budget.answer_limit(profile.max_tokens, used);
+            let limit = context::request_limit(window, max_tokens).saturating_sub(tools_tokens);
+            let fit = |force| context::Fit {
+                turn: iteration,
+                limit,
+                system: &system,
+                force,
             };
             // A token that expired or was revoked since the last turn stops the loop
             // before the model is asked again.
             if let Err(refused) = self.recheck_token(ctx).await {
                 return refused;
             }
-            let response = match self.complete(&request).await {
-                Ok(r) => r,
-                Err(e) => return LoopEnd::Provider(e),
+            if context::estimate(&system, &messages) > limit
+                && let Err(end) = self
+                    .compact(ctx, &mut messages, &mut chain, fit(false), progress)
+                    .await
+            {
+                return end;
+            }
+            let mut compacted_for_refusal = false;
+            let (request, response) = loop {
+                let request = ModelRequest {
+                    model: profile.model.clone(),
+                    system: system.clone(),
+                    messages: messages.clone(),
+                    tools: specs.clone(),
+                    max_tokens,
+                    temperature: profile.temperature,
+                };
+                match self.complete(&request).await {
+                    Ok(r) => break (request, r),
+                    // Refused as too long: compact once with both steps and ask again;
+                    // refused again, the task cannot go on.
+                    Err(e) if e.context_exceeded && !compacted_for_refusal => {
+                        compacted_for_refusal = true;
+                        tracing::info!(
+                            delegation_id = %ctx.task.delegation_id,
+                            turn = iteration,
+                            error = %e,
+                            "the model refused the request as too long; compacting"
+                        );
+                        if let Err(end) = self
+                            .compact(ctx, &mut messages, &mut chain, fit(true), progress)
+                            .await
+                        {
+                            return end;
+                        }
+                    }
+                    Err(e) if e.context_exceeded => {
+                        return LoopEnd::ContextExhausted(format!(
+                            "the conversation does not fit the model's context window even \
+                             compacted ({e}); raise the profile's context_window if the model \
+                             has a larger one, or narrow the task"
+                        ));
+                    }
+                    Err(e) => return LoopEnd::Provider(e),
+                }
             };
             let (used, cost) = {
                 let model = if response.model.is_empty() {
@@ -342,7 +388,15 @@ impl Agent {
                 (p.tokens, p.cost)
             };
             if self.provider.records_turns()
-                && let Err(infra) = self.record_turn(ctx, iteration, &request, &response).await
+                && let Err(infra) = self
+                    .record_turn(
+                        ctx,
+                        &mut chain,
+                        (iteration, turns::TurnKind::Turn),
+                        &request,
+                        &response,
+                    )
+                    .await
             {
                 return LoopEnd::Infra(infra);
             }

@@ -497,6 +497,7 @@ impl OpenAiProvider {
                 message: format!("{} answered: {}", self.base_url, clip(&api.to_string())),
                 retryable: false,
                 retry_after: None,
+                context_exceeded: api.api_error.code.as_deref() == Some("context_length_exceeded"),
             },
             other => ProviderError::permanent(PROVIDER_NAME, clip(&other.to_string())),
         }
@@ -785,6 +786,7 @@ impl tower::Service<HttpRequestFactory> for Transport {
                 status: status.as_u16(),
                 retry_after,
                 message: server_message(&body),
+                context_exceeded: context_exceeded(status.as_u16(), &body),
             })))
         })
     }
@@ -819,12 +821,38 @@ fn server_message(body: &str) -> String {
     }
 }
 
+/// Whether a refusal says the request does not fit the model's context window: the
+/// OpenAI error code `context_length_exceeded`, or (servers that give no code) a 400 or
+/// 413 whose message speaks of the context length or window.
+fn context_exceeded(status: u16, body: &str) -> bool {
+    if !matches!(status, 400 | 413) {
+        return false;
+    }
+    let parsed: Option<Value> = serde_json::from_str(body).ok();
+    let code = parsed
+        .as_ref()
+        .and_then(|v| v.pointer("/error/code").and_then(Value::as_str));
+    if code == Some("context_length_exceeded") {
+        return true;
+    }
+    let text = body.to_ascii_lowercase();
+    [
+        "context_length_exceeded",
+        "context length",
+        "context window",
+    ]
+    .iter()
+    .any(|needle| text.contains(needle))
+}
+
 /// A non-success HTTP answer.
 #[derive(Debug)]
 struct HttpFailure {
     status: u16,
     retry_after: Option<Duration>,
     message: String,
+    /// The server refused the request as longer than the model's context window.
+    context_exceeded: bool,
 }
 
 impl std::fmt::Display for HttpFailure {
@@ -841,6 +869,7 @@ impl HttpFailure {
             status,
             retry_after,
             message,
+            context_exceeded,
         } = self;
         let (retryable, message) = match status {
             401 => (
@@ -879,6 +908,7 @@ impl HttpFailure {
             message,
             retryable,
             retry_after,
+            context_exceeded,
         }
     }
 }
@@ -951,6 +981,7 @@ mod tests {
             status,
             retry_after: None,
             message: "m".into(),
+            context_exceeded: false,
         };
         let e = failure(401).into_provider_error("http://x/v1", "the variable K");
         assert!(!e.retryable);
@@ -958,6 +989,31 @@ mod tests {
         assert!(failure(429).into_provider_error("u", "k").retryable);
         assert!(failure(503).into_provider_error("u", "k").retryable);
         assert!(!failure(400).into_provider_error("u", "k").retryable);
+        assert!(!failure(400).into_provider_error("u", "k").context_exceeded);
+    }
+
+    #[test]
+    fn a_refusal_for_the_context_length_is_told_apart() {
+        let openai = r#"{"error":{"message":"This model's maximum context length is 4096 tokens.","type":"invalid_request_error","param":"messages","code":"context_length_exceeded"}}"#;
+        assert!(context_exceeded(400, openai));
+        // Servers that give no code, but say it.
+        assert!(context_exceeded(
+            400,
+            r#"{"error":"prompt exceeds the context window"}"#
+        ));
+        assert!(context_exceeded(
+            413,
+            "input is longer than the context length"
+        ));
+        // Anything else is not.
+        assert!(!context_exceeded(
+            400,
+            r#"{"error":{"message":"bad tool schema"}}"#
+        ));
+        assert!(
+            !context_exceeded(500, openai),
+            "a server error is retried, not compacted"
+        );
     }
 
     /// A `chat.completion.chunk` with `choices` and `usage`.

@@ -7,7 +7,8 @@
 //! provider (`base_url`, `api_key_env` or `api_key_file`) and whether it streams
 //! (`stream`), the remote agent of the `a2a` provider (`url`, `credential_env`; see [`crate::a2a`]), the kinds of evidence
 //! each of its tools may record (`evidence_kinds`, the default first; see
-//! [`ProfileEntry::evidence_kinds`]), an optional `hold` section for the
+//! [`ProfileEntry::evidence_kinds`]), its model's context window in tokens
+//! (`context_window`; see [`crate::agent::context`]), an optional `hold` section for the
 //! bench ([`crate::hold`]) and an optional `faults` section for tests
 //! ([`crate::faults`]; refused by a build without fault injection). Unknown keys are
 //! refused, and every profile is validated with
@@ -177,7 +178,15 @@ pub struct ProfileEntry {
     /// Fault injection, for tests only.
     #[serde(default, skip_serializing_if = "faults_unset")]
     pub faults: Faults,
+    /// The model's context window, in tokens (default: the window of a well-known
+    /// model name, else 32,768). A request that would not fit it less `max_tokens` is
+    /// compacted first.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub context_window: Option<u32>,
 }
+
+/// The smallest context window a profile may name.
+const MIN_CONTEXT_WINDOW: u32 = 1024;
 
 fn default_provider() -> String {
     playbook::PROVIDER_NAME.to_owned()
@@ -209,6 +218,17 @@ pub struct Profile {
     /// The kinds of evidence each tool may record, by tool, the default first (see
     /// [`ProfileEntry::evidence_kinds`]).
     pub evidence_kinds: BTreeMap<String, Vec<String>>,
+    /// The context window the profile names, if it names one (see
+    /// [`ProfileEntry::context_window`]).
+    pub context_window: Option<u32>,
+}
+
+impl Profile {
+    /// The model's context window in tokens: the profile's, else that of its model.
+    pub fn context_window(&self) -> u32 {
+        self.context_window
+            .unwrap_or_else(|| crate::agent::context::default_window(&self.profile.model))
+    }
 }
 
 impl Profile {
@@ -337,6 +357,18 @@ impl ProfileEntry {
             ));
         }
         self.faults.check(field)?;
+        if let Some(window) = self.context_window
+            && window < MIN_CONTEXT_WINDOW
+        {
+            return Err((
+                format!("{field}.context_window"),
+                format!(
+                    "{window} tokens leave no room for a task; name the model's window \
+                     (at least {MIN_CONTEXT_WINDOW}), or leave it out for the default of \
+                     its model"
+                ),
+            ));
+        }
         // The registered form carries the defaults, so the supervisor sees the limits
         // the worker actually applies.
         let wire = v1::WorkerProfile {
@@ -365,6 +397,7 @@ impl ProfileEntry {
             hold: self.hold.clone(),
             faults: self.faults.clone(),
             evidence_kinds: self.evidence_kinds.clone(),
+            context_window: self.context_window,
         })
     }
 }

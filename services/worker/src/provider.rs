@@ -200,6 +200,9 @@ pub struct ProviderError {
     pub retryable: bool,
     /// How long the server asked to wait before the next try (`Retry-After`).
     pub retry_after: Option<std::time::Duration>,
+    /// The server refused the request as longer than the model's context window; the
+    /// loop compacts the conversation and asks once more.
+    pub context_exceeded: bool,
 }
 
 impl ProviderError {
@@ -210,6 +213,7 @@ impl ProviderError {
             message: message.into(),
             retryable: true,
             retry_after: None,
+            context_exceeded: false,
         }
     }
 
@@ -220,6 +224,7 @@ impl ProviderError {
             message: message.into(),
             retryable: false,
             retry_after: None,
+            context_exceeded: false,
         }
     }
 }

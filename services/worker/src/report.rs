@@ -361,6 +361,8 @@ pub(crate) enum LoopEnd {
         detail: String,
     },
     Provider(ProviderError),
+    /// The conversation does not fit the model's context window, even compacted.
+    ContextExhausted(String),
     Infra(Infra),
     /// The `fail_attempts_after_tools` fault, after the first round of tool calls.
     InjectedFailure(Injected),
@@ -666,6 +668,14 @@ fn status_and_error(
             v1::TaskStatus::Failed,
             Some(error("model_error", e.retryable, e.to_string())),
         ),
+        Ending::Loop(LoopEnd::ContextExhausted(detail)) => (
+            v1::TaskStatus::Failed,
+            Some(error(
+                CONTEXT_EXHAUSTED,
+                false,
+                format!("{detail}; the task ended with the evidence it had ({done})"),
+            )),
+        ),
         Ending::Loop(LoopEnd::Infra(infra)) => (
             v1::TaskStatus::Failed,
             Some(error(infra.code, infra.retryable, infra.message.clone())),
@@ -701,6 +711,10 @@ fn status_and_error(
 
 /// The error code of a task whose token or cost budget ran out.
 pub const BUDGET_EXHAUSTED: &str = "BUDGET_EXHAUSTED";
+
+/// The error code of a task whose conversation no longer fits its model's context
+/// window, even compacted.
+pub const CONTEXT_EXHAUSTED: &str = "CONTEXT_EXHAUSTED";
 
 fn error(code: &str, retryable: bool, message: String) -> v1::ErrorInfo {
     v1::ErrorInfo {

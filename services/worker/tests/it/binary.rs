@@ -172,3 +172,161 @@ async fn a_worker_killed_mid_task_exits_after_storing_its_evidence() {
     assert!(stored.missing.is_empty(), "{stored:?}");
     assert_eq!(stored.evidence.len(), 2);
 }
+
+#[tokio::test]
+async fn a_worker_killed_mid_conversation_leaves_an_intact_chain_and_the_retry_starts_its_own() {
+    use convene_worker::agent::turns::{StoredTurn, turn_evidence_id, walk};
+    use convene_worker::model_server::{Recorded, Reply, ScriptedModel};
+
+    let search = serde_json::json!({"service": "payment-api",
+                                    "match": {"error": "POOL_EXHAUSTED"}})
+    .to_string();
+    // Request 0: the killed worker's first turn; 1 and 2: the retry's two turns.
+    let model = ScriptedModel::start(move |r: &Recorded| {
+        if r.index < 2 {
+            return Reply::tool_calls(vec![("call_pool", "search_logs_v1", search.clone())]);
+        }
+        let outcome: serde_json::Value =
+            serde_json::from_str(&r.last_tool_results()[0].content).unwrap();
+        let args = serde_json::json!({"summary": "pool exhaustion", "claims": [{
+            "claim_id": "claim-cause", "topic": "primary_cause",
+            "value": "connection_pool_exhaustion", "statement": "POOL_EXHAUSTED errors",
+            "evidence_refs": [outcome["evidence_id"]], "confidence": 0.8}]});
+        Reply::tool_calls(vec![("call_report", "submit_report", args.to_string())])
+    })
+    .unwrap();
+    let mesh = Mesh::start().await;
+    let mut file: ProfilesFile = serde_yaml::from_str(EXAMPLE_PROFILES).unwrap();
+    let logs = file
+        .profiles
+        .iter_mut()
+        .find(|p| p.id == "logs-investigator-model")
+        .unwrap();
+    logs.base_url = Some(model.base_url());
+    logs.model = "scripted-model".into();
+    logs.faults.exit_process_after_tools = true;
+    let profiles_path = mesh.dir.path().join("profiles-model-with-fault.yaml");
+    std::fs::write(&profiles_path, serde_yaml::to_string(&file).unwrap()).unwrap();
+
+    let free = pick_listener().await;
+    let addr = free.local_addr().unwrap();
+    drop(free);
+    let policy = convene_server::test_util::endpoint(mesh.policy_server.addr);
+    let evidence = convene_server::test_util::endpoint(mesh.evidence_server.addr);
+    let mut child = Running(
+        Command::new(BIN)
+            .env_clear()
+            .args(["--listen", &addr.to_string(), "--no-register"])
+            .args(["--policy", &policy, "--evidence", &evidence])
+            .arg("--tools-data")
+            .arg(example_data())
+            .arg("--profiles")
+            .arg(&profiles_path)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    wait_ready(addr).await;
+    let task = task(
+        "del-model-killed",
+        "logs-investigator-model",
+        Duration::from_secs(30),
+    );
+    let token = mesh.token_for(&task, &[]).await;
+    let mut client = WorkerClient::new(convene_server::test_util::connect(addr).await);
+    let answer = client
+        .execute(auth::request(
+            v1::WorkerExecuteRequest {
+                task: Some(task.clone()),
+                task_token: token.clone(),
+                attempt: 1,
+            },
+            &mesh.supervisor,
+        ))
+        .await;
+    assert!(
+        answer.is_err(),
+        "a dead worker returns no result: {answer:?}"
+    );
+    let status = tokio::task::spawn_blocking(move || child.0.wait())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(status.code(), Some(86), "the fault's exit status");
+
+    // The retry, on a healthy worker, as the supervisor would send it.
+    let mut profiles = convene_worker::profiles::example().unwrap();
+    let healthy = profiles
+        .iter_mut()
+        .find(|p| p.profile.id == "logs-investigator-model")
+        .unwrap();
+    healthy.connection.base_url = Some(model.base_url());
+    healthy.profile.model = "scripted-model".into();
+    let worker = mesh
+        .worker_with_models(profiles, 4, Default::default())
+        .await;
+    let result = worker.execute(&task, &token, 2).await.unwrap();
+    assert_eq!(
+        v1::TaskStatus::try_from(result.status).unwrap(),
+        v1::TaskStatus::Completed,
+        "{result:#?}"
+    );
+
+    // Each attempt's turns are a chain of their own: the first ends at the turn the
+    // worker died after, intact; the second starts anew.
+    let chain_of = async |attempt: u32, turns: u32| {
+        let ids: Vec<String> = (1..=turns)
+            .map(|n| turn_evidence_id(RUN_ID, "del-model-killed", attempt, n))
+            .collect();
+        let found = mesh
+            .evidence_handle()
+            .get_evidence(auth::request(
+                v1::GetEvidenceRequest {
+                    evidence_ids: ids.clone(),
+                },
+                &token,
+            ))
+            .await
+            .unwrap()
+            .into_inner()
+            .evidence;
+        let mut stored = Vec::new();
+        for id in &ids {
+            let Some(record) = found.iter().find(|e| &e.evidence_id == id) else {
+                continue;
+            };
+            let bytes = mesh
+                .evidence_handle()
+                .get_artifact(auth::request(
+                    v1::GetArtifactRequest {
+                        uri: record.artifact_uri.clone(),
+                    },
+                    &token,
+                ))
+                .await
+                .unwrap()
+                .into_inner()
+                .content;
+            stored.push(StoredTurn {
+                evidence_id: id.clone(),
+                content_hash: record.content_hash.clone(),
+                bytes,
+            });
+        }
+        stored
+    };
+    let first = chain_of(1, 2).await;
+    assert_eq!(first.len(), 1, "the killed attempt stored its one turn");
+    assert_eq!(walk(&first).expect("intact").turns, 1);
+    let second = chain_of(2, 2).await;
+    assert_eq!(second.len(), 2);
+    let conversation = walk(&second).expect("intact");
+    assert_eq!(conversation.turns, 2);
+    let opening: serde_json::Value = serde_json::from_slice(&second[0].bytes).unwrap();
+    assert!(
+        opening["previous"].is_null(),
+        "the retry's chain starts anew"
+    );
+    assert_eq!(model.request_count(), 3);
+}

@@ -11,7 +11,9 @@ use std::time::Duration;
 use convene_mesh::auth;
 use convene_proto::v1;
 use convene_telemetry::test_util::Capture;
-use convene_worker::agent::turns::{MODEL_TURN_KIND, turn_evidence_id};
+use convene_worker::agent::turns::{
+    MODEL_TURN_KIND, StoredTurn, compaction_evidence_id, turn_evidence_id, walk,
+};
 use convene_worker::model_server::{Recorded, Reply, Script, ScriptedModel};
 use convene_worker::models::ModelSettings;
 use convene_worker::profiles::{self, Profile};
@@ -129,7 +131,12 @@ fn outcome_of(request: &Recorded, id: &str) -> Value {
 
 /// A `submit_report` call with one claim on `primary_cause` citing `refs`.
 fn report(call_id: &str, refs: &[&str]) -> Reply {
-    let args = json!({
+    Reply::tool_calls(vec![(call_id, "submit_report", report_arguments(refs))])
+}
+
+/// The arguments of [`report`]'s call.
+fn report_arguments(refs: &[&str]) -> String {
+    json!({
         "summary": "payment-api ran out of database connections",
         "claims": [{
             "claim_id": "claim-cause",
@@ -139,8 +146,8 @@ fn report(call_id: &str, refs: &[&str]) -> Reply {
             "evidence_refs": refs,
             "confidence": 0.8
         }]
-    });
-    Reply::tool_calls(vec![(call_id, "submit_report", args.to_string())])
+    })
+    .to_string()
 }
 
 /// One scripted turn: the reply, given the request.
@@ -277,7 +284,11 @@ async fn a_model_calls_tools_and_reports_claims_that_cite_recorded_evidence() {
     assert!(turns.iter().all(|t| t.kind == MODEL_TURN_KIND));
     let first_turn: Value =
         serde_json::from_slice(&rig.artifact(&token, &turns[0].artifact_uri).await).unwrap();
-    assert_eq!(first_turn["tool_call_ids"], json!(["call_pool"]));
+    assert_eq!(
+        first_turn["response"]["message"]["tool_calls"][0]["id"],
+        "call_pool"
+    );
+    assert_eq!(first_turn["delegation_id"], "del-model-1");
     assert_eq!(first_turn["response"]["usage"]["input"], 500);
     for t in &turns {
         let bytes = rig.artifact(&token, &t.artifact_uri).await;
@@ -780,4 +791,303 @@ async fn a_kind_left_out_is_the_tools_default_and_one_it_may_not_record_is_refus
         Some(OtelValue::from("permission_denied"))
     );
     assert_eq!(status(&result), v1::TaskStatus::Completed, "{result:#?}");
+}
+
+/// The canonical JSON bytes of `values`, one after another.
+fn json_bytes<'a>(values: impl IntoIterator<Item = &'a Value>) -> usize {
+    values
+        .into_iter()
+        .map(|v| convene_worker::tools::canonical_json(v).len())
+        .sum()
+}
+
+#[tokio::test]
+async fn a_long_task_stores_each_turn_once_as_a_chain_that_rebuilds_the_conversation() {
+    const TURNS: u32 = 200;
+    // The turn is read from the conversation, so a request the client retries gets the
+    // same answer.
+    let turn_of = |r: &Recorded| {
+        r.messages()
+            .iter()
+            .filter(|m| m["role"] == "assistant")
+            .count()
+    };
+    let model = ScriptedModel::start(move |r: &Recorded| {
+        let n = turn_of(r);
+        if n + 1 < TURNS as usize {
+            return Reply::tool_calls(vec![(format!("call_{n}"), "search_logs_v1", pool_search())])
+                .with_usage(10, 10);
+        }
+        let first = outcome_of_first_search(r);
+        report("call_report", &[&first]).with_usage(10, 10)
+    })
+    .unwrap();
+    // The last answer, as the server sends it.
+    let last_answer = |first: &str| {
+        json!({"role": "assistant", "tool_calls": [{"id": "call_report", "type": "function",
+            "function": {"name": "submit_report", "arguments": report_arguments(&[first])}}]})
+    };
+    // A window the whole conversation fits: nothing is compacted.
+    let rig = rig(model, |p| {
+        p.profile.max_iterations = TURNS;
+        p.context_window = Some(1_000_000);
+    })
+    .await;
+    // Enough tool calls for every turn: each turn's own bytes are a real tool result.
+    let task = the_task("del-model-long");
+    let token = rig.mesh.token_with_calls(&task, &[], TURNS).await;
+    let result = rig.worker.execute(&task, &token, 1).await.unwrap();
+    assert_eq!(status(&result), v1::TaskStatus::Completed, "{result:#?}");
+    assert_eq!(result.usage.as_ref().unwrap().iterations, TURNS);
+
+    // Each turn's own bytes: the messages its request added to the one before (and to
+    // that one's answer), and its answer, as the server saw them.
+    let mut requests = rig.model.requests();
+    requests.dedup_by_key(|r| turn_of(r));
+    assert_eq!(requests.len(), TURNS as usize);
+    let mut own = 0;
+    let mut seen = 1; // the system prompt, which the first turn stores besides
+    for r in &requests {
+        let messages = r.messages();
+        own += json_bytes(&messages[seen..]);
+        seen = messages.len() + 1;
+    }
+    // The answers: every call but the last comes back in the next request.
+    own += json_bytes(requests[1..].iter().map(|r| {
+        r.messages()
+            .iter()
+            .rfind(|m| m["role"] == "assistant")
+            .unwrap()
+    }));
+    own += json_bytes([&last_answer(&outcome_of_first_search(
+        requests.last().unwrap(),
+    ))]);
+
+    let ids: Vec<String> = (1..=TURNS)
+        .map(|n| turn_evidence_id(RUN_ID, "del-model-long", 1, n))
+        .collect();
+    let records = rig.evidence(&token, ids.clone()).await;
+    assert_eq!(records.len(), TURNS as usize);
+    let mut stored_turns = Vec::new();
+    let mut stored = 0;
+    for id in &ids {
+        let record = records.iter().find(|r| &r.evidence_id == id).unwrap();
+        let bytes = rig.artifact(&token, &record.artifact_uri).await;
+        stored += bytes.len();
+        stored_turns.push(StoredTurn {
+            evidence_id: id.clone(),
+            content_hash: record.content_hash.clone(),
+            bytes,
+        });
+    }
+    // Linear, not quadratic: the whole conversation stored again each turn would be
+    // about TURNS / 2 times the sum of the turns' own bytes.
+    assert!(
+        stored as f64 <= 1.2 * own as f64,
+        "{stored} bytes stored for {own} bytes of turns ({:.2}×)",
+        stored as f64 / own as f64
+    );
+
+    // Walking the chain gives back the whole conversation the last request sent, and
+    // the last answer.
+    let conversation = walk(&stored_turns).expect("an intact chain");
+    assert_eq!(conversation.turns, TURNS);
+    let last = requests.last().unwrap().messages();
+    assert_eq!(conversation.messages.len(), last.len() - 1 + 1);
+    assert!(conversation.system.contains("submit_report"));
+    assert_eq!(conversation.tools, ["search_logs@1", "submit_report"]);
+    let first_user = conversation.messages[0]["content"].as_str().unwrap();
+    assert!(first_user.contains(&task.goal), "{first_user}");
+    let answer = conversation.messages.last().unwrap();
+    assert_eq!(answer["tool_calls"][0]["name"], "submit_report");
+
+    // A turn altered in the store breaks the chain there.
+    stored_turns[99].bytes[10] ^= 1;
+    assert_eq!(walk(&stored_turns).unwrap_err().turn, 100);
+}
+
+/// The evidence id the first `search_logs` call of the conversation returned.
+fn outcome_of_first_search(r: &Recorded) -> String {
+    let first = r
+        .messages()
+        .iter()
+        .find(|m| m["role"] == "tool")
+        .expect("a tool result");
+    let outcome: Value = serde_json::from_str(first["content"].as_str().unwrap()).unwrap();
+    outcome["evidence_id"].as_str().unwrap().to_owned()
+}
+
+/// The error an OpenAI server answers a request longer than the model's window with.
+fn too_long(tokens: usize) -> Reply {
+    Reply::error(
+        400,
+        json!({"error": {
+            "message": format!("This model's maximum context length is 4096 tokens. However, \
+                                your messages resulted in {tokens} tokens."),
+            "type": "invalid_request_error",
+            "param": "messages",
+            "code": "context_length_exceeded",
+        }}),
+    )
+}
+
+/// Whether `r` is the loop's summarising call.
+fn is_summary_call(r: &Recorded) -> bool {
+    r.messages()
+        .first()
+        .and_then(|m| m["content"].as_str())
+        .is_some_and(|s| s.contains("compress the history"))
+}
+
+#[tokio::test]
+async fn a_sixty_turn_loop_in_a_4k_window_compacts_its_conversation_and_finishes() {
+    const TURNS: usize = 60;
+    const WINDOW: usize = 4096;
+    // A model with a 4,096-token window (a token per four bytes of request): it refuses
+    // longer requests as a real server does; it calls a tool each turn and reports on
+    // the last, citing the first evidence it was given.
+    let first_evidence: Arc<Mutex<Option<String>>> = Arc::default();
+    let turns_seen = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let model = {
+        let first_evidence = first_evidence.clone();
+        let turns_seen = turns_seen.clone();
+        ScriptedModel::start(move |r: &Recorded| {
+            let tokens = r.body.to_string().len() / 4;
+            if tokens > WINDOW {
+                return too_long(tokens);
+            }
+            if is_summary_call(r) {
+                return Reply::text(
+                    "They searched the payment-api logs for POOL_EXHAUSTED \
+                                    again and again; every search found the same errors.",
+                )
+                .with_usage(50, 30);
+            }
+            if let Some(result) = r.last_tool_results().first() {
+                let outcome: Value = serde_json::from_str(&result.content).unwrap();
+                let mut first = first_evidence.lock().unwrap();
+                if first.is_none() {
+                    *first = outcome["evidence_id"].as_str().map(str::to_owned);
+                }
+            }
+            let n = turns_seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            if n + 1 < TURNS {
+                return Reply::tool_calls(vec![(
+                    format!("call_{n}"),
+                    "search_logs_v1",
+                    pool_search(),
+                )])
+                .with_usage(10, 10);
+            }
+            let first = first_evidence.lock().unwrap().clone().unwrap();
+            report("call_report", &[&first]).with_usage(10, 10)
+        })
+        .unwrap()
+    };
+    let rig = rig(model, |p| {
+        p.profile.max_iterations = TURNS as u32;
+        p.profile.max_tokens = 512;
+        p.context_window = Some(WINDOW as u32);
+    })
+    .await;
+    let (result, token) = rig.run(&the_task("del-model-window")).await;
+    assert_eq!(status(&result), v1::TaskStatus::Completed, "{result:#?}");
+    assert_eq!(result.usage.as_ref().unwrap().iterations, TURNS as u32);
+
+    // No request outgrew the window; older turns were summarised at least once.
+    let requests = rig.model.requests();
+    assert!(
+        requests
+            .iter()
+            .all(|r| r.body.to_string().len() / 4 <= WINDOW),
+        "a request outgrew the window"
+    );
+    let summaries = requests.iter().filter(|r| is_summary_call(r)).count();
+    assert!(summaries >= 1, "no summary in {} requests", requests.len());
+    assert_eq!(requests.len(), TURNS + summaries);
+
+    // Each summary is recorded as a compaction, in the chain between the turns it came
+    // between, and the chain still walks to the whole conversation as last sent.
+    let mut ids = Vec::new();
+    for n in 1..=TURNS as u32 {
+        ids.push(compaction_evidence_id(RUN_ID, "del-model-window", 1, n));
+        ids.push(turn_evidence_id(RUN_ID, "del-model-window", 1, n));
+    }
+    let records = rig.evidence(&token, ids.clone()).await;
+    let compactions = records
+        .iter()
+        .filter(|r| r.evidence_id.ends_with("-compaction"))
+        .count();
+    assert_eq!(compactions, summaries);
+    let mut stored_turns = Vec::new();
+    for id in &ids {
+        let Some(record) = records.iter().find(|r| &r.evidence_id == id) else {
+            continue;
+        };
+        stored_turns.push(StoredTurn {
+            evidence_id: id.clone(),
+            content_hash: record.content_hash.clone(),
+            bytes: rig.artifact(&token, &record.artifact_uri).await,
+        });
+    }
+    let compaction: Value = serde_json::from_slice(
+        &stored_turns
+            .iter()
+            .find(|t| t.evidence_id.ends_with("-compaction"))
+            .unwrap()
+            .bytes,
+    )
+    .unwrap();
+    assert_eq!(compaction["kind"], "compaction");
+    let conversation = walk(&stored_turns).expect("an intact chain");
+    assert_eq!(conversation.turns, TURNS as u32);
+    let last_sent = requests.last().unwrap().messages();
+    // The last request's messages (less its system prompt), and its answer.
+    assert_eq!(conversation.messages.len(), last_sent.len());
+    assert!(
+        conversation.messages.iter().any(|m| m["content"]
+            .as_str()
+            .is_some_and(|c| c.contains("Summary of the earlier turns"))),
+        "the summary is part of the conversation"
+    );
+}
+
+#[tokio::test]
+async fn a_model_that_keeps_refusing_the_length_fails_the_task_with_context_exhausted() {
+    // Four turns go through; from the fifth request on, everything is refused as too
+    // long, the summarising call included.
+    let model = ScriptedModel::start(|r: &Recorded| {
+        if r.index >= 4 {
+            return too_long(5000);
+        }
+        Reply::tool_calls(vec![(
+            format!("call_{}", r.index),
+            "search_logs_v1",
+            pool_search(),
+        )])
+    })
+    .unwrap();
+    let rig = rig(model, |_| {}).await;
+    let (result, _) = rig.run(&the_task("del-model-exhausted")).await;
+    assert_eq!(status(&result), v1::TaskStatus::Failed, "{result:#?}");
+    let error = result.error.as_ref().unwrap();
+    assert_eq!(error.code, "CONTEXT_EXHAUSTED");
+    assert!(!error.retryable);
+    assert!(
+        error.message.contains("context_window"),
+        "{}",
+        error.message
+    );
+    // Turn 5, once refused, then the summary, refused too: no retry loop.
+    let requests = rig.model.requests();
+    assert_eq!(requests.len(), 6);
+    assert!(is_summary_call(&requests[5]));
+    assert_eq!(result.evidence.len(), 4, "what it gathered is kept");
+
+    // A first request refused twice: nothing to compact, and the task ends at once.
+    let model = ScriptedModel::start(|_: &Recorded| too_long(9000)).unwrap();
+    let refusing = self::rig(model, |_| {}).await;
+    let (result, _) = refusing.run(&the_task("del-model-exhausted-2")).await;
+    assert_eq!(result.error.as_ref().unwrap().code, "CONTEXT_EXHAUSTED");
+    assert_eq!(refusing.model.request_count(), 2);
 }

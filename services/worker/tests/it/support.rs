@@ -173,6 +173,16 @@ impl Mesh {
     /// The token `task` needs: its required scopes plus evidence access, over its scope
     /// plus the evidence resource, for `tools` (empty: the profile's).
     pub async fn token_for(&self, task: &v1::DelegationTask, tools: &[&str]) -> String {
+        self.token_with_calls(task, tools, 0).await
+    }
+
+    /// [`Self::token_for`], allowing `max_calls` tool calls (0: the policy's default).
+    pub async fn token_with_calls(
+        &self,
+        task: &v1::DelegationTask,
+        tools: &[&str],
+        max_calls: u32,
+    ) -> String {
         let mut required = task.required_scopes.clone();
         required.push(scope("evidence:*", "evidence"));
         let mut task_scope = task.scope.clone().unwrap();
@@ -184,7 +194,7 @@ impl Mesh {
             required_scopes: required,
             task_scope: Some(task_scope),
             tools: tools.iter().map(|t| (*t).to_owned()).collect(),
-            max_calls: 0,
+            max_calls,
             may_redelegate: false,
             ttl: None,
             max_depth: 0,
