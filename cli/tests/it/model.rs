@@ -181,3 +181,115 @@ async fn run_mcp_adds_a_specialist_that_reads_the_runbook_over_mcp() {
     );
     check_no_key(&out);
 }
+
+/// Kills `convene up` when dropped.
+struct Up(std::process::Child);
+
+impl Drop for Up {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn evidence_verify_walks_each_model_conversation_and_runs_get_shows_one() {
+    use std::process::Stdio;
+    use std::time::Duration;
+
+    let responder = PlaybookResponder::new(&convene_worker::profiles::example().unwrap()).unwrap();
+    let model = ScriptedModel::start(responder).unwrap();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let port = convene_server::test_util::free_port();
+    let endpoint = format!("http://127.0.0.1:{port}");
+    let _up = Up(convene()
+        .args(["up", "--listen", &format!("127.0.0.1:{port}")])
+        .args(["--http-listen", "off"])
+        .arg("--data-dir")
+        .arg(dir.path())
+        .env("OPENAI_BASE_URL", model.base_url())
+        .env("CONVENE_MODEL", "scripted-cli")
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .spawn()
+        .expect("convene up starts"));
+    crate::support::wait_until("convene up to listen", Duration::from_secs(15), || {
+        std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+            && dir.path().join("credentials/default-principal").exists()
+    });
+    let cli = |args: &[&str]| {
+        convene()
+            .args(args)
+            .args(["--endpoint", &endpoint])
+            .arg("--data-dir")
+            .arg(dir.path())
+            .output()
+            .expect("convene")
+    };
+    let out = cli(&["run", "examples/payment-incident/run-model.yaml", "--json"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let run: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    let run_id = run["runId"].as_str().unwrap().to_owned();
+    let delegations: Vec<String> = run["delegations"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d["task"]["delegationId"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(delegations.len(), 3);
+
+    // Every claim's evidence, and every specialist's conversation: 2 turns each.
+    let out = cli(&["evidence", "verify", &run_id]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    for d in &delegations {
+        assert!(
+            text.contains(&format!("ok  conversation of {d} (attempt 1): 2 turn(s)")),
+            "{d} in:\n{text}"
+        );
+    }
+    assert!(text.contains("3 conversation(s) checked"), "{text}");
+    let out = cli(&["evidence", "verify", &run_id, "--json"]);
+    let verified: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    assert_eq!(verified["intact"], true);
+    assert_eq!(verified["conversations"].as_array().unwrap().len(), 3);
+
+    // One conversation, whole: the task, the tool calls and their answers, the report.
+    let out = cli(&[
+        "runs",
+        "get",
+        &run_id,
+        "--conversation",
+        &delegations[0],
+        "--json",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let conversation: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    assert_eq!(conversation["turns"], 2);
+    let messages = conversation["messages"].as_array().unwrap();
+    assert_eq!(messages[0]["role"], "user");
+    assert!(messages.iter().any(|m| m["role"] == "tool"));
+    let last = messages.last().unwrap();
+    assert_eq!(last["tool_calls"][0]["name"], "submit_report", "{last}");
+    // The same as text.
+    let out = cli(&["runs", "get", &run_id, "--conversation", &delegations[0]]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("[assistant] calls submit_report"), "{text}");
+
+    // A delegation the run does not have is named, with the ones it has.
+    let out = cli(&["runs", "get", &run_id, "--conversation", "del-nope"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("no delegation del-nope") && err.contains(&delegations[1]),
+        "{err}"
+    );
+}
