@@ -759,7 +759,7 @@ async fn main_inner(cli: Cli) -> anyhow::Result<ExitCode> {
                 client: c,
             } => {
                 let client = client(&data_dir, c)?;
-                let run = commands::run_of(&client, &run_id).await?;
+                let run = commands::get_run(&client, &run_id).await?;
                 commands::print_conversation(&client, &run, &delegation, json).await?;
                 Ok(ExitCode::SUCCESS)
             }

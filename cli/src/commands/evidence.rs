@@ -1,6 +1,5 @@
 //! `convene evidence verify`: every accepted claim of a run down to its artifacts' bytes.
 
-use anyhow::Context as _;
 use convene_proto::v1::{self, evidence_store_server::EvidenceStore as _};
 
 use convene_worker::agent::turns::{
@@ -13,16 +12,7 @@ use crate::client::Client;
 /// `convene evidence verify RUN`: walks every accepted claim of the run down to its
 /// artifacts' bytes.
 pub async fn evidence_verify(client: &Client, run_id: &str, json: bool) -> anyhow::Result<bool> {
-    let run = client
-        .supervisor()?
-        .get_run(client.request(v1::GetRunRequest {
-            run_id: run_id.to_owned(),
-        }))
-        .await
-        .map_err(|s| client.explain(&s))?
-        .into_inner()
-        .run
-        .context("the supervisor returned no run")?;
+    let run = super::get_run(client, run_id).await?;
     let claims: Vec<v1::ChainClaim> = run
         .delegations
         .iter()

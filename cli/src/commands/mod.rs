@@ -20,8 +20,7 @@ mod runs;
 pub use approvals::{ApprovalVerb, approvals_decide, approvals_execute, approvals_list};
 pub use evidence::{evidence_verify, print_conversation};
 pub use runs::{
-    ListFilters, ResolveInput, ResolveOptions, run_of, runs_cancel, runs_get, runs_list,
-    runs_resolve,
+    ListFilters, ResolveInput, ResolveOptions, runs_cancel, runs_get, runs_list, runs_resolve,
 };
 
 /// Prints a message in the protobuf JSON mapping.
@@ -106,7 +105,7 @@ pub async fn run(
 }
 
 /// The run as it stands (GetRun).
-async fn get_run(client: &Client, run_id: &str) -> anyhow::Result<v1::Run> {
+pub async fn get_run(client: &Client, run_id: &str) -> anyhow::Result<v1::Run> {
     client
         .supervisor()?
         .get_run(client.request(v1::GetRunRequest {

@@ -3,7 +3,6 @@
 use std::collections::HashMap;
 use std::time::SystemTime;
 
-use anyhow::Context as _;
 use convene_proto::v1;
 
 use super::{approvals_of, get_run, print_json};
@@ -17,7 +16,7 @@ pub async fn runs_get(
     json: bool,
     jaeger: Option<&str>,
 ) -> anyhow::Result<v1::Run> {
-    let run = run_of(client, run_id).await?;
+    let run = super::get_run(client, run_id).await?;
     if json {
         print_json(&run)?;
     } else {
@@ -26,20 +25,6 @@ pub async fn runs_get(
         print!("{}", report::waiting(&run, None));
     }
     Ok(run)
-}
-
-/// The run `run_id`, from the supervisor.
-pub async fn run_of(client: &Client, run_id: &str) -> anyhow::Result<v1::Run> {
-    client
-        .supervisor()?
-        .get_run(client.request(v1::GetRunRequest {
-            run_id: run_id.to_owned(),
-        }))
-        .await
-        .map_err(|s| client.explain(&s))?
-        .into_inner()
-        .run
-        .context("the supervisor returned no run")
 }
 
 /// What `convene runs list` keeps besides the states: labels and a time window.

@@ -376,17 +376,7 @@ impl Agent {
                     Err(e) => return LoopEnd::Provider(e),
                 }
             };
-            let (used, cost) = {
-                let model = if response.model.is_empty() {
-                    &profile.model
-                } else {
-                    &response.model
-                };
-                let mut p = lock(progress);
-                p.tokens = p.tokens.saturating_add(response.usage.total());
-                p.cost += self.models.cost(model, response.usage);
-                (p.tokens, p.cost)
-            };
+            let (used, cost) = self.charge(progress, &response);
             if self.provider.records_turns()
                 && let Err(infra) = self
                     .record_turn(
@@ -488,6 +478,21 @@ impl Agent {
             }
         }
         LoopEnd::IterationLimit
+    }
+
+    /// Counts what `response` consumed against the task: its tokens, and their cost at
+    /// the price of the model that answered (else the profile's). Returns the task's
+    /// totals.
+    fn charge(&self, progress: &Mutex<Progress>, response: &ModelResponse) -> (u64, f64) {
+        let model = if response.model.is_empty() {
+            &self.profile.profile.model
+        } else {
+            &response.model
+        };
+        let mut p = lock(progress);
+        p.tokens = p.tokens.saturating_add(response.usage.total());
+        p.cost += self.models.cost(model, response.usage);
+        (p.tokens, p.cost)
     }
 
     /// A model call, retried with backoff and jitter while the error is transient

@@ -24,7 +24,7 @@ use std::sync::Mutex;
 use serde_json::{Value, json};
 
 use super::turns::{TurnChain, TurnKind};
-use super::{Agent, TaskContext, lock};
+use super::{Agent, TaskContext};
 use crate::provider::{Message, ModelRequest, Role, ToolSpec};
 use crate::report::{LoopEnd, Progress, ToolOutcome};
 
@@ -312,16 +312,7 @@ impl Agent {
             }
             Err(e) => return Err(LoopEnd::Provider(e)),
         };
-        {
-            let model = if response.model.is_empty() {
-                &profile.model
-            } else {
-                &response.model
-            };
-            let mut p = lock(progress);
-            p.tokens = p.tokens.saturating_add(response.usage.total());
-            p.cost += self.models.cost(model, response.usage);
-        }
+        self.charge(progress, &response);
         if self.provider.records_turns() {
             self.record_turn(
                 ctx,

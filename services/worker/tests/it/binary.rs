@@ -95,63 +95,13 @@ async fn a_worker_killed_mid_task_exits_after_storing_its_evidence() {
         .find(|p| p.id == "logs-investigator")
         .unwrap();
     logs.faults.exit_process_after_tools = true;
-    let profiles_path = mesh.dir.path().join("profiles-with-fault.yaml");
-    std::fs::write(&profiles_path, serde_yaml::to_string(&file).unwrap()).unwrap();
-
-    let free = pick_listener().await;
-    let addr = free.local_addr().unwrap();
-    drop(free);
-    let policy = convene_server::test_util::endpoint(mesh.policy_server.addr);
-    let evidence = convene_server::test_util::endpoint(mesh.evidence_server.addr);
-    let mut child = Running(
-        Command::new(BIN)
-            .env_clear()
-            .args([
-                "--listen",
-                &addr.to_string(),
-                "--no-register",
-                "--policy",
-                &policy,
-            ])
-            .args(["--evidence", &evidence])
-            .arg("--tools-data")
-            .arg(example_data())
-            .arg("--profiles")
-            .arg(&profiles_path)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
-    wait_ready(addr).await;
-
     let task = task(
         "del-logs-killed",
         "logs-investigator",
         Duration::from_secs(30),
     );
     let token = mesh.token_for(&task, &[]).await;
-    let mut client = WorkerClient::new(convene_server::test_util::connect(addr).await);
-    let answer = client
-        .execute(convene_mesh::auth::request(
-            v1::WorkerExecuteRequest {
-                task: Some(task.clone()),
-                task_token: token.clone(),
-                attempt: 1,
-            },
-            &mesh.supervisor,
-        ))
-        .await;
-    assert!(
-        answer.is_err(),
-        "a dead worker returns no result: {answer:?}"
-    );
-
-    let status = tokio::task::spawn_blocking(move || child.0.wait())
-        .await
-        .unwrap()
-        .unwrap();
-    assert_eq!(status.code(), Some(86), "the fault's exit status");
+    dies_after_tools(&mesh, &file, &task, &token).await;
 
     // What it read before dying is in the evidence store, under the ids a retry would
     // record again.
@@ -175,7 +125,7 @@ async fn a_worker_killed_mid_task_exits_after_storing_its_evidence() {
 
 #[tokio::test]
 async fn a_worker_killed_mid_conversation_leaves_an_intact_chain_and_the_retry_starts_its_own() {
-    use convene_worker::agent::turns::{StoredTurn, turn_evidence_id, walk};
+    use convene_worker::agent::turns::{turn_evidence_id, walk};
     use convene_worker::model_server::{Recorded, Reply, ScriptedModel};
 
     let search = serde_json::json!({"service": "payment-api",
@@ -205,55 +155,13 @@ async fn a_worker_killed_mid_conversation_leaves_an_intact_chain_and_the_retry_s
     logs.base_url = Some(model.base_url());
     logs.model = "scripted-model".into();
     logs.faults.exit_process_after_tools = true;
-    let profiles_path = mesh.dir.path().join("profiles-model-with-fault.yaml");
-    std::fs::write(&profiles_path, serde_yaml::to_string(&file).unwrap()).unwrap();
-
-    let free = pick_listener().await;
-    let addr = free.local_addr().unwrap();
-    drop(free);
-    let policy = convene_server::test_util::endpoint(mesh.policy_server.addr);
-    let evidence = convene_server::test_util::endpoint(mesh.evidence_server.addr);
-    let mut child = Running(
-        Command::new(BIN)
-            .env_clear()
-            .args(["--listen", &addr.to_string(), "--no-register"])
-            .args(["--policy", &policy, "--evidence", &evidence])
-            .arg("--tools-data")
-            .arg(example_data())
-            .arg("--profiles")
-            .arg(&profiles_path)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
-    wait_ready(addr).await;
     let task = task(
         "del-model-killed",
         "logs-investigator-model",
         Duration::from_secs(30),
     );
     let token = mesh.token_for(&task, &[]).await;
-    let mut client = WorkerClient::new(convene_server::test_util::connect(addr).await);
-    let answer = client
-        .execute(auth::request(
-            v1::WorkerExecuteRequest {
-                task: Some(task.clone()),
-                task_token: token.clone(),
-                attempt: 1,
-            },
-            &mesh.supervisor,
-        ))
-        .await;
-    assert!(
-        answer.is_err(),
-        "a dead worker returns no result: {answer:?}"
-    );
-    let status = tokio::task::spawn_blocking(move || child.0.wait())
-        .await
-        .unwrap()
-        .unwrap();
-    assert_eq!(status.code(), Some(86), "the fault's exit status");
+    dies_after_tools(&mesh, &file, &task, &token).await;
 
     // The retry, on a healthy worker, as the supervisor would send it.
     let mut profiles = convene_worker::profiles::example().unwrap();
@@ -279,42 +187,7 @@ async fn a_worker_killed_mid_conversation_leaves_an_intact_chain_and_the_retry_s
         let ids: Vec<String> = (1..=turns)
             .map(|n| turn_evidence_id(RUN_ID, "del-model-killed", attempt, n))
             .collect();
-        let found = mesh
-            .evidence_handle()
-            .get_evidence(auth::request(
-                v1::GetEvidenceRequest {
-                    evidence_ids: ids.clone(),
-                },
-                &token,
-            ))
-            .await
-            .unwrap()
-            .into_inner()
-            .evidence;
-        let mut stored = Vec::new();
-        for id in &ids {
-            let Some(record) = found.iter().find(|e| &e.evidence_id == id) else {
-                continue;
-            };
-            let bytes = mesh
-                .evidence_handle()
-                .get_artifact(auth::request(
-                    v1::GetArtifactRequest {
-                        uri: record.artifact_uri.clone(),
-                    },
-                    &token,
-                ))
-                .await
-                .unwrap()
-                .into_inner()
-                .content;
-            stored.push(StoredTurn {
-                evidence_id: id.clone(),
-                content_hash: record.content_hash.clone(),
-                bytes,
-            });
-        }
-        stored
+        mesh.stored_turns(&token, &ids).await
     };
     let first = chain_of(1, 2).await;
     assert_eq!(first.len(), 1, "the killed attempt stored its one turn");
@@ -329,4 +202,57 @@ async fn a_worker_killed_mid_conversation_leaves_an_intact_chain_and_the_retry_s
         "the retry's chain starts anew"
     );
     assert_eq!(model.request_count(), 3);
+}
+
+/// Runs `task` (attempt 1) on a worker process serving `profiles`, one of which has the
+/// `exit_process_after_tools` fault: the call gets no result, and the process exits
+/// with the fault's status once its first tool calls are done.
+async fn dies_after_tools(
+    mesh: &Mesh,
+    profiles: &ProfilesFile,
+    task: &v1::DelegationTask,
+    token: &str,
+) {
+    let profiles_path = mesh.dir.path().join("profiles-with-fault.yaml");
+    std::fs::write(&profiles_path, serde_yaml::to_string(profiles).unwrap()).unwrap();
+    let free = pick_listener().await;
+    let addr = free.local_addr().unwrap();
+    drop(free);
+    let policy = convene_server::test_util::endpoint(mesh.policy_server.addr);
+    let evidence = convene_server::test_util::endpoint(mesh.evidence_server.addr);
+    let mut child = Running(
+        Command::new(BIN)
+            .env_clear()
+            .args(["--listen", &addr.to_string(), "--no-register"])
+            .args(["--policy", &policy, "--evidence", &evidence])
+            .arg("--tools-data")
+            .arg(example_data())
+            .arg("--profiles")
+            .arg(&profiles_path)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    wait_ready(addr).await;
+    let mut client = WorkerClient::new(convene_server::test_util::connect(addr).await);
+    let answer = client
+        .execute(auth::request(
+            v1::WorkerExecuteRequest {
+                task: Some(task.clone()),
+                task_token: token.to_owned(),
+                attempt: 1,
+            },
+            &mesh.supervisor,
+        ))
+        .await;
+    assert!(
+        answer.is_err(),
+        "a dead worker returns no result: {answer:?}"
+    );
+    let status = tokio::task::spawn_blocking(move || child.0.wait())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(status.code(), Some(86), "the fault's exit status");
 }

@@ -12,7 +12,7 @@ use convene_mesh::auth;
 use convene_proto::v1;
 use convene_telemetry::test_util::Capture;
 use convene_worker::agent::turns::{
-    MODEL_TURN_KIND, StoredTurn, compaction_evidence_id, turn_evidence_id, walk,
+    MODEL_TURN_KIND, compaction_evidence_id, turn_evidence_id, walk,
 };
 use convene_worker::model_server::{Recorded, Reply, Script, ScriptedModel};
 use convene_worker::models::ModelSettings;
@@ -866,20 +866,9 @@ async fn a_long_task_stores_each_turn_once_as_a_chain_that_rebuilds_the_conversa
     let ids: Vec<String> = (1..=TURNS)
         .map(|n| turn_evidence_id(RUN_ID, "del-model-long", 1, n))
         .collect();
-    let records = rig.evidence(&token, ids.clone()).await;
-    assert_eq!(records.len(), TURNS as usize);
-    let mut stored_turns = Vec::new();
-    let mut stored = 0;
-    for id in &ids {
-        let record = records.iter().find(|r| &r.evidence_id == id).unwrap();
-        let bytes = rig.artifact(&token, &record.artifact_uri).await;
-        stored += bytes.len();
-        stored_turns.push(StoredTurn {
-            evidence_id: id.clone(),
-            content_hash: record.content_hash.clone(),
-            bytes,
-        });
-    }
+    let mut stored_turns = rig.mesh.stored_turns(&token, &ids).await;
+    assert_eq!(stored_turns.len(), TURNS as usize);
+    let stored: usize = stored_turns.iter().map(|t| t.bytes.len()).sum();
     // Linear, not quadratic: the whole conversation stored again each turn would be
     // about TURNS / 2 times the sum of the turns' own bytes.
     assert!(
@@ -1019,17 +1008,7 @@ async fn a_sixty_turn_loop_in_a_4k_window_compacts_its_conversation_and_finishes
         .filter(|r| r.evidence_id.ends_with("-compaction"))
         .count();
     assert_eq!(compactions, summaries);
-    let mut stored_turns = Vec::new();
-    for id in &ids {
-        let Some(record) = records.iter().find(|r| &r.evidence_id == id) else {
-            continue;
-        };
-        stored_turns.push(StoredTurn {
-            evidence_id: id.clone(),
-            content_hash: record.content_hash.clone(),
-            bytes: rig.artifact(&token, &record.artifact_uri).await,
-        });
-    }
+    let stored_turns = rig.mesh.stored_turns(&token, &ids).await;
     let compaction: Value = serde_json::from_slice(
         &stored_turns
             .iter()

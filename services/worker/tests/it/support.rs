@@ -139,6 +139,50 @@ impl Mesh {
         Arc::new(GrpcEvidenceStore::connect(&endpoint(self.evidence_server.addr)).unwrap())
     }
 
+    /// The stored model turns among `ids`, in the order of `ids` (an id with nothing
+    /// stored is left out), read with `token`.
+    pub async fn stored_turns(
+        &self,
+        token: &str,
+        ids: &[String],
+    ) -> Vec<convene_worker::agent::turns::StoredTurn> {
+        let evidence = self.evidence_handle();
+        let found = evidence
+            .get_evidence(convene_mesh::auth::request(
+                v1::GetEvidenceRequest {
+                    evidence_ids: ids.to_vec(),
+                },
+                token,
+            ))
+            .await
+            .unwrap()
+            .into_inner()
+            .evidence;
+        let mut turns = Vec::new();
+        for id in ids {
+            let Some(record) = found.iter().find(|e| &e.evidence_id == id) else {
+                continue;
+            };
+            let bytes = evidence
+                .get_artifact(convene_mesh::auth::request(
+                    v1::GetArtifactRequest {
+                        uri: record.artifact_uri.clone(),
+                    },
+                    token,
+                ))
+                .await
+                .unwrap()
+                .into_inner()
+                .content;
+            turns.push(convene_worker::agent::turns::StoredTurn {
+                evidence_id: id.clone(),
+                content_hash: record.content_hash.clone(),
+                bytes,
+            });
+        }
+        turns
+    }
+
     /// Issues the task token of `grant` through IssueTaskToken, as the supervisor.
     pub async fn issue(&self, grant: v1::TokenGrantRequest) -> v1::IssuedToken {
         let request = v1::IssueTaskTokenRequest {
