@@ -376,6 +376,8 @@ impl Agent {
                     Err(e) => return LoopEnd::Provider(e),
                 }
             };
+            // Ids of their own, before the turn is recorded and its calls made.
+            let response = calls::unique_call_ids(response, progress, iteration);
             let (used, cost) = self.charge(progress, &response);
             if self.provider.records_turns()
                 && let Err(infra) = self

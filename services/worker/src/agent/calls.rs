@@ -2,6 +2,7 @@
 //! service asked, the tool run, and its output stored with its evidence record (or an
 //! identical record of an earlier execution reused).
 
+use std::collections::BTreeSet;
 use std::sync::Mutex;
 use std::time::SystemTime;
 
@@ -15,7 +16,7 @@ use tracing::Instrument as _;
 use tracing::field::Empty;
 
 use super::{Agent, TaskContext, describe, lock};
-use crate::provider::ToolCall;
+use crate::provider::{ModelResponse, ToolCall};
 use crate::report::{CallRecord, CallState, Infra, Progress, ToolOutcome};
 use crate::tools::{PreparedCall, ToolEnv, ToolError, canonical_json, choose_kind, split_kind};
 
@@ -364,6 +365,37 @@ impl Agent {
     }
 }
 
+/// Gives every tool call of `response` (turn `turn`) an id that no earlier call of the
+/// task and no other call of the answer has: an empty or repeated id becomes
+/// `call-<turn>-<index>`. A call's evidence id is made of its id, so without this a model
+/// that reuses ids (a server numbering each answer's calls from 0, a model repeating
+/// itself) would find a later call's evidence refused as a conflicting record, and two
+/// calls of one answer would share one answer.
+pub(super) fn unique_call_ids(
+    mut response: ModelResponse,
+    progress: &Mutex<Progress>,
+    turn: u32,
+) -> ModelResponse {
+    let mut seen: BTreeSet<String> = lock(progress)
+        .calls
+        .iter()
+        .map(|c| c.call_id.clone())
+        .collect();
+    for (i, call) in response.message.tool_calls.iter_mut().enumerate() {
+        if call.id.trim().is_empty() || seen.contains(&call.id) {
+            let mut id = format!("call-{turn}-{i}");
+            let mut n = 2;
+            while seen.contains(&id) {
+                id = format!("call-{turn}-{i}-{n}");
+                n += 1;
+            }
+            call.id = id;
+        }
+        seen.insert(call.id.clone());
+    }
+    response
+}
+
 /// How a tool's failure counts: a permission problem, a failed call the model can work
 /// around, or a failure of the mesh that ends the task.
 fn call_error(e: ToolError) -> CallError {
@@ -423,5 +455,45 @@ mod tests {
         assert_eq!(uri_segment("pool_exhaustion"), "pool_exhaustion");
         assert_eq!(uri_segment("call/../x y"), "call-..-x-y");
         assert_eq!(uri_segment(""), "call");
+    }
+
+    #[test]
+    fn empty_and_reused_call_ids_get_ids_of_their_own() {
+        use crate::provider::{FinishReason, Message, TokenUsage};
+        let call = |id: &str| ToolCall {
+            id: id.to_owned(),
+            name: "search_logs@1".to_owned(),
+            arguments: Value::Null,
+        };
+        let progress = Mutex::new(Progress::default());
+        lock(&progress).calls.push(CallRecord {
+            call_id: "call_0".to_owned(),
+            state: CallState::Running,
+        });
+        lock(&progress).calls.push(CallRecord {
+            call_id: "call-3-1".to_owned(),
+            state: CallState::Running,
+        });
+        let response = ModelResponse {
+            model: String::new(),
+            message: Message::tool_calls(vec![
+                call("call_0"),
+                call(""),
+                call("fresh"),
+                call("fresh"),
+            ]),
+            finish: FinishReason::ToolCalls,
+            usage: TokenUsage::default(),
+        };
+        let response = unique_call_ids(response, &progress, 3);
+        let ids: Vec<&str> = response
+            .message
+            .tool_calls
+            .iter()
+            .map(|c| c.id.as_str())
+            .collect();
+        // Reused from an earlier turn, empty, and repeated in the answer: replaced; an
+        // id already taken by the replacement rule gets a suffix.
+        assert_eq!(ids, ["call-3-0", "call-3-1-2", "fresh", "call-3-3"]);
     }
 }
