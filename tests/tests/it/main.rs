@@ -13,6 +13,7 @@ mod faults;
 mod isolation;
 mod listeners;
 mod model;
+mod model_conformance;
 mod nested;
 mod overload;
 mod planner;
