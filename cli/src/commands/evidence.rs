@@ -2,9 +2,8 @@
 
 use convene_proto::v1::{self, evidence_store_server::EvidenceStore as _};
 
-use convene_worker::agent::turns::{
-    ChainBreak, Conversation, MODEL_TURN_KIND, StoredTurn, compaction_evidence_id,
-    turn_evidence_id, walk,
+use convene_core::turns::{
+    ChainBreak, Conversation, MODEL_TURN_KIND, StoredTurn, chain_ids, walk_found,
 };
 
 use crate::client::Client;
@@ -149,15 +148,7 @@ async fn model_turns(
         };
         let turns = result.usage.as_ref().map_or(0, |u| u.iterations);
         let attempt = d.attempts.max(1);
-        // A compaction made before a turn sits just before it in the chain.
-        let ids = (1..=turns)
-            .flat_map(|turn| {
-                [
-                    compaction_evidence_id(&task.run_id, &task.delegation_id, attempt, turn),
-                    turn_evidence_id(&task.run_id, &task.delegation_id, attempt, turn),
-                ]
-            })
-            .collect();
+        let ids = chain_ids(&task.run_id, &task.delegation_id, attempt, turns);
         delegations.push((task.delegation_id.clone(), attempt, ids));
     }
     let mut wanted: Vec<String> = links.iter().map(|l| l.evidence_id.clone()).collect();
@@ -219,27 +210,7 @@ async fn model_turns(
         .into_iter()
         .filter(|(_, _, ids)| ids.iter().any(|id| stored.contains_key(id)))
         .map(|(delegation_id, attempt, ids)| {
-            // Compactions are there only where one was made; a turn missing from the
-            // store is a gap in the chain.
-            let missing = ids
-                .iter()
-                .skip(1)
-                .step_by(2)
-                .position(|id| !stored.contains_key(id));
-            let walked = match missing {
-                Some(at) => Err(ChainBreak {
-                    turn: u32::try_from(at + 1).unwrap_or(u32::MAX),
-                    evidence_id: ids[2 * at + 1].clone(),
-                    reason: "it is not in the evidence store".to_owned(),
-                }),
-                None => {
-                    let turns: Vec<StoredTurn> = ids
-                        .iter()
-                        .filter_map(|id| stored.get(id).cloned())
-                        .collect();
-                    walk(&turns)
-                }
-            };
+            let walked = walk_found(&ids, &stored);
             Chain {
                 delegation_id,
                 attempt,

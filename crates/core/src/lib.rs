@@ -10,6 +10,7 @@
 //! - [`limits`]: depth, width with overflow, rounds, budget, and the no-progress detector.
 //! - [`permissions`]: structured scopes, their intersection, and risk levels.
 //! - [`ids`]: deterministic delegation identities.
+//! - [`turns`]: a task's stored model turns, read back as the hash chain they form.
 //! - [`model`]: the validated domain types the rest works on.
 //!
 //! Two utilities the services share are not pure functions: [`recent::RecentMap`], the
@@ -26,6 +27,7 @@ pub mod model;
 pub mod permissions;
 pub mod recent;
 pub mod time;
+pub mod turns;
 pub mod validate;
 
 pub use error::{FieldPath, Rule, ValidationError};

@@ -27,6 +27,7 @@
 //!   is "not found", as one that does not exist.
 
 pub mod approvals;
+pub mod conversation;
 pub mod evidence;
 pub mod live;
 pub mod pages;
@@ -208,6 +209,7 @@ pub fn router(console: Arc<Console>) -> Router {
         .route("/console/runs/{run_id}/resume", post(resume::resume))
         .route("/console/runs/{run_id}/events", get(live::events))
         .route("/console/evidence", get(evidence::show))
+        .route("/console/conversation", get(conversation::show))
         .route("/console/approvals", get(approvals::queue))
         .route("/console/approvals/{approval_id}", get(approvals::show))
         .route(

@@ -260,8 +260,14 @@ pub fn run(session: &Session, run: &v1::Run, jaeger: Option<&str>) -> Markup {
                 tbody {
                     @for d in &run.delegations {
                         @let task = d.task.clone().unwrap_or_default();
+                        @let turns = d.result.as_ref().and_then(|r| r.usage.as_ref()).map_or(0, |u| u.iterations);
                         tr {
-                            td { (task.name) }
+                            td {
+                                (task.name)
+                                @if turns > 0 {
+                                    " " a href={ "/console/conversation?" (url::form_urlencoded::Serializer::new(String::new()).append_pair("run", &task.run_id).append_pair("delegation", &task.delegation_id).finish()) } { "conversation" }
+                                }
+                            }
                             td { (task.profile_id) }
                             td { (task.round) }
                             td { span class={ "dstate dstate-" (d.state) } { (delegation_state(d.state)) } }

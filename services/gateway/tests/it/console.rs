@@ -67,12 +67,76 @@ struct Runs {
 }
 
 fn the_run() -> v1::Run {
+    let talked = |id: &str| v1::Delegation {
+        task: Some(v1::DelegationTask {
+            delegation_id: id.to_owned(),
+            run_id: RUN.to_owned(),
+            name: "logs".to_owned(),
+            profile_id: "logs-investigator-model".to_owned(),
+            ..Default::default()
+        }),
+        attempts: 1,
+        result: Some(v1::TaskResult {
+            usage: Some(v1::Usage {
+                iterations: 2,
+                ..Default::default()
+            }),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
     v1::Run {
         run_id: RUN.to_owned(),
         version: 3,
+        delegations: vec![talked("del-chat"), talked("del-broken")],
         ..Default::default()
     }
 }
+
+/// The stored turns of the run's two model delegations, by evidence id: `del-chat`'s
+/// chain holds, `del-broken`'s second turn names a turn that is not its first.
+static TURNS: std::sync::LazyLock<HashMap<String, (v1::Evidence, Vec<u8>)>> =
+    std::sync::LazyLock::new(|| {
+        use convene_core::ids::content_hash;
+        use convene_core::turns::turn_evidence_id;
+        use serde_json::json;
+        let mut stored = HashMap::new();
+        for delegation in ["del-chat", "del-broken"] {
+            let first = json!({
+                "turn": 1, "previous": null, "attempt": 1, "delegation_id": delegation,
+                "request": {"messages_from": 0, "system": "be careful", "tools": ["search_logs@1"],
+                            "messages": [{"role": "user", "content": "Find the <b>cause</b>"}]},
+                "response": {"message": {"role": "assistant", "content": "",
+                    "tool_calls": [{"id": "c1", "name": "search_logs@1", "arguments": {"service": "payment-api"}}]}},
+            });
+            let first = serde_json::to_vec(&first).unwrap();
+            let previous = if delegation == "del-chat" {
+                content_hash(&first)
+            } else {
+                content_hash(b"another turn")
+            };
+            let second = json!({
+                "turn": 2, "previous": previous,
+                "request": {"messages_from": 2,
+                            "messages": [{"role": "tool", "tool_call_id": "c1", "content": "{\"matched\":116}"}]},
+                "response": {"message": {"role": "assistant", "content": "",
+                    "tool_calls": [{"id": "c2", "name": "submit_report", "arguments": {"summary": "pool"}}]}},
+            });
+            let second = serde_json::to_vec(&second).unwrap();
+            for (n, bytes) in [(1, first), (2, second)] {
+                let id = turn_evidence_id(RUN, delegation, 1, n);
+                let record = v1::Evidence {
+                    evidence_id: id.clone(),
+                    kind: "model_turn".to_owned(),
+                    artifact_uri: format!("artifact://acme/{id}"),
+                    content_hash: content_hash(&bytes),
+                    ..Default::default()
+                };
+                stored.insert(id, (record, bytes));
+            }
+        }
+        stored
+    });
 
 fn unused<T>(what: &str) -> Result<T, Status> {
     Err(Status::unimplemented(format!(
@@ -228,7 +292,7 @@ impl Approval for Approvals {
     }
 }
 
-/// The evidence store: nothing is found.
+/// The evidence store: only the run's model turns ([`TURNS`]) are found.
 struct Evidence;
 
 #[async_trait]
@@ -249,9 +313,17 @@ impl EvidenceStore for Evidence {
 
     async fn get_artifact(
         &self,
-        _: tonic::Request<v1::GetArtifactRequest>,
+        request: tonic::Request<v1::GetArtifactRequest>,
     ) -> Result<tonic::Response<v1::GetArtifactResponse>, Status> {
-        Err(Status::not_found("no such artifact"))
+        let uri = &request.get_ref().uri;
+        let (_, content) = TURNS
+            .values()
+            .find(|(record, _)| &record.artifact_uri == uri)
+            .ok_or_else(|| Status::not_found("no such artifact"))?;
+        Ok(tonic::Response::new(v1::GetArtifactResponse {
+            content: content.clone(),
+            ..Default::default()
+        }))
     }
 
     async fn record_evidence(
@@ -263,9 +335,21 @@ impl EvidenceStore for Evidence {
 
     async fn get_evidence(
         &self,
-        _: tonic::Request<v1::GetEvidenceRequest>,
+        request: tonic::Request<v1::GetEvidenceRequest>,
     ) -> Result<tonic::Response<v1::GetEvidenceResponse>, Status> {
-        Err(Status::not_found("no such evidence"))
+        let evidence: Vec<v1::Evidence> = request
+            .get_ref()
+            .evidence_ids
+            .iter()
+            .filter_map(|id| TURNS.get(id).map(|(record, _)| record.clone()))
+            .collect();
+        if evidence.is_empty() {
+            return Err(Status::not_found("no such evidence"));
+        }
+        Ok(tonic::Response::new(v1::GetEvidenceResponse {
+            evidence,
+            ..Default::default()
+        }))
     }
 
     async fn verify_chain(
@@ -1078,4 +1162,59 @@ async fn a_cancel_spelled_with_percent_escapes_needs_the_role_to_cancel() {
         0,
         "no run was cancelled"
     );
+}
+
+#[tokio::test]
+async fn a_model_conversation_is_shown_walked_from_its_chain_and_a_broken_one_says_where() {
+    let (app, _) = console_with(console::DEFAULT_SESSION_TTL, Duration::from_secs(60));
+    let signed = sign_in(&app, "reader").await;
+    let signed = Some(signed.as_str());
+
+    // The run page links each delegation that had turns to its conversation.
+    let run = text(get(&app, &format!("/console/runs/{RUN}"), signed).await).await;
+    assert!(
+        run.contains(&format!(
+            "/console/conversation?run={RUN}&amp;delegation=del-chat"
+        )),
+        "{run}"
+    );
+
+    let path = format!("/console/conversation?run={RUN}&delegation=del-chat");
+    let response = get(&app, &path, signed).await;
+    assert_eq!(response.status(), StatusCode::OK);
+    assert_secured(&path, &response, true);
+    let page = text(response).await;
+    assert!(page.contains("Chain intact: 2 turn(s)"), "{page}");
+    // The task, the call, its answer and the report, in order; text is escaped.
+    let at = |needle: &str| {
+        page.find(needle)
+            .unwrap_or_else(|| panic!("{needle} in {page}"))
+    };
+    assert!(at("Find the &lt;b&gt;cause&lt;/b&gt;") < at("calls <code>search_logs@1</code>"));
+    assert!(at("calls <code>search_logs@1</code>") < at("{&quot;matched&quot;:116}"));
+    assert!(at("{&quot;matched&quot;:116}") < at("submit_report"));
+    assert!(!page.contains("<b>cause</b>"));
+
+    let broken = text(
+        get(
+            &app,
+            &format!("/console/conversation?run={RUN}&delegation=del-broken"),
+            signed,
+        )
+        .await,
+    )
+    .await;
+    assert!(broken.contains("breaks at turn 2"), "{broken}");
+    assert!(!broken.contains("submit_report"), "{broken}");
+
+    let unknown = get(
+        &app,
+        &format!("/console/conversation?run={RUN}&delegation=del-nope"),
+        signed,
+    )
+    .await;
+    assert_eq!(unknown.status(), StatusCode::NOT_FOUND);
+    // Without a session, nothing is shown.
+    let anonymous = get(&app, &path, None).await;
+    assert_ne!(anonymous.status(), StatusCode::OK);
 }
