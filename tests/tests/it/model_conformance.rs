@@ -740,7 +740,10 @@ fn specialist_end(persona: Persona) -> SpecialistEnd {
             2,
             1,
             vec![
-                (2, "invalid type: string \"100\", expected u64"),
+                (
+                    2,
+                    "invalid arguments for search_logs@1: invalid type: string",
+                ),
                 (4, "report does not match the submit_report schema"),
             ],
         ),
