@@ -303,8 +303,14 @@ impl Agent {
         let system = format!("{}\n\n{REPORT_INSTRUCTIONS}", profile.instructions.trim());
         let mut messages = vec![Message::user(task_prompt(ctx))];
         let mut chain = turns::TurnChain::default();
-        let window = self.profile.context_window();
-        let tools_tokens = context::tools_estimate(&specs);
+        // The tokens the tools' definitions take in every request, for a model that has
+        // a context window (a playbook has none).
+        let window = self.provider.has_context_window().then(|| {
+            (
+                self.profile.context_window(),
+                context::tools_estimate(&specs),
+            )
+        });
         for iteration in 1..=profile.max_iterations {
             let (used, cost) = {
                 let mut p = lock(progress);
@@ -318,7 +324,9 @@ impl Agent {
                 };
             }
             let max_tokens = budget.answer_limit(profile.max_tokens, used);
-            let limit = context::request_limit(window, max_tokens).saturating_sub(tools_tokens);
+            let limit = window.map_or(u64::MAX, |(window, tools)| {
+                context::request_limit(window, max_tokens).saturating_sub(tools)
+            });
             let fit = |force| context::Fit {
                 turn: iteration,
                 limit,
@@ -330,7 +338,8 @@ impl Agent {
             if let Err(refused) = self.recheck_token(ctx).await {
                 return refused;
             }
-            if context::estimate(&system, &messages) > limit
+            if window.is_some()
+                && context::estimate(&system, &messages) > limit
                 && let Err(end) = self
                     .compact(ctx, &mut messages, &mut chain, fit(false), progress)
                     .await

@@ -251,6 +251,13 @@ pub trait ModelProvider: Send + Sync + fmt::Debug {
         true
     }
 
+    /// Whether the model reads the conversation through a context window of limited
+    /// size, which the loop must keep it within (true for real models; a deterministic
+    /// script reads what it needs, whatever the length).
+    fn has_context_window(&self) -> bool {
+        true
+    }
+
     /// Answers the conversation with one assistant message.
     async fn complete(&self, request: &ModelRequest) -> Result<ModelResponse, ProviderError>;
 

@@ -81,10 +81,26 @@ pub fn request_limit(window: u32, max_tokens: u32) -> u64 {
 pub fn tools_estimate(tools: &[std::sync::Arc<ToolSpec>]) -> u64 {
     tools
         .iter()
-        .map(|t| {
-            bytes_to_tokens(t.name.len() + t.description.len() + t.parameters.to_string().len()) + 8
-        })
+        .map(|t| bytes_to_tokens(t.name.len() + t.description.len() + json_len(&t.parameters)) + 8)
         .sum()
+}
+
+/// The length of `value` as JSON, counted without writing it anywhere.
+fn json_len(value: &impl serde::Serialize) -> usize {
+    struct Count(usize);
+    impl std::io::Write for Count {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0 += buf.len();
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let mut count = Count(0);
+    // Writing into a counter cannot fail; a value that cannot be written counts nothing.
+    let _ = serde_json::to_writer(&mut count, value);
+    count.0
 }
 
 /// The estimated tokens of a request's system prompt and messages (the tools'
@@ -95,10 +111,7 @@ pub fn estimate(system: &str, messages: &[Message]) -> u64 {
     bytes_to_tokens(system.len())
         + messages
             .iter()
-            .map(|m| {
-                let bytes = serde_json::to_vec(m).map_or(m.content.len(), |json| json.len());
-                bytes_to_tokens(bytes) + framing
-            })
+            .map(|m| bytes_to_tokens(json_len(m)) + framing)
             .sum::<u64>()
 }
 

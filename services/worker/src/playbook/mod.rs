@@ -274,6 +274,10 @@ impl ModelProvider for PlaybookProvider {
         PROVIDER_NAME
     }
 
+    fn has_context_window(&self) -> bool {
+        false
+    }
+
     fn records_turns(&self) -> bool {
         // The turns follow from the profile, which is versioned: nothing to audit.
         false

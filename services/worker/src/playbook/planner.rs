@@ -356,6 +356,10 @@ impl ModelProvider for PlannerProvider {
         PROVIDER_NAME
     }
 
+    fn has_context_window(&self) -> bool {
+        false
+    }
+
     fn records_turns(&self) -> bool {
         false
     }
