@@ -303,7 +303,9 @@ impl TokenKeys {
     /// Verifies a token at `now`: signature, key, validity window, and that neither the
     /// token nor its run is revoked. Refreshes the keys once if its key id is unknown.
     pub async fn verify(&self, token: &str, now: SystemTime) -> Result<Claims, Status> {
-        self.accept(token, now).await.map(|accepted| accepted.claims)
+        self.accept(token, now)
+            .await
+            .map(|accepted| accepted.claims)
     }
 
     /// [`Self::verify`], returning what [`Self::recheck`] needs to check the token again

@@ -402,14 +402,15 @@ impl Verifier {
 static VERIFIED: LazyLock<VerifiedTokens> = LazyLock::new(VerifiedTokens::default);
 
 /// A bounded set of tokens whose signature holds, with their claims and the key that
-/// signed them. A token is known by the SHA-256 digest of its exact bytes: a digest, not
-/// the token, because a full set holds thousands of them (tokens run near a kilobyte),
-/// and SHA-256 because a token that differs in any byte must miss. The tokens of runs
-/// in flight stay as long as they are used; the others go a generation at a time, off
-/// the lock ([`RecentMap`]).
+/// signed them. A token is known by its exact bytes: a lookup hashes it with the map's
+/// keyed hash and compares it whole, so a token that differs in any byte misses, and no
+/// digest is computed per lookup (a full set holds a few thousand tokens, each near a
+/// kilobyte, about as much again as their claims). The tokens of runs in flight stay as
+/// long as they are used; the others go a generation at a time, off the lock
+/// ([`RecentMap`]).
 #[derive(Debug)]
 struct VerifiedTokens {
-    map: RecentMap<[u8; 32], Verified>,
+    map: RecentMap<Box<str>, Verified>,
 }
 
 impl Default for VerifiedTokens {
@@ -483,7 +484,7 @@ impl VerifiedTokens {
     /// signed it.
     fn get(&self, token: &str, trusted: impl Fn(&str, &[u8; 32]) -> bool) -> Option<Accepted> {
         self.map
-            .get_with(&digest(token), |entry| {
+            .get_with(token, |entry| {
                 trusted(&entry.kid, &entry.public).then(|| Accepted {
                     claims: entry.claims.clone(),
                     kid: entry.kid.clone(),
@@ -507,14 +508,9 @@ impl VerifiedTokens {
             revocation: accepted.revocation,
             public,
         };
-        self.map.insert(digest(token), entry);
+        self.map.insert(token.into(), entry);
         accepted
     }
-}
-
-fn digest(token: &str) -> [u8; 32] {
-    use sha2::Digest as _;
-    sha2::Sha256::digest(token.as_bytes()).into()
 }
 
 /// Why a header `jsonwebtoken::decode_header` could not read is refused.
@@ -639,7 +635,10 @@ mod cache_tests {
         // `token:<jti>` and `run:<run id>`.
         use sha2::Digest as _;
         let listed = |s: String| -> [u8; 32] { sha2::Sha256::digest(s).into() };
-        assert_eq!(revocation.token, listed(format!("token:{}", accepted.token_id)));
+        assert_eq!(
+            revocation.token,
+            listed(format!("token:{}", accepted.token_id))
+        );
         assert_eq!(revocation.run, listed(format!("run:{}", accepted.run_id)));
         // A second acceptance (remembered, not checked again) says the same.
         let again = verifier.accept(&token, at(now + 2)).expect("verified");
