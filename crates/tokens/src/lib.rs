@@ -60,8 +60,7 @@ mod keys;
 pub use claims::{Claims, Scope, from_unix_seconds, new_token_id, unix_seconds};
 pub use error::{Error, TokenError};
 pub use jwt::{
-    Accepted, MAX_TOKEN_LEN, Revocation, Signer, Verifier, revoked_run_digest,
-    revoked_token_digest,
+    Accepted, MAX_TOKEN_LEN, Revocation, Signer, Verifier, revoked_run_digest, revoked_token_digest,
 };
 pub use keyring::{KEYRING_FILE, KeyRing};
 pub use keys::{SigningKey, thumbprint};

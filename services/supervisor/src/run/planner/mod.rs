@@ -513,8 +513,7 @@ impl RunActor {
                                 }
                             })
                             .and_then(|mut wire| {
-                                let description =
-                                    self.deps.registry.description(&wire.profile_id);
+                                let description = self.deps.registry.description(&wire.profile_id);
                                 let defaults = propose::apply_defaults(
                                     &mut wire,
                                     &self.deps.policy_file,
