@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use convene_server::test_util::free_port;
 
-use crate::support::{convene, wait_until};
+use crate::support::{Up, convene, wait_until};
 
 #[test]
 fn check_explains_the_example_and_names_bad_fields() {
@@ -84,15 +84,6 @@ fn run_names_a_missing_spec_file_before_asking_for_credentials() {
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(err.contains("/nonexistent.yaml"), "{err}");
         assert!(!err.contains("credential"), "{err}");
-    }
-}
-
-struct Up(std::process::Child);
-
-impl Drop for Up {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
     }
 }
 

@@ -8,13 +8,13 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
 use convene_server::test_util::free_port;
 use convene_store::test_util::TestPostgres;
 
-use crate::support::{self, repo_root, test_database, wait_for, wait_until};
+use crate::support::{self, Up, repo_root, test_database, wait_for, wait_until};
 
 /// Generous: the machine may be a loaded 2-core one.
 const LIMIT: Duration = Duration::from_secs(90);
@@ -25,16 +25,6 @@ fn convene() -> Command {
     cmd.env_remove("CONVENE_DATABASE_URL")
         .env_remove("CONVENE_NATS_URL");
     cmd
-}
-
-/// A `convene up` process; killed when dropped.
-struct Up(Child);
-
-impl Drop for Up {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }
 
 impl Up {

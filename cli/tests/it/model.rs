@@ -9,7 +9,7 @@ use std::path::PathBuf;
 
 use convene_worker::model_server::{PlaybookResponder, Recorded, Reply, ScriptedModel};
 
-use crate::support::{convene, repo_root};
+use crate::support::{Up, convene, repo_root};
 
 const KEY: &str = "sk-cli-93e1d7c0a4b25f68-secret";
 
@@ -180,16 +180,6 @@ async fn run_mcp_adds_a_specialist_that_reads_the_runbook_over_mcp() {
         "two turns for each of four specialists"
     );
     check_no_key(&out);
-}
-
-/// Kills `convene up` when dropped.
-struct Up(std::process::Child);
-
-impl Drop for Up {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

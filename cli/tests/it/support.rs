@@ -143,3 +143,14 @@ pub fn logs_task(
         ..convene_proto::v1::DelegationTask::default()
     }
 }
+
+/// A `convene up` (or any child process) killed when dropped, so a failing test leaves
+/// nothing running.
+pub struct Up(pub std::process::Child);
+
+impl Drop for Up {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}

@@ -926,24 +926,7 @@ mod tests {
         );
         assert_eq!(function_name("submit_report"), "submit_report");
         assert_eq!(function_name(&"x".repeat(100)).len(), 64);
-        let request = ModelRequest {
-            model: "m".into(),
-            system: String::new(),
-            messages: Vec::new(),
-            tools: ["a:b@1", "a_b@1", "submit_report"]
-                .iter()
-                .map(|n| {
-                    std::sync::Arc::new(crate::provider::ToolSpec {
-                        name: (*n).to_owned(),
-                        description: String::new(),
-                        parameters: serde_json::json!({"type": "object"}),
-                    })
-                })
-                .collect(),
-            max_tokens: 1,
-            temperature: 0.0,
-        };
-        let names = FunctionNames::new(&request);
+        let names = names_of(&["a:b@1", "a_b@1", "submit_report"]);
         // Two tools that map to the same function name stay apart.
         assert_ne!(names.function("a:b@1"), names.function("a_b@1"));
         for tool in ["a:b@1", "a_b@1", "submit_report"] {
