@@ -1,11 +1,10 @@
 //! The `convene` binary, black-box: what a person typing the README's commands sees.
 
 use std::process::Stdio;
-use std::time::Duration;
 
 use convene_server::test_util::free_port;
 
-use crate::support::{Up, convene, wait_until};
+use crate::support::{Up, convene};
 
 #[test]
 fn check_explains_the_example_and_names_bad_fields() {
@@ -92,19 +91,7 @@ fn up_then_run_prints_the_assessment_and_evidence_verifies() {
     let dir = tempfile::tempdir().expect("tempdir");
     let port = free_port();
     let endpoint = format!("http://127.0.0.1:{port}");
-    let _up = Up(convene()
-        .args(["up", "--listen", &format!("127.0.0.1:{port}")])
-        .args(["--http-listen", "off"])
-        .arg("--data-dir")
-        .arg(dir.path())
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::null())
-        .spawn()
-        .expect("convene up starts"));
-    wait_until("convene up to listen", Duration::from_secs(15), || {
-        std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
-            && dir.path().join("credentials/default-principal").exists()
-    });
+    let _up = Up::listening(dir.path(), port, &[]);
 
     let out = convene()
         .args([

@@ -184,29 +184,20 @@ async fn run_mcp_adds_a_specialist_that_reads_the_runbook_over_mcp() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn evidence_verify_walks_each_model_conversation_and_runs_get_shows_one() {
-    use std::process::Stdio;
-    use std::time::Duration;
-
     let responder = PlaybookResponder::new(&convene_worker::profiles::example().unwrap()).unwrap();
     let model = ScriptedModel::start(responder).unwrap();
     let dir = tempfile::tempdir().expect("tempdir");
     let port = convene_server::test_util::free_port();
     let endpoint = format!("http://127.0.0.1:{port}");
-    let _up = Up(convene()
-        .args(["up", "--listen", &format!("127.0.0.1:{port}")])
-        .args(["--http-listen", "off"])
-        .arg("--data-dir")
-        .arg(dir.path())
-        .env("OPENAI_BASE_URL", model.base_url())
-        .env("CONVENE_MODEL", "scripted-cli")
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::null())
-        .spawn()
-        .expect("convene up starts"));
-    crate::support::wait_until("convene up to listen", Duration::from_secs(15), || {
-        std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
-            && dir.path().join("credentials/default-principal").exists()
-    });
+    let base_url = model.base_url();
+    let _up = Up::listening(
+        dir.path(),
+        port,
+        &[
+            ("OPENAI_BASE_URL", &base_url),
+            ("CONVENE_MODEL", "scripted-cli"),
+        ],
+    );
     let cli = |args: &[&str]| {
         convene()
             .args(args)

@@ -154,3 +154,26 @@ impl Drop for Up {
         let _ = self.0.wait();
     }
 }
+
+impl Up {
+    /// `convene up` on `port`, its state in `dir`, with the variables `env` set and no
+    /// HTTP listener; returns once it listens and has written the default principal's
+    /// credential.
+    pub fn listening(dir: &std::path::Path, port: u16, env: &[(&str, &str)]) -> Self {
+        let up = Up(convene()
+            .args(["up", "--listen", &format!("127.0.0.1:{port}")])
+            .args(["--http-listen", "off"])
+            .arg("--data-dir")
+            .arg(dir)
+            .env("RUST_LOG", "warn")
+            .envs(env.iter().copied())
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .expect("convene up starts"));
+        wait_until("convene up to listen", Duration::from_secs(15), || {
+            std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+                && dir.join("credentials/default-principal").exists()
+        });
+        up
+    }
+}
