@@ -7,8 +7,10 @@
 //! traced model call as the agent loop's ([`Agent::complete`]), under a `planner.turn`
 //! span (a child of the gRPC server span, so of the supervisor's trace).
 //!
-//! The task token is read, not verified (the worker makes no call with it): it must be
-//! bound to the request's run. A PlanTurn takes no Execute slot: it is one short call.
+//! Before a PlanTurn reaches this module the service has checked that the supervisor
+//! sent it and that its task token is genuine, current, unrevoked and the run's planner
+//! token ([`crate::guard`]); here the token is only read again for the run it is bound
+//! to. A PlanTurn takes no Execute slot: it is one short call.
 
 use std::sync::Arc;
 use std::time::Instant;
