@@ -584,14 +584,26 @@ mod cache_tests {
         .expect("claims")
     }
 
-    #[test]
-    fn a_remembered_token_still_expires_and_other_bytes_are_still_checked() {
+    /// A verifier, the signer whose key it trusts, and a token that signer signed,
+    /// valid for a minute from `NOW`.
+    fn signed() -> (Verifier, Signer, String) {
         let key = SigningKey::generate().expect("key");
         let verifier = Verifier::from_signing_keys([&key]);
         let signer = Signer::new(key);
-        let now = 2_000_000_000;
-        let token = signer.sign(&claims(now)).expect("signed");
-        let at = |s: u64| UNIX_EPOCH + Duration::from_secs(s);
+        let token = signer.sign(&claims(NOW)).expect("signed");
+        (verifier, signer, token)
+    }
+
+    const NOW: u64 = 2_000_000_000;
+
+    fn at(s: u64) -> SystemTime {
+        UNIX_EPOCH + Duration::from_secs(s)
+    }
+
+    #[test]
+    fn a_remembered_token_still_expires_and_other_bytes_are_still_checked() {
+        let (verifier, _, token) = signed();
+        let now = NOW;
         assert!(verifier.verify(&token, at(now + 1)).is_ok());
         // Second time from the cache: time checks still apply.
         assert!(matches!(
@@ -618,12 +630,8 @@ mod cache_tests {
 
     #[test]
     fn accepted_claims_are_checked_again_for_their_key_and_times_without_the_token() {
-        let key = SigningKey::generate().expect("key");
-        let verifier = Verifier::from_signing_keys([&key]);
-        let signer = Signer::new(key);
-        let now = 2_000_000_000;
-        let token = signer.sign(&claims(now)).expect("signed");
-        let at = |s: u64| UNIX_EPOCH + Duration::from_secs(s);
+        let (verifier, signer, token) = signed();
+        let now = NOW;
         let Accepted {
             claims: accepted,
             kid,

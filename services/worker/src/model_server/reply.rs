@@ -1,7 +1,7 @@
 //! [`Reply`], what a responder answers, and the HTTP responses it becomes: a
 //! `chat.completion` object exactly as OpenAI returns it, or an OpenAI-shaped error.
 
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, UNIX_EPOCH};
 
 use axum::body::Body;
 use axum::http::header::CONTENT_TYPE;
@@ -274,9 +274,7 @@ pub(super) fn completion_json(
     model: &str,
     index: usize,
 ) -> serde_json::Result<Vec<u8>> {
-    let created = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |elapsed| elapsed.as_secs());
+    let created = created_now();
     serde_json::to_vec(&CompletionBody {
         id: format!("chatcmpl-{index}"),
         object: "chat.completion",
@@ -316,6 +314,14 @@ pub(super) fn completion_json(
     })
 }
 
+/// A completion's `created`: the Unix second it is answered in.
+fn created_now() -> u64 {
+    convene_core::time::Clock::system()
+        .now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |elapsed| elapsed.as_secs())
+}
+
 /// Characters of content one streamed chunk carries at most.
 const STREAM_PIECE: usize = 4096;
 
@@ -344,9 +350,7 @@ pub(super) fn completion_sse(
     index: usize,
     include_usage: bool,
 ) -> Vec<u8> {
-    let created = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |elapsed| elapsed.as_secs());
+    let created = created_now();
     let id = format!("chatcmpl-{index}");
     let mut body = Vec::new();
     let mut event = |choices: Value, usage: Value| {
