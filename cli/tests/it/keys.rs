@@ -209,6 +209,7 @@ impl Mesh {
             })
             .collect();
         let request = v1::IssueTaskTokenRequest {
+            lease_epoch: 0,
             principal: "oncall@acme".into(),
             run_id: RUN_ID.into(),
             parent_token: String::new(),
@@ -272,6 +273,7 @@ impl Mesh {
         token: &str,
     ) -> Result<(), Status> {
         let request = v1::WorkerExecuteRequest {
+            lease_valid_until: None,
             task: Some(task(delegation_id)),
             task_token: token.to_owned(),
             attempt: 1,

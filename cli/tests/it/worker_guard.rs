@@ -139,6 +139,7 @@ impl Policy {
     /// A task token of run [`RUN_ID`] for `grant`, issued as the supervisor.
     async fn issue(&self, grant: v1::TokenGrantRequest) -> v1::IssuedToken {
         let request = v1::IssueTaskTokenRequest {
+            lease_epoch: 0,
             principal: PERSON.into(),
             run_id: RUN_ID.into(),
             parent_token: String::new(),
@@ -350,6 +351,7 @@ fn planner_grant() -> v1::TokenGrantRequest {
 
 fn execute(task: &v1::DelegationTask, token: &str) -> v1::WorkerExecuteRequest {
     v1::WorkerExecuteRequest {
+        lease_valid_until: None,
         task: Some(task.clone()),
         task_token: token.to_owned(),
         attempt: 1,

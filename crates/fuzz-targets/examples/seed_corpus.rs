@@ -164,6 +164,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         seeds.proto(
             "worker_execute_request",
             &v1::WorkerExecuteRequest {
+                lease_valid_until: None,
                 task: Some(task.clone()),
                 task_token: token.clone(),
                 attempt: 1,
@@ -174,6 +175,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     seeds.proto(
         "issue_task_token_request",
         &v1::IssueTaskTokenRequest {
+            lease_epoch: 0,
             principal: "oncall@acme".into(),
             run_id: "run-1".into(),
             parent_token: String::new(),
@@ -184,6 +186,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         seeds.proto(
             "issue_task_token_request",
             &v1::IssueTaskTokenRequest {
+                lease_epoch: 0,
                 principal: "oncall@acme".into(),
                 run_id: "run-1".into(),
                 parent_token: token.clone(),

@@ -101,5 +101,6 @@ pub fn claims() -> Claims {
         max_calls: 32,
         may_redelegate: false,
         parent_token_id: None,
+        lease_epoch: 0,
     }
 }

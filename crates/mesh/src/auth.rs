@@ -163,6 +163,8 @@ struct KeySnapshot {
     verifier: Arc<Verifier>,
     /// Revoked tokens' and runs' digests, with when they were revoked.
     revoked: HashMap<[u8; 32], SystemTime>,
+    /// Lease fences by run digest: the run's current lease epoch, and when it was set.
+    fences: HashMap<[u8; 32], (u64, SystemTime)>,
     /// The `revoked_since` of the next fetch.
     revoked_through: Option<prost_types::Timestamp>,
     at: Instant,
@@ -231,6 +233,10 @@ impl TokenKeys {
             .revocations_kept
             .and_then(|d| Duration::try_from(d).ok())
             .unwrap_or(Duration::from_secs(24 * 3600));
+        let previous_fences = previous
+            .as_ref()
+            .map(|p| p.fences.clone())
+            .unwrap_or_default();
         let mut revoked: HashMap<[u8; 32], SystemTime> = previous
             .map(|p| {
                 p.revoked
@@ -251,9 +257,23 @@ impl TokenKeys {
                 revoked.entry(digest).or_insert(through);
             }
         }
+        let mut fences: HashMap<[u8; 32], (u64, SystemTime)> = previous_fences
+            .into_iter()
+            .filter(|(_, (_, at))| now.duration_since(*at).unwrap_or_default() < kept)
+            .collect();
+        for fence in answer.fences {
+            let mut digest = [0u8; 32];
+            if hex::decode_to_slice(&fence.run, &mut digest).is_ok() {
+                let held = fences.entry(digest).or_insert((fence.epoch, through));
+                if fence.epoch > held.0 {
+                    *held = (fence.epoch, through);
+                }
+            }
+        }
         let snapshot = Arc::new(KeySnapshot {
             verifier,
             revoked,
+            fences,
             revoked_through: answer.revoked_through.or(since),
             at: Instant::now(),
         });
@@ -360,10 +380,15 @@ impl TokenKeys {
 }
 
 fn check_not_revoked(snapshot: &KeySnapshot, accepted: &Accepted) -> Result<(), Status> {
+    let claims = &accepted.claims;
+    if let Some((epoch, _)) = snapshot.fences.get(&accepted.revocation.run)
+        && claims.lease_epoch < *epoch
+    {
+        return Err(superseded(claims, *epoch));
+    }
     if snapshot.revoked.is_empty() {
         return Ok(());
     }
-    let claims = &accepted.claims;
     if snapshot.revoked.contains_key(&accepted.revocation.token) {
         return Err(Status::unauthenticated(format!(
             "task token refused (Revoked): token {} was revoked; ask the supervisor for a new task token",
@@ -377,6 +402,16 @@ fn check_not_revoked(snapshot: &KeySnapshot, accepted: &Accepted) -> Result<(), 
         )));
     }
     Ok(())
+}
+
+/// The refusal of a token issued under a lease epoch of its run older than `current`.
+pub fn superseded(claims: &Claims, current: u64) -> Status {
+    Status::unauthenticated(format!(
+        "task token refused (Superseded): it was issued under lease epoch {} of run {}, \
+         which another supervisor replica took over (epoch {current}); only that replica's \
+         tokens act for the run now",
+        claims.lease_epoch, claims.run_id
+    ))
 }
 
 /// Authenticates callers against the policy file's principals and the policy service's

@@ -39,6 +39,20 @@ const MAX_POOL_SIZE: u32 = 1000;
 /// How long opening a pool may wait for its first connection.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// The limits every PostgreSQL session of convene runs under, so that no process that
+/// stops mid-transaction (frozen, paused, cut off from the server) holds up the others
+/// for long: the server ends a session left idle inside a transaction after
+/// `idle_in_transaction_session_timeout`, which frees its row and advisory locks at
+/// once; a lock wait and a statement have upper bounds too, so nothing waits forever.
+/// Each applies unless the URL's `options` parameter sets it (`options=-c
+/// lock_timeout=30s`). convene's transactions run their statements back to back, so a
+/// live process never sits idle in one for that long.
+pub const POSTGRES_SESSION_LIMITS: [(&str, &str); 3] = [
+    ("idle_in_transaction_session_timeout", "500ms"),
+    ("lock_timeout", "10s"),
+    ("statement_timeout", "1min"),
+];
+
 /// Which database a [`Database`] talks to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Backend {
@@ -205,7 +219,8 @@ impl Database {
         let lower = url.to_ascii_lowercase();
         let db = if lower.starts_with("postgres://") || lower.starts_with("postgresql://") {
             let (url, connections) = pool_size(url).map_err(bad)?;
-            let options = PgConnectOptions::from_str(&url).map_err(|e| bad(e.to_string()))?;
+            let options =
+                session_limits(PgConnectOptions::from_str(&url).map_err(|e| bad(e.to_string()))?);
             let pool = PgPoolOptions::new()
                 .max_connections(connections)
                 .acquire_timeout(CONNECT_TIMEOUT)
@@ -671,6 +686,16 @@ impl Tx {
         let turn = self.turn.take().expect("a transaction ends once");
         self.group.rollback(turn).await
     }
+}
+
+/// `options` with each of [`POSTGRES_SESSION_LIMITS`] its own `options` do not set.
+fn session_limits(options: PgConnectOptions) -> PgConnectOptions {
+    let set = options.get_options().unwrap_or_default().to_owned();
+    let missing: Vec<(&str, &str)> = POSTGRES_SESSION_LIMITS
+        .into_iter()
+        .filter(|(name, _)| !set.contains(name))
+        .collect();
+    options.options(missing)
 }
 
 #[cfg(test)]

@@ -41,7 +41,8 @@ pub mod test_util;
 
 pub use combine::WriteFuture;
 pub use database::{
-    Backend, Database, Location, MEMORY, POOL_SIZE_PARAM, SQLITE_FILE, Tx, open, redact, sqlite_url,
+    Backend, Database, Location, MEMORY, POOL_SIZE_PARAM, POSTGRES_SESSION_LIMITS, SQLITE_FILE, Tx,
+    open, redact, sqlite_url,
 };
 pub use error::Error;
 pub use sqlite::SqliteRow;

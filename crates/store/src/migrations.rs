@@ -28,13 +28,15 @@ macro_rules! files {
 const SQLITE: &[(&str, &str)] = files!("sqlite":
     "0001_supervisor.sql", "0002_policy.sql", "0003_approval.sql", "0004_evidence.sql",
     "0005_approval_events.sql", "0006_run_commands.sql", "0007_gateway.sql",
-    "0008_run_labels.sql", "0009_console_sessions.sql", "0010_revocations_by_time.sql");
+    "0008_run_labels.sql", "0009_console_sessions.sql", "0010_revocations_by_time.sql",
+    "0011_lease_epochs.sql");
 
 /// The PostgreSQL schema, in order.
 const POSTGRES: &[(&str, &str)] = files!("postgres":
     "0001_supervisor.sql", "0002_policy.sql", "0003_approval.sql", "0004_evidence.sql",
     "0005_approval_events.sql", "0006_run_commands.sql", "0007_gateway.sql",
-    "0008_run_labels.sql", "0009_console_sessions.sql", "0010_revocations_by_time.sql");
+    "0008_run_labels.sql", "0009_console_sessions.sql", "0010_revocations_by_time.sql",
+    "0011_lease_epochs.sql");
 
 /// A back end's embedded migration files.
 #[derive(Debug, Clone, Copy)]

@@ -102,6 +102,17 @@ pub struct TestDatabase {
     _guard: Guard,
 }
 
+impl TestDatabase {
+    /// The URL of a PostgreSQL test database (None for SQLite), to open another pool on it
+    /// as another process would.
+    pub fn postgres_url(&self) -> Option<&str> {
+        match &self._guard {
+            Guard::Postgres(server) => Some(server.url()),
+            _ => None,
+        }
+    }
+}
+
 impl fmt::Debug for TestDatabase {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("TestDatabase")

@@ -48,6 +48,7 @@ fn claims() -> Claims {
         max_calls: 32,
         may_redelegate: false,
         parent_token_id: None,
+        lease_epoch: 0,
     };
     c.set_permissions(&scopes);
     c

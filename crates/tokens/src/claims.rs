@@ -64,6 +64,15 @@ pub struct Claims {
     /// The `jti` of the token it was derived from, for nested delegation (`parent`).
     #[serde(rename = "parent", default, skip_serializing_if = "Option::is_none")]
     pub parent_token_id: Option<String>,
+    /// The run's lease epoch under the supervisor replica it was issued to (`lease`);
+    /// 0, and left out, when the supervisor leases no runs. A token whose epoch is below
+    /// its run's lease fence was issued to a replica that lost the run: it is refused.
+    #[serde(rename = "lease", default, skip_serializing_if = "is_zero")]
+    pub lease_epoch: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 impl Claims {
@@ -326,6 +335,7 @@ pub(crate) mod tests {
             max_calls: 32,
             may_redelegate: false,
             parent_token_id: None,
+            lease_epoch: 0,
         }
     }
 

@@ -42,6 +42,7 @@
 //!     max_calls: 32,
 //!     may_redelegate: false,
 //!     parent_token_id: None,
+//!     lease_epoch: 0,
 //! };
 //! let token = signer.sign(&claims)?;
 //! let verified = verifier.verify(&token, now)?;

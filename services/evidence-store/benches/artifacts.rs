@@ -133,6 +133,7 @@ async fn subject(backend: &str) -> Subject {
     let token = policy
         .issue_task_token(request(
             v1::IssueTaskTokenRequest {
+                lease_epoch: 0,
                 principal: "oncall@acme".into(),
                 run_id: "run-bench".into(),
                 parent_token: String::new(),

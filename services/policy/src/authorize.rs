@@ -119,6 +119,11 @@ fn revoked_detail(revocation: &Revocation) -> String {
             "run {id} was revoked ({}); every token of the run is refused",
             revocation.reason
         ),
+        RevokeTarget::Lease { run_id, epoch } => format!(
+            "the token was issued under an earlier lease epoch of run {run_id}, and {}; only \
+             tokens of epoch {epoch} or later act for the run",
+            revocation.reason
+        ),
     }
 }
 
@@ -140,7 +145,7 @@ impl Inner {
                 detail,
             } => match self
                 .state
-                .is_revoked(&claims.token_id, &claims.run_id)
+                .is_revoked(&claims.token_id, &claims.run_id, claims.lease_epoch)
                 .await?
             {
                 Some(revocation) => Outcome::deny(
@@ -177,6 +182,7 @@ impl Inner {
             reason: String::new(),
             detail: String::new(),
             calls_used: 0,
+            lease_epoch: claims.map_or(0, |c| c.lease_epoch),
         };
         let record = move |verdict: &Verdict| {
             LogEntry::Authorize(AuthorizeRecord {
@@ -197,6 +203,7 @@ impl Inner {
                 let call = Call {
                     token_id: &claims.token_id,
                     run_id: &claims.run_id,
+                    lease_epoch: claims.lease_epoch,
                     max_calls: claims.max_calls,
                     expires_at: claims.expiry().unwrap_or(now),
                     now,

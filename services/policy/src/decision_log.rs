@@ -89,6 +89,14 @@ pub struct AuthorizeRecord {
     pub detail: String,
     /// Calls counted against the token after this decision.
     pub calls_used: u32,
+    /// The token's lease epoch (see `Claims::lease_epoch`); 0 and left out when the
+    /// supervisor leases no runs.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub lease_epoch: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 /// One revocation.
@@ -344,6 +352,7 @@ mod tests {
             reason: "AUTHORIZE_REASON_ALLOWED".into(),
             detail: "ok".into(),
             calls_used: i,
+            lease_epoch: 0,
         })
     }
 

@@ -214,6 +214,7 @@ pub(crate) fn plan(
         max_calls,
         may_redelegate: grant.may_redelegate,
         parent_token_id,
+        lease_epoch: 0,
     };
     claims.set_permissions(&granted);
     Ok(Planned { claims, narrowed })

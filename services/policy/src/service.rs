@@ -276,7 +276,7 @@ impl Inner {
                     })?;
                 if let Some(revocation) = self
                     .state
-                    .is_revoked(&parent.token_id, &parent.run_id)
+                    .is_revoked(&parent.token_id, &parent.run_id, parent.lease_epoch)
                     .await?
                 {
                     return Err(parent_revoked(&revocation));
@@ -328,7 +328,8 @@ impl Inner {
         // tool call; they are signed here, so their signatures need no checking when they
         // come back (see `Signer::sign`).
         let mut signed = Vec::with_capacity(planned.len());
-        for planned in planned {
+        for mut planned in planned {
+            planned.claims.lease_epoch = request.lease_epoch;
             signed.push((keys.signer.sign(&planned.claims)?, planned));
         }
         let issued: Vec<IssuedToken> = signed
@@ -349,15 +350,22 @@ impl Inner {
                 // No token id is ever empty: a top-level request asks about its run alone.
                 parent_token_id.as_deref().unwrap_or(""),
                 &run_id,
+                request.lease_epoch,
             )
             .await?;
         if let Some(revocation) = revocation {
-            return Err(match parent_token_id {
-                None => Error::FailedPrecondition(format!(
+            return Err(match (&revocation.target, parent_token_id) {
+                (RevokeTarget::Lease { run_id, epoch }, _) => Error::FailedPrecondition(format!(
+                    "run {run_id} was taken over by another supervisor replica (lease \
+                         epoch {epoch}); no tokens are issued for its lease epoch {} any more: \
+                         this replica no longer runs the run",
+                    request.lease_epoch
+                )),
+                (_, None) => Error::FailedPrecondition(format!(
                     "{} was revoked ({}); it gets no new tokens: start a new run",
                     revocation.target, revocation.reason
                 )),
-                Some(_) => parent_revoked(&revocation),
+                (_, Some(_)) => parent_revoked(&revocation),
             });
         }
         let mut tokens = Vec::with_capacity(signed.len());
@@ -667,9 +675,20 @@ impl v1::policy_server::Policy for PolicyService {
             keys,
             revoked: revocations
                 .iter()
-                .map(|(target, _)| match target {
-                    RevokeTarget::Token(id) => convene_mesh::auth::revoked_token_digest(id),
-                    RevokeTarget::Run(id) => convene_mesh::auth::revoked_run_digest(id),
+                .filter_map(|(target, _)| match target {
+                    RevokeTarget::Token(id) => Some(convene_mesh::auth::revoked_token_digest(id)),
+                    RevokeTarget::Run(id) => Some(convene_mesh::auth::revoked_run_digest(id)),
+                    RevokeTarget::Lease { .. } => None,
+                })
+                .collect(),
+            fences: revocations
+                .iter()
+                .filter_map(|(target, _)| match target {
+                    RevokeTarget::Lease { run_id, epoch } => Some(v1::LeaseFence {
+                        run: convene_mesh::auth::revoked_run_digest(run_id),
+                        epoch: *epoch,
+                    }),
+                    _ => None,
                 })
                 .collect(),
             revoked_through: through.map(prost_types::Timestamp::from),

@@ -32,13 +32,29 @@ fn count_call(token_id: &str, max_calls: u32, expires_at: SystemTime) -> Stateme
     .bind(micros(expires_at))
 }
 
-/// The revocations that apply to a token with this `jti` and run.
-fn revocations_of(token_id: &str, run_id: &str) -> Statement {
+/// The revocations that apply to a token with this `jti`, run and lease epoch: a lease
+/// fence above the epoch is a row of kind `lease` whose reason is the fence's epoch.
+fn revocations_of(token_id: &str, run_id: &str, lease_epoch: u64) -> Statement {
     sql("SELECT kind, reason FROM revocations \
          WHERE (kind = 'token' AND target_id = $1) \
-            OR (kind = 'run' AND target_id = $2)")
+            OR (kind = 'run' AND target_id = $2) \
+         UNION ALL SELECT 'lease' AS kind, CAST(epoch AS TEXT) AS reason FROM lease_fences \
+         WHERE run_id = $2 AND epoch > $3")
     .bind(token_id)
     .bind(run_id)
+    .bind(i64::try_from(lease_epoch).unwrap_or(i64::MAX))
+}
+
+/// The upsert that fences `run_id` at lease epoch `epoch` (a fence never moves down).
+fn fence_statement(run_id: &str, epoch: u64) -> Statement {
+    sql(
+        "INSERT INTO lease_fences (run_id, epoch, fenced_at) VALUES ($1, $2, $3) \
+         ON CONFLICT (run_id) DO UPDATE SET epoch = excluded.epoch, fenced_at = excluded.fenced_at \
+         WHERE lease_fences.epoch < excluded.epoch",
+    )
+    .bind(run_id)
+    .bind(i64::try_from(epoch).unwrap_or(i64::MAX))
+    .bind(micros(SystemTime::now()))
 }
 
 /// The revocation that applies, from the rows of [`revocations_of`]: the token's own
@@ -49,21 +65,30 @@ fn revocation_in(
     run_id: &str,
 ) -> Result<Option<Revocation>, convene_store::Error> {
     let mut by_run = None;
+    let mut by_lease = None;
     for row in rows {
         let kind: String = row.get("kind")?;
         let reason: String = row.get("reason")?;
-        if kind == "token" {
-            return Ok(Some(Revocation {
-                target: RevokeTarget::Token(token_id.to_owned()),
-                reason,
-            }));
+        match kind.as_str() {
+            "token" => {
+                return Ok(Some(Revocation {
+                    target: RevokeTarget::Token(token_id.to_owned()),
+                    reason,
+                }));
+            }
+            "lease" => {
+                let epoch = reason.parse().unwrap_or(u64::MAX);
+                by_lease = Some(crate::state::superseded(run_id, epoch));
+            }
+            _ => {
+                by_run = Some(Revocation {
+                    target: RevokeTarget::Run(run_id.to_owned()),
+                    reason,
+                });
+            }
         }
-        by_run = Some(Revocation {
-            target: RevokeTarget::Run(run_id.to_owned()),
-            reason,
-        });
     }
-    Ok(by_run)
+    Ok(by_run.or(by_lease))
 }
 
 fn calls_used(token_id: &str) -> Statement {
@@ -173,10 +198,13 @@ impl PolicyState for SqlPolicyState {
         tokens: &[IssuedToken],
         token_id: &str,
         run_id: &str,
+        lease_epoch: u64,
     ) -> Result<Option<Revocation>, StateError> {
-        // The check and the tokens in one transaction, on the writer's connection: no
-        // token is recorded (so none handed out) after its run's revocation committed.
-        let revoked = revocations_of(token_id, run_id);
+        // The check, the fence and the tokens in one transaction, on the writer's
+        // connection: no token is recorded (so none handed out) after its run's
+        // revocation or a newer lease's fence committed.
+        let revoked = revocations_of(token_id, run_id, lease_epoch);
+        let fence = (lease_epoch > 1).then(|| fence_statement(run_id, lease_epoch));
         let (token_id, run_id) = (token_id.to_owned(), run_id.to_owned());
         let inserts = issued_inserts(tokens);
         let revocation = self
@@ -186,6 +214,9 @@ impl PolicyState for SqlPolicyState {
                     let rows = tx.fetch_all(revoked).await?;
                     if let Some(revocation) = revocation_in(rows, &token_id, &run_id)? {
                         return Ok(Some(revocation));
+                    }
+                    if let Some(fence) = fence {
+                        tx.execute(fence).await?;
                     }
                     for insert in inserts {
                         tx.execute(insert).await?;
@@ -206,7 +237,7 @@ impl PolicyState for SqlPolicyState {
                 sql("SELECT tenant FROM issued_tokens WHERE token_id = $1").bind(id)
             }
             // Every token of a run has the run's tenant.
-            RevokeTarget::Run(id) => {
+            RevokeTarget::Run(id) | RevokeTarget::Lease { run_id: id, .. } => {
                 sql("SELECT tenant FROM issued_tokens WHERE run_id = $1 LIMIT 1").bind(id)
             }
         };
@@ -298,7 +329,7 @@ impl PolicyState for SqlPolicyState {
         // counted without its record, none after its token's or run's revocation
         // committed, and the three cost one commit. The check runs on the writer's
         // connection, whose pages the last commit left warm.
-        let revoked = revocations_of(call.token_id, call.run_id);
+        let revoked = revocations_of(call.token_id, call.run_id, call.lease_epoch);
         let (token_id, run_id) = (call.token_id.to_owned(), call.run_id.to_owned());
         let count = (call.max_calls != 0)
             .then(|| count_call(call.token_id, call.max_calls, call.expires_at));
@@ -359,6 +390,11 @@ impl PolicyState for SqlPolicyState {
             .await
     }
 
+    async fn fence(&self, run_id: &str, epoch: u64) -> Result<(), StateError> {
+        self.db.execute(fence_statement(run_id, epoch)).await?;
+        Ok(())
+    }
+
     async fn revoked_since(
         &self,
         since: SystemTime,
@@ -382,6 +418,22 @@ impl PolicyState for SqlPolicyState {
             };
             out.push((target, convene_store::time::from_micros(at)));
         }
+        let fences = self
+            .db
+            .fetch_all(
+                sql("SELECT run_id, epoch, fenced_at FROM lease_fences WHERE fenced_at >= $1")
+                    .bind(micros(since)),
+            )
+            .await?;
+        for row in fences {
+            let epoch: i64 = row.get("epoch")?;
+            let at: i64 = row.get("fenced_at")?;
+            let target = RevokeTarget::Lease {
+                run_id: row.get("run_id")?,
+                epoch: u64::try_from(epoch).unwrap_or(0),
+            };
+            out.push((target, convene_store::time::from_micros(at)));
+        }
         Ok(out)
     }
 
@@ -389,8 +441,12 @@ impl PolicyState for SqlPolicyState {
         &self,
         token_id: &str,
         run_id: &str,
+        lease_epoch: u64,
     ) -> Result<Option<Revocation>, StateError> {
-        let rows = self.db.fetch_all(revocations_of(token_id, run_id)).await?;
+        let rows = self
+            .db
+            .fetch_all(revocations_of(token_id, run_id, lease_epoch))
+            .await?;
         Ok(revocation_in(rows, token_id, run_id)?)
     }
 }
@@ -436,6 +492,9 @@ impl SqlPolicyState {
 
 /// The insert that revokes `target`; revoking twice keeps the first reason.
 fn revocation(target: &RevokeTarget, reason: &str) -> Statement {
+    if let RevokeTarget::Lease { run_id, epoch } = target {
+        return fence_statement(run_id, *epoch);
+    }
     let (kind, id) = target.kind_and_id();
     sql(
         "INSERT INTO revocations (kind, target_id, reason, revoked_at) \

@@ -47,6 +47,8 @@ pub struct Call<'a> {
     pub token_id: &'a str,
     /// The token's run: a revoked run's tokens are not counted.
     pub run_id: &'a str,
+    /// The token's lease epoch: a token of a fenced epoch is not counted.
+    pub lease_epoch: u64,
     /// The token's `max_calls`.
     pub max_calls: u32,
     /// The token's expiry: its counter may be dropped after it.
@@ -90,6 +92,14 @@ pub enum RevokeTarget {
     Token(String),
     /// Every token of a run.
     Run(String),
+    /// The tokens of a run issued under a lease epoch below `epoch`: a supervisor
+    /// replica with that epoch took the run over (a lease fence, set by IssueTaskToken).
+    Lease {
+        /// The run.
+        run_id: String,
+        /// The run's current lease epoch.
+        epoch: u64,
+    },
 }
 
 impl RevokeTarget {
@@ -99,6 +109,7 @@ impl RevokeTarget {
         match self {
             RevokeTarget::Token(id) => ("token", id),
             RevokeTarget::Run(id) => ("run", id),
+            RevokeTarget::Lease { run_id, .. } => ("lease", run_id),
         }
     }
 }
@@ -108,6 +119,9 @@ impl fmt::Display for RevokeTarget {
         match self {
             RevokeTarget::Token(id) => write!(f, "token {id}"),
             RevokeTarget::Run(id) => write!(f, "run {id}"),
+            RevokeTarget::Lease { run_id, epoch } => {
+                write!(f, "the lease epochs of run {run_id} below {epoch}")
+            }
         }
     }
 }
@@ -119,6 +133,17 @@ pub struct Revocation {
     pub target: RevokeTarget,
     /// Why, as the revoker said.
     pub reason: String,
+}
+
+/// The revocation of tokens of `run_id` issued under lease epochs below `epoch`.
+pub fn superseded(run_id: &str, epoch: u64) -> Revocation {
+    Revocation {
+        target: RevokeTarget::Lease {
+            run_id: run_id.to_owned(),
+            epoch,
+        },
+        reason: format!("a supervisor replica took the run over at lease epoch {epoch}"),
+    }
 }
 
 /// A token the service issued, as far as revocation rights need it.
@@ -142,21 +167,32 @@ pub trait PolicyState: Send + Sync + fmt::Debug {
     async fn record_issued(&self, tokens: &[IssuedToken]) -> Result<(), StateError>;
 
     /// Records `tokens` as [`record_issued`](Self::record_issued) does, unless a
-    /// revocation of token `token_id` or of run `run_id` is recorded: then returns it and
-    /// records nothing. A state in a database checks and records in one transaction, so
-    /// no token is recorded after the revocation that should refuse it committed.
+    /// revocation of token `token_id` or of run `run_id`, or a lease fence of the run
+    /// above `lease_epoch`, is recorded: then returns it and records nothing. Otherwise
+    /// a `lease_epoch` above 1 (a replica that claimed the run) fences the lower ones
+    /// ([`fence`](Self::fence)). A state in a database checks and records in one
+    /// transaction, so no token is recorded after the revocation that should refuse it
+    /// committed.
     async fn record_issued_unless_revoked(
         &self,
         tokens: &[IssuedToken],
         token_id: &str,
         run_id: &str,
+        lease_epoch: u64,
     ) -> Result<Option<Revocation>, StateError> {
-        if let Some(revocation) = self.is_revoked(token_id, run_id).await? {
+        if let Some(revocation) = self.is_revoked(token_id, run_id, lease_epoch).await? {
             return Ok(Some(revocation));
+        }
+        if lease_epoch > 1 {
+            self.fence(run_id, lease_epoch).await?;
         }
         self.record_issued(tokens).await?;
         Ok(None)
     }
+
+    /// Fences run `run_id` at lease epoch `epoch`: its tokens of lower epochs are refused
+    /// from now on. A fence never moves down.
+    async fn fence(&self, run_id: &str, epoch: u64) -> Result<(), StateError>;
 
     /// The tenant a token or run belongs to, if a token of it was issued and has not
     /// been forgotten.
@@ -230,12 +266,14 @@ pub trait PolicyState: Send + Sync + fmt::Debug {
         since: SystemTime,
     ) -> Result<Vec<(RevokeTarget, SystemTime)>, StateError>;
 
-    /// The revocation that applies to a token with this `jti` and run, if any (the token's
-    /// own revocation first).
+    /// The revocation that applies to a token with this `jti`, run and lease epoch, if
+    /// any (the token's own revocation first, then its run's, then a lease fence above
+    /// its epoch).
     async fn is_revoked(
         &self,
         token_id: &str,
         run_id: &str,
+        lease_epoch: u64,
     ) -> Result<Option<Revocation>, StateError>;
 }
 
@@ -247,7 +285,10 @@ pub(crate) async fn count_then_log<S: PolicyState + ?Sized>(
     log: &dyn DecisionLog,
     decision: DecisionOf,
 ) -> Result<Counted, crate::Error> {
-    let counted = if let Some(revocation) = state.is_revoked(call.token_id, call.run_id).await? {
+    let counted = if let Some(revocation) = state
+        .is_revoked(call.token_id, call.run_id, call.lease_epoch)
+        .await?
+    {
         Counted::Revoked {
             revocation,
             used: state.calls_used(call.token_id).await?,
@@ -277,6 +318,7 @@ pub(crate) async fn revoke_then_log<S: PolicyState + ?Sized>(
     match target {
         RevokeTarget::Token(id) => state.revoke_token(id, reason).await?,
         RevokeTarget::Run(id) => state.revoke_run(id, reason).await?,
+        RevokeTarget::Lease { run_id, epoch } => state.fence(run_id, *epoch).await?,
     }
     log.append(entry).await?;
     Ok(())
@@ -325,6 +367,8 @@ pub struct MemoryState {
     /// Reasons and times of revocations.
     revoked_tokens: DashMap<String, (String, SystemTime)>,
     revoked_runs: DashMap<String, (String, SystemTime)>,
+    /// Lease fences: each run's current epoch, and when it was set.
+    fences: DashMap<String, (u64, SystemTime)>,
     prune_at: AtomicUsize,
     /// When revocations are made.
     clock: convene_core::time::Clock,
@@ -338,6 +382,7 @@ impl Default for MemoryState {
             run_owners: DashMap::new(),
             revoked_tokens: DashMap::new(),
             revoked_runs: DashMap::new(),
+            fences: DashMap::new(),
             prune_at: AtomicUsize::new(MIN_PRUNE_THRESHOLD),
             clock: convene_core::time::Clock::system(),
         }
@@ -406,7 +451,9 @@ impl PolicyState for MemoryState {
     async fn owner_tenant(&self, target: &RevokeTarget) -> Result<Option<String>, StateError> {
         let owner = match target {
             RevokeTarget::Token(id) => self.token_owners.get(id),
-            RevokeTarget::Run(id) => self.run_owners.get(id),
+            RevokeTarget::Run(id) | RevokeTarget::Lease { run_id: id, .. } => {
+                self.run_owners.get(id)
+            }
         };
         Ok(owner.map(|o| o.tenant.clone()))
     }
@@ -464,6 +511,15 @@ impl PolicyState for MemoryState {
         Ok(())
     }
 
+    async fn fence(&self, run_id: &str, epoch: u64) -> Result<(), StateError> {
+        let now = self.clock.now();
+        let mut fence = self.fences.entry(run_id.to_owned()).or_insert((epoch, now));
+        if fence.0 < epoch {
+            *fence = (epoch, now);
+        }
+        Ok(())
+    }
+
     async fn revoked_since(
         &self,
         since: SystemTime,
@@ -478,13 +534,25 @@ impl PolicyState for MemoryState {
             .iter()
             .filter(|e| e.value().1 >= since)
             .map(|e| (RevokeTarget::Run(e.key().clone()), e.value().1));
-        Ok(tokens.chain(runs).collect())
+        let fences = self
+            .fences
+            .iter()
+            .filter(|e| e.value().1 >= since)
+            .map(|e| {
+                let target = RevokeTarget::Lease {
+                    run_id: e.key().clone(),
+                    epoch: e.value().0,
+                };
+                (target, e.value().1)
+            });
+        Ok(tokens.chain(runs).chain(fences).collect())
     }
 
     async fn is_revoked(
         &self,
         token_id: &str,
         run_id: &str,
+        lease_epoch: u64,
     ) -> Result<Option<Revocation>, StateError> {
         if let Some(revoked) = self.revoked_tokens.get(token_id) {
             return Ok(Some(Revocation {
@@ -492,10 +560,17 @@ impl PolicyState for MemoryState {
                 reason: revoked.0.clone(),
             }));
         }
-        Ok(self.revoked_runs.get(run_id).map(|revoked| Revocation {
-            target: RevokeTarget::Run(run_id.to_owned()),
-            reason: revoked.0.clone(),
-        }))
+        if let Some(revoked) = self.revoked_runs.get(run_id) {
+            return Ok(Some(Revocation {
+                target: RevokeTarget::Run(run_id.to_owned()),
+                reason: revoked.0.clone(),
+            }));
+        }
+        Ok(self
+            .fences
+            .get(run_id)
+            .filter(|fence| fence.0 > lease_epoch)
+            .map(|fence| superseded(run_id, fence.0)))
     }
 }
 
@@ -541,16 +616,16 @@ mod tests {
     #[tokio::test]
     async fn revocation_by_token_wins_over_run_and_keeps_the_first_reason() {
         let state = MemoryState::new();
-        assert_eq!(state.is_revoked("t1", "r1").await.unwrap(), None);
+        assert_eq!(state.is_revoked("t1", "r1", 0).await.unwrap(), None);
         state.revoke_run("r1", "incident closed").await.unwrap();
-        let r = state.is_revoked("t1", "r1").await.unwrap().unwrap();
+        let r = state.is_revoked("t1", "r1", 0).await.unwrap().unwrap();
         assert_eq!(r.target, RevokeTarget::Run("r1".into()));
         state.revoke_token("t1", "leaked").await.unwrap();
         state.revoke_token("t1", "again").await.unwrap();
-        let r = state.is_revoked("t1", "r1").await.unwrap().unwrap();
+        let r = state.is_revoked("t1", "r1", 0).await.unwrap().unwrap();
         assert_eq!(r.target, RevokeTarget::Token("t1".into()));
         assert_eq!(r.reason, "leaked");
-        assert_eq!(state.is_revoked("t2", "r2").await.unwrap(), None);
+        assert_eq!(state.is_revoked("t2", "r2", 0).await.unwrap(), None);
     }
 
     #[tokio::test]

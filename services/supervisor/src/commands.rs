@@ -61,7 +61,7 @@ pub(crate) async fn nudge(deps: &Arc<Deps>, run_id: &str) -> Result<(), StoreErr
         .lock()
         .expect("live map lock poisoned")
         .get(run_id)
-        .cloned();
+        .map(|live| live.mailbox.clone());
     if let Some(mailbox) = live
         && mailbox.send(Msg::Commands).is_ok()
     {
@@ -97,6 +97,7 @@ pub(crate) async fn nudge(deps: &Arc<Deps>, run_id: &str) -> Result<(), StoreErr
         // Running: its owner applies them (or whoever takes it over).
         return Ok(());
     }
+    let leased_at = std::time::Instant::now();
     let claimed = match &deps.lease {
         Some(lease) => {
             deps.store
@@ -110,7 +111,7 @@ pub(crate) async fn nudge(deps: &Arc<Deps>, run_id: &str) -> Result<(), StoreErr
             run_id,
             "a command for a waiting run: resuming it to apply it"
         );
-        RunActor::resume(deps.clone(), run);
+        RunActor::resume(deps.clone(), run, leased_at);
     }
     Ok(())
 }

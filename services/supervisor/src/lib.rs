@@ -178,7 +178,7 @@ pub(crate) struct Deps {
     pub(crate) policy_file: Arc<Policy>,
     pub(crate) credential: String,
     pub(crate) settings: Settings,
-    pub(crate) live: Mutex<HashMap<String, run::Mailbox>>,
+    pub(crate) live: Mutex<HashMap<String, run::Live>>,
     /// The places of the runs with an actor, against `max_active_runs`.
     pub(crate) admission: Arc<admission::Admission>,
     pub(crate) shutdown_token: CancellationToken,

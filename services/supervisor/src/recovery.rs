@@ -9,8 +9,16 @@
 //!   expired: its actor stops. (Independently, the store refuses every commit of a
 //!   replica that is not the run's lease holder, so a replica that stalled past its lease
 //!   can never write over the one that took the run over; and on PostgreSQL a write
-//!   transaction left idle for longer than the lease is ended by the server, so the locks
-//!   of a replica that stalled mid-write hold no other replica up.)
+//!   transaction left idle for half a second is ended by the server
+//!   ([`convene_store::POSTGRES_SESSION_LIMITS`]), so the locks of a replica that
+//!   stalled mid-write hold no other replica up for longer.)
+//! - Nor does it do any more work for a run it lost (fencing beyond the database): its
+//!   actor dispatches nothing while its [`LeaseDeadline`] has passed, each dispatch
+//!   carries that deadline (a worker refuses the task after it), and each task token
+//!   carries the run's lease epoch, which a claim raises: the first tokens the new
+//!   owner is issued fence the older epochs at the policy service, which then refuses
+//!   their tool calls and tokens, as the workers do once they learn the fence (or see
+//!   a newer epoch's dispatch, which also cancels the older one's delegations there).
 //! - Once at start and then every `claim_interval` it claims unfinished runs whose lease
 //!   is free or expired (`FOR UPDATE SKIP LOCKED` on PostgreSQL, so two replicas never
 //!   claim one run) and resumes each ([`RunActor::resume`]).
@@ -22,7 +30,7 @@
 
 use std::collections::HashSet;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio::time::MissedTickBehavior;
 
@@ -111,6 +119,7 @@ async fn adopt(deps: &Deps, lease: &Lease) {
 /// Claims free and expired runs and resumes each.
 async fn claim_all(deps: &Arc<Deps>, lease: &Lease) {
     loop {
+        let leased_at = Instant::now();
         let runs = match deps
             .store
             .claim_runs(&lease.owner, lease.ttl, CLAIM_BATCH)
@@ -125,8 +134,19 @@ async fn claim_all(deps: &Arc<Deps>, lease: &Lease) {
         let claimed = runs.len();
         for run in runs {
             let run_id = run.run_id.clone();
-            if RunActor::resume(deps.clone(), run) {
-                tracing::info!(%run_id, "claimed an unfinished run; resuming it");
+            let (epoch, previous) = run
+                .claims
+                .last()
+                .map(|c| (c.epoch, c.previous_replica.clone()))
+                .unwrap_or_default();
+            if RunActor::resume(deps.clone(), run, leased_at) {
+                if previous.is_empty() {
+                    tracing::info!(%run_id, replica = %lease.owner, lease_epoch = epoch, "claimed an unfinished run whose lease was free; resuming it");
+                } else {
+                    tracing::info!(%run_id, replica = %lease.owner, previous_replica = %previous, lease_epoch = epoch, "took over a run whose lease expired; resuming it");
+                }
+            } else {
+                tracing::info!(%run_id, replica = %lease.owner, lease_epoch = epoch, "claimed a run this replica runs already");
             }
         }
         if claimed < CLAIM_BATCH {
@@ -138,6 +158,8 @@ async fn claim_all(deps: &Arc<Deps>, lease: &Lease) {
 /// Renews the leases of the runs this replica's actors run; stops the actors of runs
 /// another replica holds now.
 async fn renew_all(deps: &Deps, lease: &Lease) {
+    // Before the store is asked: the leases it extends count from no earlier.
+    let asked_at = Instant::now();
     let ids: Vec<String> = deps
         .live
         .lock()
@@ -156,10 +178,75 @@ async fn renew_all(deps: &Deps, lease: &Lease) {
         }
     };
     let live = deps.live.lock().expect("live map lock poisoned");
-    for id in ids.iter().filter(|id| !held.contains(*id)) {
-        if let Some(mailbox) = live.get(id) {
-            tracing::warn!(run_id = %id, "the run's lease is held by another replica now");
-            let _ = mailbox.send(Msg::LeaseLost);
+    for id in &ids {
+        let Some(run) = live.get(id) else { continue };
+        if held.contains(id) {
+            if let Some(deadline) = &run.lease {
+                deadline.extend(asked_at);
+            }
+        } else {
+            tracing::info!(run_id = %id, replica = %lease.owner, "lost the run's lease: another replica holds it now; this replica stops working on it");
+            let _ = run.mailbox.send(Msg::LeaseLost);
+        }
+    }
+}
+
+/// How long this replica is sure it holds a run's lease, on its monotonic clock: the
+/// lease's length less a margin ([`LeaseDeadline::margin`]), counted from just before
+/// the store was asked to grant or extend it. Dispatches wait while it has passed (a
+/// renewal moves it on; a lost lease stops the actor), and each carries its end as
+/// wall time, past which the worker refuses it: so a replica that was frozen past its
+/// lease sends no work when it wakes, even work it had begun to send.
+#[derive(Debug)]
+pub(crate) struct LeaseDeadline {
+    ttl: Duration,
+    until: std::sync::Mutex<Instant>,
+    renewed: tokio::sync::Notify,
+}
+
+impl LeaseDeadline {
+    /// A lease of `ttl` asked for at `asked_at`.
+    pub(crate) fn new(asked_at: Instant, ttl: Duration) -> Self {
+        Self {
+            ttl,
+            until: std::sync::Mutex::new(asked_at + ttl - Self::margin(ttl)),
+            renewed: tokio::sync::Notify::new(),
+        }
+    }
+
+    /// What is kept back from a lease of `ttl`: a quarter of it, for the drift between
+    /// this replica's clock and those of the replica that would claim the run next and
+    /// of the workers. Renewals come every third of the lease, so a healthy replica's
+    /// deadline never comes near.
+    pub(crate) fn margin(ttl: Duration) -> Duration {
+        ttl / 4
+    }
+
+    /// The lease was extended by a renewal asked for at `asked_at`.
+    pub(crate) fn extend(&self, asked_at: Instant) {
+        let mut until = self.until.lock().expect("lease deadline lock poisoned");
+        *until = (*until).max(asked_at + self.ttl - Self::margin(self.ttl));
+        drop(until);
+        self.renewed.notify_waiters();
+    }
+
+    /// How much of the lease is left for sure now; None once the deadline passed.
+    pub(crate) fn remaining(&self) -> Option<Duration> {
+        let until = *self.until.lock().expect("lease deadline lock poisoned");
+        until
+            .checked_duration_since(Instant::now())
+            .filter(|d| !d.is_zero())
+    }
+
+    /// Waits until the lease is sure again (at once while it is); returns what is left.
+    pub(crate) async fn sure(&self) -> Duration {
+        loop {
+            let renewed = self.renewed.notified();
+            if let Some(left) = self.remaining() {
+                return left;
+            }
+            // A renewal wakes the wait; the timeout only bounds a missed one.
+            let _ = tokio::time::timeout(self.ttl / 10, renewed).await;
         }
     }
 }

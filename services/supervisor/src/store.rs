@@ -417,6 +417,8 @@ struct Inner {
     outbox_index: HashMap<String, usize>,
     /// Run id → (owner, lease expiry).
     leases: HashMap<String, (String, SystemTime)>,
+    /// Run id → its lease epoch, once claimed (before: the stored run's).
+    epochs: HashMap<String, u64>,
     /// Relay → outbox index of the last acknowledged event.
     relays: HashMap<String, usize>,
     /// Replica → advertised endpoint.
@@ -424,6 +426,31 @@ struct Inner {
     /// Commands by id, with their outcome once applied; and their order.
     commands: HashMap<String, (RunCommand, Option<CommandDone>)>,
     command_order: Vec<String>,
+}
+
+impl Inner {
+    /// Leases `run` to `owner` from `now`: its next lease epoch, and the claim in its
+    /// history, as the SQL store's claim gives it.
+    fn claim(&mut self, run: &mut v1::Run, owner: &str, now: SystemTime, ttl: Duration) {
+        let previous = self
+            .leases
+            .insert(run.run_id.clone(), (owner.to_owned(), now + ttl))
+            .map(|(held_by, _)| held_by)
+            .filter(|p| p != owner);
+        let epoch = self
+            .epochs
+            .entry(run.run_id.clone())
+            .or_insert(run.lease_epoch);
+        *epoch += 1;
+        run.lease_epoch = *epoch;
+        run.owner = owner.to_owned();
+        run.claims.push(v1::RunClaim {
+            epoch: *epoch,
+            replica: owner.to_owned(),
+            previous_replica: previous.unwrap_or_default(),
+            at: Some(convene_core::time::to_timestamp(now)),
+        });
+    }
 }
 
 /// Everything in memory: fast, and lost with the process.
@@ -698,10 +725,8 @@ impl RunStore for MemoryStore {
         // UUIDv7 ids sort by creation time.
         claimable.sort_by(|a, b| a.run_id.cmp(&b.run_id));
         claimable.truncate(limit);
-        for run in &claimable {
-            inner
-                .leases
-                .insert(run.run_id.clone(), (owner.to_owned(), now + lease_ttl));
+        for run in &mut claimable {
+            inner.claim(run, owner, now, lease_ttl);
         }
         Ok(claimable)
     }
@@ -800,7 +825,7 @@ impl RunStore for MemoryStore {
     ) -> Result<Option<v1::Run>, StoreError> {
         let now = SystemTime::now();
         let mut inner = self.inner.lock().expect("store lock poisoned");
-        let Some(run) = inner
+        let Some(mut run) = inner
             .runs
             .get(run_id)
             .filter(|r| is_waiting(r.state))
@@ -815,9 +840,7 @@ impl RunStore for MemoryStore {
         {
             return Ok(None);
         }
-        inner
-            .leases
-            .insert(run_id.to_owned(), (owner.to_owned(), now + lease_ttl));
+        inner.claim(&mut run, owner, now, lease_ttl);
         Ok(Some(run))
     }
 

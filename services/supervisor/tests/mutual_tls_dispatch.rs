@@ -96,6 +96,7 @@ async fn dispatch(registry: &Arc<Registry>, profile: &str) {
     lease
         .handle
         .execute(Request::new(v1::WorkerExecuteRequest {
+            lease_valid_until: None,
             task: Some(task),
             task_token: "a task token".into(),
             attempt: 1,

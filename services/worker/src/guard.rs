@@ -63,6 +63,11 @@ impl Guard {
         }
     }
 
+    /// The time by the clock the checks read.
+    pub fn now(&self) -> std::time::SystemTime {
+        self.clock.now()
+    }
+
     /// The call must come from the supervisor.
     pub async fn supervisor_only<T>(&self, request: &Request<T>, what: &str) -> Result<(), Status> {
         self.callers

@@ -102,6 +102,25 @@ enum ExecuteError {
          or retry later"
     )]
     Busy { running: usize, capacity: usize },
+    #[error(
+        "run {run_id} was taken over by another supervisor replica: this worker has seen its \
+         lease epoch {seen}, and this dispatch comes under epoch {epoch}; the replica that \
+         sent it no longer runs the run"
+    )]
+    Superseded {
+        run_id: String,
+        epoch: u64,
+        seen: u64,
+    },
+    #[error(
+        "the dispatch arrived {late:?} after the sending supervisor replica's lease on run \
+         {run_id} may have run out (it was frozen or cut off past its lease); it is not run, \
+         so that no two replicas run the delegation"
+    )]
+    LeaseLapsed {
+        run_id: String,
+        late: std::time::Duration,
+    },
 }
 
 impl ServiceError for ExecuteError {
@@ -109,6 +128,11 @@ impl ServiceError for ExecuteError {
         match self {
             ExecuteError::UnknownProfile { .. } => ErrorCode::FailedPrecondition,
             ExecuteError::Busy { .. } => ErrorCode::ResourceExhausted,
+            // A lost race with another replica: the sender may retry once it knows it
+            // still holds the run (it does not, unless clocks drifted).
+            ExecuteError::Superseded { .. } | ExecuteError::LeaseLapsed { .. } => {
+                ErrorCode::Aborted
+            }
         }
     }
 }
@@ -135,6 +159,58 @@ type ResultFuture = Shared<BoxFuture<'static, v1::TaskResult>>;
 struct Tasks {
     running: HashMap<String, Running>,
     done: ResultCache,
+    /// The newest lease epoch each run's dispatches came under, with when it was last
+    /// seen (forgotten after [`EPOCHS_KEPT`] once more than [`EPOCHS_PRUNE_AT`] runs
+    /// are known).
+    epochs: HashMap<String, (u64, std::time::Instant)>,
+}
+
+/// How long a run's lease epoch is remembered once it is no longer seen.
+const EPOCHS_KEPT: std::time::Duration = std::time::Duration::from_secs(3600);
+/// Known runs past which forgotten epochs are pruned.
+const EPOCHS_PRUNE_AT: usize = 4096;
+
+impl Tasks {
+    /// Enters lease epoch `epoch` of `run_id`: refused when a newer one was seen; a newer
+    /// one than before cancels the run's delegations running under older epochs (their
+    /// replica lost the run: its successor dispatches them again).
+    fn enter_epoch(&mut self, run_id: &str, epoch: u64) -> Result<(), ExecuteError> {
+        if epoch == 0 {
+            return Ok(());
+        }
+        let now = std::time::Instant::now();
+        let seen = self.epochs.get(run_id).map_or(0, |(e, _)| *e);
+        if seen > epoch {
+            return Err(ExecuteError::Superseded {
+                run_id: run_id.to_owned(),
+                epoch,
+                seen,
+            });
+        }
+        if self.epochs.len() >= EPOCHS_PRUNE_AT {
+            self.epochs
+                .retain(|_, (_, at)| now.duration_since(*at) < EPOCHS_KEPT);
+        }
+        self.epochs.insert(run_id.to_owned(), (epoch, now));
+        if seen < epoch {
+            for (id, running) in &self.running {
+                if running.run_id == run_id && running.lease_epoch < epoch {
+                    tracing::info!(
+                        run_id,
+                        delegation_id = %id,
+                        lease_epoch = running.lease_epoch,
+                        newer = epoch,
+                        "cancelling a delegation of a replica that lost the run"
+                    );
+                    running.cancel.cancel(&format!(
+                        "run {run_id} was taken over by another supervisor replica (lease \
+                         epoch {epoch})"
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Finished results by delegation id, bounded in entries ([`RESULT_CACHE`]) and in
@@ -193,6 +269,9 @@ struct Running {
     result: ResultFuture,
     cancel: Arc<CancelSignal>,
     attempt: u32,
+    /// The run and lease epoch it was dispatched under.
+    run_id: String,
+    lease_epoch: u64,
 }
 
 impl std::fmt::Debug for Running {
@@ -412,8 +491,15 @@ impl WorkerService {
     ) -> Result<ResultFuture, ExecuteError> {
         let id = assignment.task.delegation_id.clone();
         let attempt = assignment.attempt;
+        let run_id = assignment.task.run_id.clone();
+        let lease_epoch = assignment.verified.claims.lease_epoch;
         let mut tasks = lock(&self.inner.tasks);
-        if let Some(running) = tasks.running.get(&id) {
+        tasks.enter_epoch(&run_id, lease_epoch)?;
+        // A delegation running under an older epoch was just cancelled: it is run anew
+        // (its end leaves this one alone, see `finish`).
+        if let Some(running) = tasks.running.get(&id)
+            && running.lease_epoch >= lease_epoch
+        {
             tracing::info!(delegation_id = %id, attempt, running_attempt = running.attempt, "joining the running delegation");
             return Ok(running.result.clone());
         }
@@ -469,7 +555,7 @@ impl WorkerService {
                         "delegation finished"
                     );
                     record_result(&traced, &result);
-                    service.finish(&id, attempt, &result);
+                    service.finish(&id, (attempt, lease_epoch), &result);
                     result
                 }
                 .instrument(span),
@@ -495,7 +581,7 @@ impl WorkerService {
                         }),
                         ..v1::TaskResult::default()
                     };
-                    this.finish(&task_id, attempt, &result);
+                    this.finish(&task_id, (attempt, lease_epoch), &result);
                     result
                 })
             })
@@ -507,14 +593,25 @@ impl WorkerService {
                 result: result.clone(),
                 cancel,
                 attempt,
+                run_id,
+                lease_epoch,
             },
         );
         Ok(result)
     }
 
-    /// Moves a finished delegation from running to the bounded result cache.
-    fn finish(&self, id: &str, attempt: u32, result: &v1::TaskResult) {
+    /// Moves a finished delegation from running to the bounded result cache, unless a
+    /// dispatch under a newer lease epoch replaced it meanwhile (then that one's result
+    /// counts, and this one's is dropped).
+    fn finish(&self, id: &str, (attempt, lease_epoch): (u32, u64), result: &v1::TaskResult) {
         let mut tasks = lock(&self.inner.tasks);
+        if tasks
+            .running
+            .get(id)
+            .is_some_and(|r| r.lease_epoch > lease_epoch)
+        {
+            return;
+        }
         tasks.running.remove(id);
         tasks.done.insert(id, result, attempt);
     }
@@ -556,6 +653,26 @@ impl worker_server::Worker for WorkerService {
                 },
             )
             .await?;
+        // A dispatch that arrives after its replica's lease may have run out is not run:
+        // that replica was frozen or cut off, and another may run the run now.
+        if let Some(until) = request
+            .lease_valid_until
+            .and_then(|t| std::time::SystemTime::try_from(t).ok())
+            && let Ok(late) = self.inner.guard.now().duration_since(until)
+        {
+            let refused = ExecuteError::LeaseLapsed {
+                run_id: task.run_id.clone(),
+                late,
+            };
+            tracing::warn!(
+                convene.run.id = %task.run_id,
+                convene.delegation.id = %task.delegation_id,
+                lease_epoch = verified.claims.lease_epoch,
+                refused = %refused,
+                "refused a dispatch that came after its replica's lease"
+            );
+            return Err(into_status(&refused));
+        }
         let attempt = request.attempt.max(1);
         let assignment = Assignment {
             task,
@@ -565,7 +682,12 @@ impl worker_server::Worker for WorkerService {
         };
         let result = self
             .start_or_join(agent, assignment)
-            .map_err(|e| into_status(&e))?
+            .map_err(|e| {
+                if matches!(e, ExecuteError::Superseded { .. }) {
+                    tracing::warn!(refused = %e, "refused a dispatch of a replica that lost the run");
+                }
+                into_status(&e)
+            })?
             .await;
         // Fault injection (test builds only): the task ran, its answer is lost.
         if let Some(lost) = agent

@@ -510,6 +510,7 @@ async fn task_token(mesh: &TestMesh, rng: &mut Rng, t: Tenant) -> String {
         .expect("endpoint")
         .issue_task_token(request(
             v1::IssueTaskTokenRequest {
+                lease_epoch: 0,
                 principal: t.oncall.to_owned(),
                 run_id: rng.uuid(),
                 parent_token: String::new(),

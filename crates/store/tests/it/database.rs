@@ -721,3 +721,52 @@ async fn a_postgres_pool_opens_no_more_connections_than_the_url_allows() {
     );
     db.close().await;
 }
+
+/// Every PostgreSQL session runs under the session limits, and a session that stops
+/// inside a transaction holding a lock (a frozen process) is ended by the server within
+/// its idle limit: another session's write that waited for the lock goes through.
+#[tokio::test]
+async fn a_postgres_session_left_idle_in_a_transaction_is_ended_and_frees_its_locks() {
+    for t in test_databases().await {
+        let Some(url) = t.postgres_url() else {
+            continue;
+        };
+        for (name, value) in convene_store::POSTGRES_SESSION_LIMITS {
+            let row =
+                t.db.fetch_optional(convene_store::Statement::built(format!("SHOW {name}")))
+                    .await
+                    .unwrap()
+                    .unwrap();
+            assert_eq!(row.get::<String>(name).unwrap(), value, "{name}");
+        }
+        let insert = sql(
+            "INSERT INTO revocations (kind, target_id, reason, revoked_at) \
+                          VALUES ('run', 'held', 'r', 0)",
+        );
+        t.db.execute(insert).await.unwrap();
+        let frozen = Database::connect(url).await.unwrap();
+        let mut tx = frozen.begin().await.unwrap();
+        tx.fetch_all(sql(
+            "SELECT target_id FROM revocations WHERE target_id = 'held' FOR UPDATE",
+        ))
+        .await
+        .unwrap();
+        // Never heard from again: another session's write of the row waits for it.
+        let began = std::time::Instant::now();
+        t.db.execute(sql(
+            "UPDATE revocations SET reason = 'moved' WHERE target_id = 'held'",
+        ))
+        .await
+        .unwrap();
+        let waited = began.elapsed();
+        assert!(
+            waited < Duration::from_secs(1),
+            "waited {waited:?} for a frozen session"
+        );
+        assert!(
+            tx.commit().await.is_err(),
+            "the frozen session's transaction was ended"
+        );
+        frozen.close().await;
+    }
+}

@@ -299,6 +299,7 @@ pub async fn issue_token(
         ..Default::default()
     };
     let message = v1::IssueTaskTokenRequest {
+        lease_epoch: 0,
         principal: principal.into(),
         run_id: "run-1".into(),
         parent_token: String::new(),

@@ -88,29 +88,29 @@ async fn revocations_keep_the_first_reason_and_the_token_wins() {
     for s in subjects().await {
         let state = &*s.state;
         assert_eq!(
-            state.is_revoked("t1", "r1").await.unwrap(),
+            state.is_revoked("t1", "r1", 0).await.unwrap(),
             None,
             "{}",
             s.label
         );
         state.revoke_run("r1", "incident closed").await.unwrap();
-        let r = state.is_revoked("t1", "r1").await.unwrap().unwrap();
+        let r = state.is_revoked("t1", "r1", 0).await.unwrap().unwrap();
         assert_eq!(r.target, RevokeTarget::Run("r1".into()), "{}", s.label);
         assert_eq!(r.reason, "incident closed", "{}", s.label);
         state.revoke_token("t1", "leaked").await.unwrap();
         state.revoke_token("t1", "again").await.unwrap();
-        let r = state.is_revoked("t1", "r1").await.unwrap().unwrap();
+        let r = state.is_revoked("t1", "r1", 0).await.unwrap().unwrap();
         assert_eq!(r.target, RevokeTarget::Token("t1".into()), "{}", s.label);
         assert_eq!(r.reason, "leaked", "{}", s.label);
         assert_eq!(
-            state.is_revoked("t2", "r2").await.unwrap(),
+            state.is_revoked("t2", "r2", 0).await.unwrap(),
             None,
             "{}",
             s.label
         );
         // A token id equal to a revoked run id is not revoked by it.
         assert_eq!(
-            state.is_revoked("r1", "r9").await.unwrap(),
+            state.is_revoked("r1", "r9", 0).await.unwrap(),
             None,
             "{}",
             s.label
@@ -235,6 +235,7 @@ fn authorize_record(i: u32) -> LogEntry {
         reason: "AUTHORIZE_REASON_ALLOWED".into(),
         detail: "ok".into(),
         calls_used: i,
+        lease_epoch: 0,
     })
 }
 
@@ -294,6 +295,7 @@ async fn a_call_and_its_decision_commit_together_or_not_at_all() {
         let state = SqlPolicyState::new(t.db.clone());
         let log = SqlDecisionLog::new(t.db.clone());
         let call = Call {
+            lease_epoch: 0,
             token_id: "t1",
             run_id: "r1",
             max_calls: 1,
@@ -350,7 +352,7 @@ async fn a_call_and_its_decision_commit_together_or_not_at_all() {
             .await
             .unwrap();
         assert!(
-            state.is_revoked("t9", "r").await.unwrap().is_some(),
+            state.is_revoked("t9", "r", 0).await.unwrap().is_some(),
             "{}",
             t.label
         );
@@ -390,7 +392,7 @@ async fn a_call_and_its_decision_commit_together_or_not_at_all() {
             t.label
         );
         assert_eq!(
-            state.is_revoked("t2", "other").await.unwrap(),
+            state.is_revoked("t2", "other", 0).await.unwrap(),
             None,
             "{}",
             t.label
@@ -413,7 +415,7 @@ async fn several_revocations_commit_with_their_records_together_or_not_at_all() 
             .await
             .unwrap();
         for r in runs {
-            let revoked = state.is_revoked("any-token", r).await.unwrap();
+            let revoked = state.is_revoked("any-token", r, 0).await.unwrap();
             assert_eq!(
                 revoked.map(|v| v.target),
                 Some(RevokeTarget::Run(r.into())),
@@ -451,7 +453,7 @@ async fn several_revocations_commit_with_their_records_together_or_not_at_all() 
             t.label
         );
         assert_eq!(
-            state.is_revoked("t5", "r4").await.unwrap(),
+            state.is_revoked("t5", "r4", 0).await.unwrap(),
             None,
             "{}",
             t.label
@@ -475,7 +477,7 @@ async fn tokens_of_a_revoked_run_or_parent_are_not_recorded() {
         };
         // Nothing revoked: recorded.
         let none = state
-            .record_issued_unless_revoked(&[issued("t1", "r1"), issued("t2", "r1")], "", "r1")
+            .record_issued_unless_revoked(&[issued("t1", "r1"), issued("t2", "r1")], "", "r1", 0)
             .await
             .unwrap();
         assert_eq!(none, None, "{}", s.label);
@@ -484,7 +486,7 @@ async fn tokens_of_a_revoked_run_or_parent_are_not_recorded() {
         // The run revoked: refused with the run's revocation, nothing recorded.
         state.revoke_run("r1", "incident closed").await.unwrap();
         let refused = state
-            .record_issued_unless_revoked(&[issued("t3", "r1")], "", "r1")
+            .record_issued_unless_revoked(&[issued("t3", "r1")], "", "r1", 0)
             .await
             .unwrap()
             .expect("the run's revocation");
@@ -499,7 +501,7 @@ async fn tokens_of_a_revoked_run_or_parent_are_not_recorded() {
         // A child of a revoked parent token, in a run that is not revoked.
         state.revoke_token("p1", "leaked").await.unwrap();
         let refused = state
-            .record_issued_unless_revoked(&[issued("c1", "r2")], "p1", "r2")
+            .record_issued_unless_revoked(&[issued("c1", "r2")], "p1", "r2", 0)
             .await
             .unwrap()
             .expect("the parent's revocation");
@@ -511,11 +513,126 @@ async fn tokens_of_a_revoked_run_or_parent_are_not_recorded() {
         );
         assert_eq!(owner("c1").await, None, "{}", s.label);
         let none = state
-            .record_issued_unless_revoked(&[issued("c2", "r2")], "p2", "r2")
+            .record_issued_unless_revoked(&[issued("c2", "r2")], "p2", "r2", 0)
             .await
             .unwrap();
         assert_eq!(none, None, "{}", s.label);
         assert_eq!(owner("c2").await.as_deref(), Some("acme"), "{}", s.label);
+    }
+}
+
+/// A replica that claimed a run (lease epoch 2) fences the epoch before it: the old
+/// owner's tokens are refused and it is issued no more; the fence only moves up, and
+/// verifiers elsewhere learn it with the revocations.
+#[tokio::test]
+async fn a_newer_lease_epoch_fences_the_older_ones_tokens() {
+    for s in subjects().await {
+        let state = &*s.state;
+        let issued = |token: &str| IssuedToken {
+            token_id: token.into(),
+            run_id: "r1".into(),
+            tenant: "acme".into(),
+            expires_at: at(100),
+        };
+        let label = s.label;
+        // The creating replica (epoch 1) fences nothing.
+        let none = state
+            .record_issued_unless_revoked(&[issued("t1")], "", "r1", 1)
+            .await
+            .unwrap();
+        assert_eq!(none, None, "{label}");
+        assert_eq!(
+            state.is_revoked("t1", "r1", 1).await.unwrap(),
+            None,
+            "{label}"
+        );
+        let before = SystemTime::now() - Duration::from_secs(1);
+
+        // The replica that took the run over asks for epoch 2.
+        let none = state
+            .record_issued_unless_revoked(&[issued("t2")], "", "r1", 2)
+            .await
+            .unwrap();
+        assert_eq!(none, None, "{label}");
+        let superseded = state
+            .is_revoked("t1", "r1", 1)
+            .await
+            .unwrap()
+            .expect("epoch 1 is fenced");
+        assert_eq!(
+            superseded.target,
+            RevokeTarget::Lease {
+                run_id: "r1".into(),
+                epoch: 2
+            },
+            "{label}"
+        );
+        assert_eq!(
+            state.is_revoked("t2", "r1", 2).await.unwrap(),
+            None,
+            "{label}"
+        );
+        // Another run is not touched.
+        assert_eq!(
+            state.is_revoked("t9", "r9", 1).await.unwrap(),
+            None,
+            "{label}"
+        );
+
+        // The old owner wakes and asks for more: refused, nothing recorded.
+        let refused = state
+            .record_issued_unless_revoked(&[issued("t3")], "", "r1", 1)
+            .await
+            .unwrap()
+            .expect("the fence refuses epoch 1");
+        assert!(
+            matches!(refused.target, RevokeTarget::Lease { epoch: 2, .. }),
+            "{label}: {refused:?}"
+        );
+        let target = RevokeTarget::Token("t3".to_owned());
+        assert_eq!(state.owner_tenant(&target).await.unwrap(), None, "{label}");
+
+        // A fence never moves down; a later claim moves it up.
+        state.fence("r1", 1).await.unwrap();
+        assert!(
+            state.is_revoked("t1", "r1", 1).await.unwrap().is_some(),
+            "{label}"
+        );
+        state.fence("r1", 3).await.unwrap();
+        assert!(
+            state.is_revoked("t2", "r1", 2).await.unwrap().is_some(),
+            "{label}"
+        );
+
+        // Its counted calls are refused, not counted.
+        let call = Call {
+            token_id: "t2",
+            run_id: "r1",
+            lease_epoch: 2,
+            max_calls: 5,
+            expires_at: at(100),
+            now: at(10),
+        };
+        let log = convene_policy::decision_log::MemoryDecisionLog::new();
+        let counted = state
+            .record_call_logged(call, &log, Arc::new(refusal_record))
+            .await
+            .unwrap();
+        assert!(
+            matches!(counted, Counted::Revoked { ref revocation, used: 0 } if matches!(revocation.target, RevokeTarget::Lease { epoch: 3, .. })),
+            "{label}: {counted:?}"
+        );
+
+        // Verifiers elsewhere get the fence at its current epoch.
+        let listed = state.revoked_since(before).await.unwrap();
+        assert!(
+            listed.iter().any(|(t, _)| *t
+                == RevokeTarget::Lease {
+                    run_id: "r1".into(),
+                    epoch: 3
+                }),
+            "{label}: {listed:?}"
+        );
     }
 }
 
@@ -585,6 +702,7 @@ async fn a_revoked_token_or_run_is_refused_at_the_count_and_not_counted() {
     for (label, state, log, _db) in pairs {
         let decision: DecisionOf = Arc::new(refusal_record);
         let call = |token_id| Call {
+            lease_epoch: 0,
             token_id,
             run_id: "r1",
             max_calls: 5,
@@ -684,6 +802,7 @@ async fn a_log_elsewhere_gets_the_decision_after_the_count() {
     let state = MemoryState::new();
     let log = convene_policy::decision_log::MemoryDecisionLog::new();
     let call = Call {
+        lease_epoch: 0,
         token_id: "t1",
         run_id: "r1",
         max_calls: 2,

@@ -278,6 +278,7 @@ async fn issuing_needs_the_role_and_a_valid_request() {
     let h = Harness::start().await;
     let mut client = h.client().await;
     let valid = v1::IssueTaskTokenRequest {
+        lease_epoch: 0,
         principal: "oncall@acme".into(),
         run_id: "run-1".into(),
         parent_token: String::new(),
@@ -668,6 +669,7 @@ async fn shutdown_lets_an_in_flight_authorize_finish() {
     let token = client
         .issue_task_token(request(
             v1::IssueTaskTokenRequest {
+                lease_epoch: 0,
                 principal: "oncall@acme".into(),
                 run_id: "run-drain".into(),
                 parent_token: String::new(),

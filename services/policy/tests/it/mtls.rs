@@ -32,6 +32,7 @@ async fn issue(
     v1::policy_client::PolicyClient::new(channel)
         .issue_task_token(request(
             v1::IssueTaskTokenRequest {
+                lease_epoch: 0,
                 principal: "oncall@acme".into(),
                 run_id: "run-mtls".into(),
                 parent_token: String::new(),

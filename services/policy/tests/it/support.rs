@@ -236,6 +236,7 @@ impl Harness {
         grants: Vec<v1::TokenGrantRequest>,
     ) -> Result<v1::IssueTaskTokenResponse, tonic::Status> {
         let message = v1::IssueTaskTokenRequest {
+            lease_epoch: 0,
             principal: "oncall@acme".into(),
             run_id: run.into(),
             parent_token: String::new(),
@@ -262,6 +263,7 @@ impl Harness {
         grant: v1::TokenGrantRequest,
     ) -> Result<v1::IssueTaskTokenResponse, tonic::Status> {
         let message = v1::IssueTaskTokenRequest {
+            lease_epoch: 0,
             principal: String::new(),
             run_id: String::new(),
             parent_token: parent.into(),

@@ -13,8 +13,10 @@ use tracing::Instrument as _;
 use super::slot::SlotState;
 use super::{Mailbox, Msg, RunActor, deadline_of};
 use crate::error::Error;
+use crate::recovery::LeaseDeadline;
 use crate::registry::{Lease, Registry};
 use convene_core::time::Clock;
+use convene_core::time::to_timestamp;
 
 impl RunActor {
     /// Starts queued delegations of a batch while it has free slots.
@@ -55,6 +57,7 @@ impl RunActor {
         let registry = self.deps.registry.clone();
         let clock = self.deps.clock.clone();
         let grace = self.deps.settings.dispatch_grace;
+        let lease = self.lease.clone();
         // Every attempt runs inside the delegation's span, so the worker's spans (through
         // the trace context on the Execute call) are the delegation's children.
         let span = slot.span.clone();
@@ -74,6 +77,7 @@ impl RunActor {
                 abandon,
                 delay,
                 grace,
+                lease,
             }))
             .instrument(span),
         );
@@ -96,6 +100,8 @@ struct Dispatch {
     abandon: CancellationToken,
     delay: Duration,
     grace: Duration,
+    /// The run's lease as this replica knows it: nothing is sent while it is unsure.
+    lease: Option<Arc<LeaseDeadline>>,
 }
 
 impl Dispatch {
@@ -144,6 +150,13 @@ async fn attempt_dispatch(mut d: Box<Dispatch>) {
         worker_id: worker_id.clone(),
         attempt: d.attempt,
     });
+    // Last, just before the call: the lease must be sure now (a replica frozen past
+    // it waits here until a renewal says it still holds the run, or stops), and the
+    // worker refuses the task once the lease may have run out.
+    let lease_valid_until = match &d.lease {
+        Some(lease) => Some(to_timestamp(d.clock.now() + lease.sure().await)),
+        None => None,
+    };
     let limit = deadline.duration_since(d.clock.now()).unwrap_or_default() + d.grace;
     let call = {
         let task = std::mem::take(&mut d.task);
@@ -151,6 +164,7 @@ async fn attempt_dispatch(mut d: Box<Dispatch>) {
             task: Some(task),
             task_token: std::mem::take(&mut d.token),
             attempt: d.attempt,
+            lease_valid_until,
         });
         req.set_timeout(limit);
         tokio::time::timeout(limit, lease.handle.execute(req))

@@ -42,7 +42,7 @@ mod waiting;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 use convene_core::join::EvidenceFact;
 use convene_core::limits::BudgetLedger;
@@ -58,6 +58,7 @@ use tracing::{Instrument as _, Span};
 
 use crate::admission::Admitted;
 use crate::error::Error;
+use crate::recovery::LeaseDeadline;
 use crate::store::{Events, StoreError};
 use crate::{Deps, Settings, trace};
 
@@ -121,6 +122,14 @@ pub(crate) struct DelegateAsk {
 /// The sending side of a run actor's mailbox.
 pub(crate) type Mailbox = mpsc::UnboundedSender<Msg>;
 
+/// A run with an actor in this process: its mailbox, and how long this replica is sure
+/// it holds the run's lease (None: the store leases no runs).
+#[derive(Debug, Clone)]
+pub(crate) struct Live {
+    pub(crate) mailbox: Mailbox,
+    pub(crate) lease: Option<Arc<LeaseDeadline>>,
+}
+
 pub(crate) struct RunActor {
     deps: Arc<Deps>,
     /// The run's place among the replica's active runs, given back as the actor ends.
@@ -169,6 +178,9 @@ pub(crate) struct RunActor {
     ticket_used: bool,
     /// Whether the run's lease was given up with its last commit (it waits).
     lease_released: bool,
+    /// Until when this replica is sure it holds the run's lease; nothing is dispatched
+    /// past it (None: the store leases no runs).
+    lease: Option<Arc<LeaseDeadline>>,
 }
 
 /// Why an actor stopped.
@@ -252,16 +264,17 @@ impl RunActor {
     /// returns its mailbox. `span` is the run's root span; `None` continues the trace
     /// stored on the run (`trace_parent`), as for a run picked up again after a restart.
     /// `issued` are the tokens for its [`startable`] delegations, when asked for already
-    /// ([`issue_tokens`]); `None`: the actor asks.
+    /// ([`issue_tokens`]); `None`: the actor asks. `leased_at` is when the store was
+    /// asked to create the run (its lease counts from no earlier).
     pub(crate) fn spawn(
         deps: Arc<Deps>,
         run: v1::Run,
         spec: RunSpec,
         span: Option<Span>,
         issued: Option<Result<Vec<String>, Error>>,
-        admitted: Admitted,
+        (admitted, leased_at): (Admitted, Instant),
     ) -> Mailbox {
-        let (mailbox, actor) = Self::new(deps, run, spec, span, (false, admitted));
+        let (mailbox, actor) = Self::new(deps, run, spec, span, (false, admitted, leased_at));
         match actor {
             Some(mut actor) => {
                 actor.issued = issued;
@@ -272,10 +285,11 @@ impl RunActor {
         mailbox
     }
 
-    /// Resumes a stored, unfinished run this replica claimed, continuing its trace.
-    /// Returns false when the run has an actor in this process already (nothing to
-    /// resume) or cannot be resumed (then it is failed, with the reason).
-    pub(crate) fn resume(deps: Arc<Deps>, run: v1::Run) -> bool {
+    /// Resumes a stored, unfinished run this replica claimed (asking at `leased_at`),
+    /// continuing its trace. Returns false when the run has an actor in this process
+    /// already (nothing to resume) or cannot be resumed (then it is failed, with the
+    /// reason).
+    pub(crate) fn resume(deps: Arc<Deps>, run: v1::Run, leased_at: Instant) -> bool {
         let Some(wire) = run.spec.clone() else {
             tokio::spawn(start::fail_stored(
                 deps,
@@ -303,7 +317,7 @@ impl RunActor {
             }
         };
         let admitted = deps.admission.readmit();
-        let (_, actor) = Self::new(deps, run, spec, None, (true, admitted));
+        let (_, actor) = Self::new(deps, run, spec, None, (true, admitted, leased_at));
         match actor {
             Some(actor) => {
                 actor.start();
@@ -320,17 +334,27 @@ impl RunActor {
         run: v1::Run,
         spec: RunSpec,
         span: Option<Span>,
-        (resumed, admitted): (bool, Admitted),
+        (resumed, admitted, leased_at): (bool, Admitted, Instant),
     ) -> (Mailbox, Option<Self>) {
         let mut live = deps.live.lock().expect("live map lock poisoned");
         if let Some(existing) = live.get(&run.run_id) {
-            return (existing.clone(), None);
+            return (existing.mailbox.clone(), None);
         }
         let span = span.unwrap_or_else(|| trace::resumed_run_span(&run));
         let (tx, rx) = mpsc::unbounded_channel();
         let ledger = BudgetLedger::new(&spec.limits);
         let max_parallel = spec.limits.max_parallel_workers as usize;
-        live.insert(run.run_id.clone(), tx.clone());
+        let lease = deps
+            .lease
+            .as_ref()
+            .map(|l| Arc::new(LeaseDeadline::new(leased_at, l.ttl)));
+        live.insert(
+            run.run_id.clone(),
+            Live {
+                mailbox: tx.clone(),
+                lease: lease.clone(),
+            },
+        );
         drop(live);
         let settlements = run
             .human_decisions
@@ -378,6 +402,7 @@ impl RunActor {
             settlements,
             ticket_used: false,
             lease_released: false,
+            lease,
         };
         (tx, Some(actor))
     }

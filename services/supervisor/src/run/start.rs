@@ -259,6 +259,7 @@ pub(crate) async fn issue_tokens(
         principal: run.principal.clone(),
         run_id: run.run_id.clone(),
         parent_token: parent_token.unwrap_or_default().to_owned(),
+        lease_epoch: run.lease_epoch,
         grants: tasks
             .iter()
             .map(|task| plan::grant(task, max_depth, t))

@@ -125,7 +125,7 @@ impl SupervisorService {
             .lock()
             .expect("live map lock poisoned")
             .get(run_id)
-            .cloned()
+            .map(|live| live.mailbox.clone())
             .ok_or_else(|| {
                 Error::FailedPrecondition(format!("run {run_id} is not running in this supervisor"))
             })
@@ -326,6 +326,8 @@ impl Supervisor for SupervisorService {
             }
         }
         .instrument(run_span.clone());
+        // The lease counts from before the store was asked (see `LeaseDeadline`).
+        let leased_at = std::time::Instant::now();
         let (created, issued) =
             tokio::join!(self.deps.store.create(&run, key.as_ref(), &ev), tokens);
         match created.map_err(Error::from)? {
@@ -339,7 +341,7 @@ impl Supervisor for SupervisorService {
                         domain,
                         Some(run_span),
                         issued,
-                        admitted,
+                        (admitted, leased_at),
                     );
                 } else {
                     trace::record_run_end(&run_span, &run);

@@ -131,6 +131,14 @@ impl SupervisorService {
             version: 1,
             delegations,
             truncated,
+            // The creating replica holds the run's first lease.
+            owner: self
+                .deps
+                .lease
+                .as_ref()
+                .map(|l| l.owner.clone())
+                .unwrap_or_default(),
+            lease_epoch: u64::from(self.deps.lease.is_some()),
             ..Default::default()
         };
         let mut ev = Events::default();

@@ -121,9 +121,10 @@ impl SqlRunStore {
         let row = tx
             .fetch_optional(
                 sql(
-                    "UPDATE runs SET owner = $2, lease_until = $3 WHERE run_id = $1 \
+                    "UPDATE runs SET claimed_from = owner, owner = $2, lease_until = $3, \
+                     lease_epoch = lease_epoch + 1 WHERE run_id = $1 \
                      AND waiting AND (owner IS NULL OR lease_until IS NULL OR lease_until <= $4) \
-                     RETURNING body",
+                     RETURNING body, lease_epoch, claimed_from",
                 )
                 .bind(run_id)
                 .bind(owner)
@@ -132,7 +133,9 @@ impl SqlRunStore {
             )
             .await?;
         tx.commit().await?;
-        row.as_ref().map(|r| decode(r, "runs")).transpose()
+        row.as_ref()
+            .map(|r| super::leases::claimed(r, owner, now))
+            .transpose()
     }
 
     pub(super) async fn insert_foreign_events(

@@ -34,8 +34,8 @@ impl SqlRunStore {
         let run_id = run.run_id.clone();
         let insert = sql(
             "INSERT INTO runs (run_id, tenant, principal, state, terminal, version, \
-             created_at, updated_at, owner, lease_until, trace_id, body) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)",
+             created_at, updated_at, owner, lease_until, trace_id, body, lease_epoch) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)",
         )
         .bind(&run.run_id)
         .bind(&run.tenant)
@@ -48,7 +48,8 @@ impl SqlRunStore {
         .bind(owner)
         .bind(lease_until)
         .bind(&run.trace_id)
-        .bind(run.encode_to_vec());
+        .bind(run.encode_to_vec())
+        .bind(i64::try_from(run.lease_epoch).unwrap_or(i64::MAX));
         let appended = appends(run, events);
         let labels = label_rows(run);
         let created = self

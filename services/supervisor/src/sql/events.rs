@@ -121,7 +121,14 @@ impl SqlRunStore {
     ) -> Result<Option<String>, StoreError> {
         let row = self
             .db
-            .fetch_optional(sql("SELECT event_id FROM outbox_relays WHERE relay = $1").bind(relay))
+            .fetch_optional(
+                sql(
+                    "SELECT event_id FROM outbox_relays WHERE relay = $1 OR relay LIKE $2 \
+                     ESCAPE '\\' ORDER BY position DESC LIMIT 1",
+                )
+                .bind(relay)
+                .bind(format!("{}@%", like_escaped(relay))),
+            )
             .await?;
         Ok(row.map(|r| r.get("event_id")).transpose()?)
     }
@@ -131,7 +138,13 @@ impl SqlRunStore {
         relay: &str,
         event_id: &str,
     ) -> Result<(), StoreError> {
-        // Several replicas may relay the same outbox: the cursor only moves forward.
+        // Several replicas may relay the same outbox: each moves a row of its own (so no
+        // replica's frozen transaction holds another's up), and only forward; the cursor
+        // is the furthest of them.
+        let relay = match &self.creator {
+            Some((owner, _)) => format!("{relay}@{owner}"),
+            None => relay.to_owned(),
+        };
         let n = self
             .db
             .execute(
@@ -142,7 +155,7 @@ impl SqlRunStore {
                      event_id = excluded.event_id, updated_at = excluded.updated_at \
                      WHERE outbox_relays.position < excluded.position",
                 )
-                .bind(relay)
+                .bind(&relay)
                 .bind(event_id)
                 .bind(micros(SystemTime::now())),
             )
@@ -160,4 +173,16 @@ impl SqlRunStore {
         }
         Ok(())
     }
+}
+
+/// `text` with LIKE's wildcards and escape character escaped (by a backslash).
+fn like_escaped(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        if matches!(c, '\\' | '%' | '_') {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out
 }

@@ -18,14 +18,39 @@ use crate::store::StoreError;
 /// finished or not. That was 42-55 ms with 42,000 runs in the file, holding the write
 /// lock, at every claim (every 5 s by default), and grows with the database; through
 /// the index it reads the unfinished runs only and sorts those.
-pub(super) const CLAIM_SQLITE: &str = "UPDATE runs SET owner = $1, lease_until = $2 WHERE run_id IN (\
+pub(super) const CLAIM_SQLITE: &str = "UPDATE runs SET claimed_from = owner, owner = $1, \
+     lease_until = $2, lease_epoch = lease_epoch + 1 WHERE run_id IN (\
      SELECT run_id FROM runs INDEXED BY runs_unfinished WHERE NOT terminal \
      AND (owner IS NULL OR lease_until IS NULL OR lease_until <= $3) \
-     ORDER BY run_id LIMIT $4) RETURNING body";
+     ORDER BY run_id LIMIT $4) RETURNING body, lease_epoch, claimed_from";
 
 /// The unfinished runs on SQLite, through the same index as [`CLAIM_SQLITE`].
 pub(super) const UNFINISHED_SQLITE: &str =
     "SELECT body FROM runs INDEXED BY runs_unfinished WHERE NOT terminal ORDER BY run_id";
+
+/// A run as a claim's `RETURNING body, lease_epoch, claimed_from` gives it: with its new
+/// lease epoch, its owner, and the claim added to its history (stored with the run's
+/// next commit).
+pub(super) fn claimed(
+    row: &convene_store::Row,
+    owner: &str,
+    at: SystemTime,
+) -> Result<v1::Run, StoreError> {
+    let mut run: v1::Run = decode(row, "runs")?;
+    let epoch: i64 = row.get("lease_epoch")?;
+    let previous: Option<String> = row.get("claimed_from")?;
+    run.lease_epoch = u64::try_from(epoch).unwrap_or(0);
+    run.owner = owner.to_owned();
+    run.claims.push(v1::RunClaim {
+        epoch: run.lease_epoch,
+        replica: owner.to_owned(),
+        // A replica that claims its own expired lease (a restart under a stable id)
+        // takes it from no one else.
+        previous_replica: previous.filter(|p| p != owner).unwrap_or_default(),
+        at: Some(convene_core::time::to_timestamp(at)),
+    });
+    Ok(run)
+}
 
 impl SqlRunStore {
     pub(super) async fn read_unfinished(&self) -> Result<Vec<v1::Run>, StoreError> {
@@ -51,10 +76,12 @@ impl SqlRunStore {
         let claim = match self.db.backend() {
             Backend::Sqlite => sql(CLAIM_SQLITE),
             Backend::Postgres => sql(
-                "UPDATE runs SET owner = $1, lease_until = $2 WHERE run_id IN (\
+                "UPDATE runs SET claimed_from = owner, owner = $1, lease_until = $2, \
+                 lease_epoch = lease_epoch + 1 WHERE run_id IN (\
                  SELECT run_id FROM runs WHERE NOT terminal \
                  AND (owner IS NULL OR lease_until IS NULL OR lease_until <= $3) \
-                 ORDER BY run_id LIMIT $4 FOR UPDATE SKIP LOCKED) RETURNING body",
+                 ORDER BY run_id LIMIT $4 FOR UPDATE SKIP LOCKED) \
+                 RETURNING body, lease_epoch, claimed_from",
             ),
         };
         let mut tx = self.begin(false).await?;
@@ -70,7 +97,7 @@ impl SqlRunStore {
         tx.commit().await?;
         let mut runs = rows
             .iter()
-            .map(|r| decode::<v1::Run>(r, "runs"))
+            .map(|r| claimed(r, owner, now))
             .collect::<Result<Vec<_>, _>>()?;
         runs.sort_by(|a, b| a.run_id.cmp(&b.run_id));
         Ok(runs)

@@ -243,11 +243,11 @@ impl SqlRunStore {
     /// it first waits, on PostgreSQL, for every other writer's transaction to end (see
     /// the [module docs](self)).
     ///
-    /// On PostgreSQL a store that leases runs also bounds how long the transaction may
-    /// sit idle to the lease's length. A replica that stalls in the middle of a write (a
-    /// frozen machine, a long pause) holds the append lock and row locks that every other
-    /// replica waits for; past its lease, when the others take its runs over anyway, the
-    /// server ends its session instead, the locks go, and the stalled write fails.
+    /// A replica that stalls in the middle of a write (a frozen machine, a long pause)
+    /// holds the append lock and row locks that every other replica waits for; the
+    /// session limits every connection runs under
+    /// ([`convene_store::POSTGRES_SESSION_LIMITS`]) have the server end its session
+    /// within half a second instead: the locks go, and the stalled write fails.
     async fn begin(&self, appends: bool) -> Result<Tx, StoreError> {
         let mut tx = self.db.begin().await?;
         if let Some(guard) = self.guard(appends) {
@@ -258,28 +258,8 @@ impl SqlRunStore {
 
     /// What a write transaction runs first on PostgreSQL (see [`SqlRunStore::begin`]).
     fn guard(&self, appends: bool) -> Option<Statement> {
-        if self.db.backend() != Backend::Postgres {
-            return None;
-        }
-        let idle = self
-            .creator
-            .as_ref()
-            .map(|(_, ttl)| ttl.as_millis().max(1).to_string());
-        match (idle, appends) {
-            (Some(ms), true) => Some(
-                sql(
-                    "SELECT set_config('idle_in_transaction_session_timeout', $1, true), \
-                     pg_advisory_xact_lock($2)",
-                )
-                .bind(ms)
-                .bind(APPEND_LOCK),
-            ),
-            (Some(ms), false) => Some(
-                sql("SELECT set_config('idle_in_transaction_session_timeout', $1, true)").bind(ms),
-            ),
-            (None, true) => Some(sql("SELECT pg_advisory_xact_lock($1)").bind(APPEND_LOCK)),
-            (None, false) => None,
-        }
+        (appends && self.db.backend() == Backend::Postgres)
+            .then(|| sql("SELECT pg_advisory_xact_lock($1)").bind(APPEND_LOCK))
     }
 
     /// Remembers `run` as committed (forgets it once finished).

@@ -239,6 +239,7 @@ async fn dies_after_tools(
     let answer = client
         .execute(auth::request(
             v1::WorkerExecuteRequest {
+                lease_valid_until: None,
                 task: Some(task.clone()),
                 task_token: token.to_owned(),
                 attempt: 1,

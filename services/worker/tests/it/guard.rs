@@ -49,6 +49,7 @@ fn model() -> ScriptedModel {
 
 fn execute_request(task: &v1::DelegationTask, token: &str) -> v1::WorkerExecuteRequest {
     v1::WorkerExecuteRequest {
+        lease_valid_until: None,
         task: Some(task.clone()),
         task_token: token.to_owned(),
         attempt: 1,

@@ -418,6 +418,7 @@ impl McpMesh {
         let mut task_scope = task.scope.clone().unwrap();
         task_scope.resources.push("evidence".into());
         let request = v1::IssueTaskTokenRequest {
+            lease_epoch: 0,
             principal: "oncall@acme".into(),
             run_id: RUN_ID.into(),
             parent_token: String::new(),
@@ -1042,6 +1043,7 @@ impl WorkerProcess {
         let mut client = WorkerClient::new(connect(self.addr).await);
         let request = auth::request(
             v1::WorkerExecuteRequest {
+                lease_valid_until: None,
                 task: Some(task.clone()),
                 task_token: token,
                 attempt: 1,

@@ -104,6 +104,7 @@ async fn execute_as(
         .await
         .map_err(|e| Refused::Connect(chain(&e)))?;
     let request = v1::WorkerExecuteRequest {
+        lease_valid_until: None,
         task: Some(task.clone()),
         task_token: token.to_owned(),
         attempt: 1,

@@ -185,7 +185,17 @@ impl Mesh {
 
     /// Issues the task token of `grant` through IssueTaskToken, as the supervisor.
     pub async fn issue(&self, grant: v1::TokenGrantRequest) -> v1::IssuedToken {
+        self.issue_under(grant, 0).await
+    }
+
+    /// [`Self::issue`], as a supervisor replica holding the run under `lease_epoch`.
+    pub async fn issue_under(
+        &self,
+        grant: v1::TokenGrantRequest,
+        lease_epoch: u64,
+    ) -> v1::IssuedToken {
         let request = v1::IssueTaskTokenRequest {
+            lease_epoch,
             principal: "oncall@acme".into(),
             run_id: RUN_ID.into(),
             parent_token: String::new(),
@@ -227,11 +237,22 @@ impl Mesh {
         tools: &[&str],
         max_calls: u32,
     ) -> String {
+        self.token_under(task, tools, (max_calls, 0)).await
+    }
+
+    /// [`Self::token_with_calls`], as a supervisor replica holding the run under
+    /// `lease_epoch`.
+    pub async fn token_under(
+        &self,
+        task: &v1::DelegationTask,
+        tools: &[&str],
+        (max_calls, lease_epoch): (u32, u64),
+    ) -> String {
         let mut required = task.required_scopes.clone();
         required.push(scope("evidence:*", "evidence"));
         let mut task_scope = task.scope.clone().unwrap();
         task_scope.resources.push("evidence".into());
-        self.issue(v1::TokenGrantRequest {
+        let grant = v1::TokenGrantRequest {
             delegation_id: task.delegation_id.clone(),
             profile_id: task.profile_id.clone(),
             depth: 1,
@@ -242,9 +263,8 @@ impl Mesh {
             may_redelegate: false,
             ttl: None,
             max_depth: 0,
-        })
-        .await
-        .token
+        };
+        self.issue_under(grant, lease_epoch).await.token
     }
 
     /// The authorization decisions made for `delegation_id`, in order.
@@ -374,6 +394,7 @@ impl TestWorker {
     {
         let mut client = self.client.clone();
         let request = v1::WorkerExecuteRequest {
+            lease_valid_until: None,
             task: Some(task.clone()),
             task_token: token.to_owned(),
             attempt: 1,
@@ -392,6 +413,7 @@ impl TestWorker {
             .client
             .clone()
             .execute(v1::WorkerExecuteRequest {
+                lease_valid_until: None,
                 task: Some(task.clone()),
                 task_token: token.to_owned(),
                 attempt,

@@ -7,6 +7,9 @@
 //! - two supervisor replicas on one PostgreSQL database share the load, and when one is
 //!   killed the other finishes its runs, none decided twice; one that stalls past its
 //!   leases (SIGSTOP) holds the other up no longer and never writes over it when it wakes;
+//! - under pause, partition and kill nemeses over playbook and model-driven runs, no
+//!   delegation runs under a superseded lease, and a frozen replica stalls the other's
+//!   commits for at most a second;
 //! - the outbox reaches a `WatchEvents` subscriber and a NATS JetStream consumer that
 //!   disconnect and resume from where they were: every event, once, in commit order.
 //!
@@ -16,6 +19,7 @@
 mod crash;
 mod cycle;
 mod events;
+mod nemesis;
 mod planner_crash;
 mod replica_commands;
 mod replicas;

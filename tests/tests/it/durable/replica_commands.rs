@@ -333,6 +333,7 @@ async fn a_workers_delegate_that_reaches_the_other_replica_is_answered_by_the_ow
         .expect("endpoint")
         .issue_task_token(request(
             v1::IssueTaskTokenRequest {
+                lease_epoch: 0,
                 principal: ONCALL.to_owned(),
                 run_id: run_id.clone(),
                 parent_token: String::new(),
