@@ -249,6 +249,12 @@ enum ServeCommand {
     /// --listen port + 100), where workers register (their --registry).
     Supervisor(SupervisorServeArgs),
     /// A worker (agent loop, read-only tools).
+    ///
+    /// It registers with every supervisor replica's worker registry: the config key
+    /// `registry_endpoints`, a list, which the environment gives in brackets, comma
+    /// separated: CONVENE_REGISTRY_ENDPOINTS='[http://supervisor-a:7500,http://supervisor-b:7500]'.
+    /// A host name stands for every address it resolves to (a headless Service). Unset:
+    /// the supervisor endpoint's host at its port + 100.
     Worker(ServiceArgs),
 }
 

@@ -654,6 +654,36 @@ pub fn approval(a: &v1::ApprovalRequest) -> String {
     out
 }
 
+/// Which supervisor replica ran the run last and each claim of it by another (empty
+/// when the supervisor leases no runs).
+pub fn replicas(run: &v1::Run) -> String {
+    if run.owner.is_empty() {
+        return String::new();
+    }
+    let mut out = String::new();
+    let w = &mut out;
+    let _ = writeln!(
+        w,
+        "Replica: {} (lease epoch {}).",
+        run.owner, run.lease_epoch
+    );
+    for c in &run.claims {
+        let from = if c.previous_replica.is_empty() {
+            "its lease was free".to_owned()
+        } else {
+            format!("taken over from {}", c.previous_replica)
+        };
+        let _ = writeln!(
+            w,
+            "  claimed by {} at {} (epoch {}): {from}",
+            c.replica,
+            when(c.at.as_ref()),
+            c.epoch
+        );
+    }
+    out
+}
+
 /// For a waiting run: what it waits for and the commands that continue it (empty for
 /// a run that does not wait). `reason` is the `waiting` event's, when known.
 pub fn waiting(run: &v1::Run, reason: Option<&str>) -> String {

@@ -284,6 +284,22 @@ impl TestMesh {
         endpoint
     }
 
+    /// Starts another approval service replica (Processes mode) named `name`, on a port of
+    /// its own, with the settings of the mesh's approval service (the same database and
+    /// policy). Returns its endpoint; [`TestMesh::restart`] restarts it by name.
+    pub async fn spawn_approval(&mut self, name: &str) -> String {
+        let mut recipe = self
+            .children
+            .iter()
+            .find(|p| p.name == "approval")
+            .map(|p| p.recipe.clone())
+            .expect("the mesh's approval process (Processes mode)");
+        recipe.port = free_port();
+        let endpoint = format!("http://127.0.0.1:{}", recipe.port);
+        self.spawn(name, recipe).await;
+        endpoint
+    }
+
     /// The worker registry (internal listener) of the supervisor process serving
     /// `supervisor_endpoint`.
     fn registry_endpoint(&self, supervisor_endpoint: &str) -> String {

@@ -23,6 +23,7 @@ pub async fn runs_get(
         let approvals = approvals_of(client, &run).await;
         println!("{}", report::assessment(&run, &approvals, jaeger));
         print!("{}", report::waiting(&run, None));
+        print!("{}", report::replicas(&run));
     }
     Ok(run)
 }

@@ -35,6 +35,62 @@ fn check_explains_the_example_and_names_bad_fields() {
     assert!(err.contains("spec.delegations[0].name"), "{err}");
 }
 
+/// `--dump-config` shows every key a replica may set, the unset ones commented, in a
+/// file that loads back; and the worker's `--help` gives the registry list syntax.
+#[test]
+fn dump_config_shows_unset_keys_and_the_worker_help_the_registry_list() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = convene()
+        .env_clear()
+        .args(["serve", "supervisor", "--dump-config"])
+        .output()
+        .expect("convene runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    for unset in [
+        "# replica_id =",
+        "# database_url =",
+        "# advertise_endpoint =",
+        "# nats_url =",
+    ] {
+        assert!(text.lines().any(|l| l == unset), "no {unset:?} in:\n{text}");
+    }
+    let file = dir.path().join("supervisor.toml");
+    std::fs::write(&file, &text).expect("written");
+    let again = convene()
+        .env_clear()
+        .args(["serve", "supervisor", "--dump-config", "--config"])
+        .arg(&file)
+        .output()
+        .expect("convene runs");
+    assert!(
+        again.status.success(),
+        "{}",
+        String::from_utf8_lossy(&again.stderr)
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&again.stdout),
+        text,
+        "it loads back as it was"
+    );
+
+    let help = convene()
+        .args(["serve", "worker", "--help"])
+        .output()
+        .expect("convene runs");
+    let help = String::from_utf8_lossy(&help.stdout);
+    assert!(
+        help.contains(
+            "CONVENE_REGISTRY_ENDPOINTS='[http://supervisor-a:7500,http://supervisor-b:7500]'"
+        ),
+        "{help}"
+    );
+}
+
 #[test]
 fn client_commands_say_what_to_do_when_nothing_listens() {
     let dir = tempfile::tempdir().expect("tempdir");

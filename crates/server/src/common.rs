@@ -60,7 +60,7 @@ pub struct ServiceCommon {
     pub data_dir: PathBuf,
     /// Policy file (YAML or TOML): principals, profiles, the tool and action catalog
     /// and runtime rules. Unset: the embedded payment-incident example policy.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     pub policy_file: Option<PathBuf>,
     /// Whether principals without a listed credential hash get a development credential
     /// in `<data_dir>/credentials/<principal>.secret`. Turn it off in production, where
@@ -68,7 +68,7 @@ pub struct ServiceCommon {
     pub dev_credentials: bool,
     /// Where the service keeps its state: `sqlite://<path>` or `postgres://...`; unset:
     /// the SQLite file `<data_dir>/convene.db`; `memory`: in memory, lost at exit.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     pub database_url: Option<String>,
     /// How often task-token verifiers fetch the policy service's signing keys and
     /// revocations again (besides on a token naming an unknown key): a retired key or a

@@ -311,18 +311,115 @@ fn name_unknown_keys(figment: &Figment, errors: figment::Error) -> Error {
     Error::Invalid { problems }
 }
 
-/// Writes `value` in `format`, for `--dump-config`. The output loads back as a config
-/// file of that format and yields the same value.
+/// Writes `value` in `format`, for `--dump-config`: every key, those that are unset
+/// (`None`) as comments in their section (`# replica_id =`), so the output shows what
+/// can be set. It loads back as a config file of that format and yields the same value.
 ///
 /// # Errors
 ///
 /// [`Error::Dump`] if the value has a shape the format cannot express.
 pub fn dump<T: Serialize>(value: &T, format: Format) -> Result<String, Error> {
-    let dumped = match format {
-        Format::Toml => toml::to_string_pretty(value).map_err(|e| e.to_string()),
-        Format::Yaml => serde_yaml::to_string(value).map_err(|e| e.to_string()),
+    let fail = |message: String| Error::Dump { format, message };
+    let json = serde_json::to_value(value).map_err(|e| fail(e.to_string()))?;
+    let mut unset = Vec::new();
+    let set = without_nulls(json, &mut Vec::new(), &mut unset);
+    let text = match format {
+        Format::Toml => toml::to_string_pretty(&set).map_err(|e| fail(e.to_string()))?,
+        Format::Yaml => serde_yaml::to_string(&set).map_err(|e| fail(e.to_string()))?,
     };
-    dumped.map_err(|message| Error::Dump { format, message })
+    Ok(with_unset_keys(&text, &unset, format))
+}
+
+/// `value` without its null members; the path of each null member of a table (not of
+/// an array, which a config file cannot show unset) goes to `unset`.
+fn without_nulls(
+    value: serde_json::Value,
+    path: &mut Vec<String>,
+    unset: &mut Vec<Vec<String>>,
+) -> serde_json::Value {
+    use serde_json::Value as V;
+    match value {
+        V::Object(members) => V::Object(
+            members
+                .into_iter()
+                .filter_map(|(key, member)| {
+                    path.push(key.clone());
+                    let kept = if member.is_null() {
+                        unset.push(path.clone());
+                        None
+                    } else {
+                        Some((key, without_nulls(member, path, unset)))
+                    };
+                    path.pop();
+                    kept
+                })
+                .collect(),
+        ),
+        V::Array(items) => V::Array(
+            items
+                .into_iter()
+                .filter(|item| !item.is_null())
+                .map(|item| without_nulls(item, path, &mut Vec::new()))
+                .collect(),
+        ),
+        other => other,
+    }
+}
+
+/// `text` with a comment line for each unset key, in its table: after the table's
+/// header (TOML) or key (YAML), or first for top-level keys.
+fn with_unset_keys(text: &str, unset: &[Vec<String>], format: Format) -> String {
+    let mut lines: Vec<String> = text.lines().map(str::to_owned).collect();
+    // Deepest first, and backwards within a table, so insertions keep the order.
+    let mut unset: Vec<&Vec<String>> = unset.iter().collect();
+    unset.sort();
+    for path in unset.into_iter().rev() {
+        let Some((key, table)) = path.split_last() else {
+            continue;
+        };
+        let (at, line) = match format {
+            Format::Toml => {
+                let at = if table.is_empty() {
+                    // After the top-level keys: before the blank line of the first table
+                    // and the comments put there already.
+                    let first = lines
+                        .iter()
+                        .position(|l| l.starts_with('['))
+                        .unwrap_or(lines.len());
+                    let blanks = lines[..first]
+                        .iter()
+                        .rev()
+                        .take_while(|l| l.is_empty() || l.starts_with("# "))
+                        .count();
+                    Some(first - blanks)
+                } else {
+                    let header = format!("[{}]", table.join("."));
+                    lines.iter().position(|l| *l == header).map(|i| i + 1)
+                };
+                (at, format!("# {key} ="))
+            }
+            Format::Yaml => {
+                let mut at = Some(0);
+                for (depth, name) in table.iter().enumerate() {
+                    let wanted = format!("{}{name}:", "  ".repeat(depth));
+                    at = at.and_then(|from| {
+                        lines[from..]
+                            .iter()
+                            .position(|l| *l == wanted)
+                            .map(|i| from + i + 1)
+                    });
+                }
+                (at, format!("{}# {key}:", "  ".repeat(table.len())))
+            }
+        };
+        // A table that is not shown (it has no set key) has no place for the comment.
+        if let Some(at) = at {
+            lines.insert(at, line);
+        }
+    }
+    let mut out = lines.join("\n");
+    out.push('\n');
+    out
 }
 
 /// Names a key the way the user wrote it, `server.listen`, without figment's profile.
@@ -599,5 +696,74 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("CONVENE_DEV_CREDENTIALS"), "{err}");
+    }
+
+    /// Keys left unset in a nested table and at the top.
+    #[derive(Debug, Default, PartialEq, Serialize, serde::Deserialize)]
+    #[serde(deny_unknown_fields, default)]
+    struct WithOptions {
+        #[serde(flatten)]
+        common: crate::ServiceCommon,
+        replica_id: Option<String>,
+        nested: Nested,
+    }
+
+    #[derive(Debug, Default, PartialEq, Serialize, serde::Deserialize)]
+    #[serde(deny_unknown_fields, default)]
+    struct Nested {
+        endpoint: Option<String>,
+        size: u32,
+    }
+
+    #[test]
+    fn a_dump_shows_unset_keys_as_comments_and_loads_back() {
+        let config = WithOptions {
+            nested: Nested {
+                endpoint: None,
+                size: 4,
+            },
+            ..WithOptions::default()
+        };
+        let dir = tempfile::tempdir().unwrap();
+        for (format, file, comments) in [
+            (
+                Format::Toml,
+                "c.toml",
+                [
+                    "# database_url =",
+                    "# replica_id =",
+                    "[nested]\n# endpoint =\n",
+                ],
+            ),
+            (
+                Format::Yaml,
+                "c.yaml",
+                [
+                    "# database_url:",
+                    "# replica_id:",
+                    "nested:\n  # endpoint:\n",
+                ],
+            ),
+        ] {
+            let dumped = dump(&config, format).unwrap();
+            let at = |needle: &str| {
+                dumped
+                    .find(needle)
+                    .unwrap_or_else(|| panic!("{format}: no {needle:?} in\n{dumped}"))
+            };
+            // In order, the top-level ones before the first table.
+            assert!(
+                at(comments[0]) < at(comments[1]) && at(comments[1]) < at(comments[2]),
+                "{format}:\n{dumped}"
+            );
+            let path = dir.path().join(file);
+            std::fs::write(&path, &dumped).unwrap();
+            let loaded: WithOptions = ConfigLoader::new()
+                .section::<crate::ServiceCommon>()
+                .file(&path)
+                .load()
+                .unwrap_or_else(|e| panic!("{format}: {e}\n{dumped}"));
+            assert_eq!(loaded, config, "{format}");
+        }
     }
 }

@@ -104,14 +104,14 @@ pub struct ArtifactsConfig {
     /// `file` (the default: `<data_dir>/artifacts`) or `s3`.
     pub store: StoreKind,
     /// The bucket, which must exist; required for `store = "s3"`.
-    #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     pub bucket: Option<String>,
     /// A key prefix within the bucket: objects are kept at `<prefix>/<tenant>/<sha256>`
     /// (unset: `<tenant>/<sha256>`).
-    #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     pub prefix: Option<String>,
     /// The URL of an S3-compatible server, e.g. `http://minio:9000` (unset: AWS S3).
-    #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     pub endpoint: Option<String>,
     /// The bucket's region; it takes precedence over `AWS_REGION`.
     pub region: String,

@@ -105,7 +105,7 @@ pub struct Config {
     pub http_listen: HttpListen,
     /// The URL the Agent Card advertises, e.g. https://agents.example.com/convene for a
     /// gateway behind a Service or an ingress. Unset: `http://<http_listen>`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     pub public_url: Option<String>,
     /// The supervisor (or its Service) the gateway starts and follows runs on.
     pub supervisor_endpoint: String,
@@ -117,13 +117,13 @@ pub struct Config {
     pub evidence_endpoint: String,
     /// Run templates offered as the card's skills: the supervisor's `templates_file`.
     /// Unset: the payment-incident example's, unless `policy_file` is set (then none).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     pub templates_file: Option<PathBuf>,
     /// File holding the credential the operator console acts with: a principal of the
     /// policy file holding `principals:act-as`. Unset: the development credential of
     /// principal `console` when `dev_credentials` is on and the policy has it; else
     /// the console is off.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     pub console_credential_file: Option<PathBuf>,
     /// How long a console session lasts.
     #[serde(with = "convene_server::config::duration")]

@@ -55,12 +55,12 @@ pub struct Config {
     /// client API (`convene.v1.Supervisor`) on `server.listen`. It serves TLS when the
     /// process does (`--tls-cert`), with the same certificate. Unset: loopback, at the
     /// client listener's port + 100 (127.0.0.1:7500 by default).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     pub internal_listen: Option<SocketAddr>,
     /// PEM CA certificates that the internal listener requires client certificates to
     /// chain to (mutual TLS: only workers of the mesh register), whether or not the
     /// client listener asks for any (`--tls-client-ca`). Needs TLS (`--tls-cert`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     pub internal_client_ca: Option<PathBuf>,
     /// The policy service.
     pub policy_endpoint: String,
@@ -97,7 +97,7 @@ pub struct Config {
     /// run (a worker's `Delegate` that reached another replica). Unset: `http://` and
     /// the listen address, unless that is unspecified (`0.0.0.0`, `[::]`): then calls
     /// for its runs are not forwarded to it.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     pub advertise_endpoint: Option<String>,
     /// How long the approval requests a run files for its proposed actions stay open; a
     /// request nobody approved by then expires, and the run records the action EXPIRED.
@@ -107,7 +107,7 @@ pub struct Config {
     /// every start, and a restarted supervisor takes its runs back once their leases
     /// expire. A stable id (one process per id!) lets a supervisor that restarts in place
     /// take its unfinished runs back at once.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     pub replica_id: Option<String>,
     /// How long a run's lease lasts unless renewed; the replica renews the leases of the
     /// runs it runs every third of it. When a replica dies, another resumes its runs
@@ -120,7 +120,7 @@ pub struct Config {
     pub claim_interval: Duration,
     /// NATS server to relay the outbox to (`nats://host:4222`), JetStream enabled.
     /// Unset: events reach `WatchEvents` subscribers only.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     pub nats_url: Option<String>,
     /// JetStream stream the relay publishes to; created when missing.
     pub nats_stream: String,
@@ -131,7 +131,7 @@ pub struct Config {
     /// operator fixes, which callers start by id (StartRun's `template`). Unset: the
     /// payment-incident example's templates when `policy_file` is unset too (the
     /// example policy), else none.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     pub templates_file: Option<PathBuf>,
     /// Runs this replica runs at once (a run waiting for people does not count). One
     /// more `StartRun` is refused at once with `RESOURCE_EXHAUSTED` and a retry hint,

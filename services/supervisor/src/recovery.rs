@@ -177,17 +177,29 @@ async fn renew_all(deps: &Deps, lease: &Lease) {
             return;
         }
     };
-    let live = deps.live.lock().expect("live map lock poisoned");
-    for id in &ids {
-        let Some(run) = live.get(id) else { continue };
-        if held.contains(id) {
-            if let Some(deadline) = &run.lease {
-                deadline.extend(asked_at);
+    let mut lost = Vec::new();
+    {
+        let live = deps.live.lock().expect("live map lock poisoned");
+        for id in &ids {
+            let Some(run) = live.get(id) else { continue };
+            if held.contains(id) {
+                if let Some(deadline) = &run.lease {
+                    deadline.extend(asked_at);
+                }
+            } else {
+                let _ = run.mailbox.send(Msg::LeaseLost);
+                lost.push(id);
             }
-        } else {
-            tracing::info!(run_id = %id, replica = %lease.owner, "lost the run's lease: another replica holds it now; this replica stops working on it");
-            let _ = run.mailbox.send(Msg::LeaseLost);
         }
+    }
+    // Rare (a replica that stalled past its leases): worth a read to say who has them.
+    for id in lost {
+        let holder = match deps.store.run_owner(id).await {
+            Ok(Some((owner, _))) => owner,
+            Ok(None) => "nobody now".to_owned(),
+            Err(_) => "unknown".to_owned(),
+        };
+        tracing::info!(run_id = %id, replica = %lease.owner, new_owner = %holder, "lost the run's lease to another replica; this replica stops working on the run");
     }
 }
 

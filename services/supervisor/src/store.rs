@@ -432,16 +432,21 @@ impl Inner {
     /// Leases `run` to `owner` from `now`: its next lease epoch, and the claim in its
     /// history, as the SQL store's claim gives it.
     fn claim(&mut self, run: &mut v1::Run, owner: &str, now: SystemTime, ttl: Duration) {
-        let previous = self
+        let before = self
             .leases
             .insert(run.run_id.clone(), (owner.to_owned(), now + ttl))
-            .map(|(held_by, _)| held_by)
-            .filter(|p| p != owner);
+            .map(|(held_by, _)| held_by);
+        // A replica that takes back its own expired lease took it from nobody: the
+        // epoch stays.
+        let own = before.as_deref() == Some(owner);
+        let previous = before.filter(|p| p != owner);
         let epoch = self
             .epochs
             .entry(run.run_id.clone())
             .or_insert(run.lease_epoch);
-        *epoch += 1;
+        if !own {
+            *epoch += 1;
+        }
         run.lease_epoch = *epoch;
         run.owner = owner.to_owned();
         run.claims.push(v1::RunClaim {

@@ -67,10 +67,10 @@ pub struct Config {
     pub worker_id: String,
     /// Endpoint the supervisor dispatches to. Unset: derived from the bound address
     /// (the host name when listening on all interfaces).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     pub advertise: Option<String>,
     /// Profiles file (YAML). Unset: the embedded payment-incident example profiles.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     pub profiles_file: Option<PathBuf>,
     /// Directory the read-only tools query: `logs/<service>.jsonl`,
     /// `metrics/<metric>.json`, `changes/changes.json`.
@@ -96,11 +96,11 @@ pub struct Config {
     pub data_dir: PathBuf,
     /// File holding the `worker-pool` credential. Unset: the development credential in
     /// the data directory (created if absent, shared with the other services there).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     pub credential_file: Option<PathBuf>,
     /// Model of every profile whose provider is `openai`, over the profiles' own. Unset:
     /// the `CONVENE_MODEL` variable, if set.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     pub model: Option<String>,
     /// Retries, timeout, prices and span content of model calls.
     pub models: crate::models::ModelSettings,

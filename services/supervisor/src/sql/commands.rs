@@ -122,7 +122,7 @@ impl SqlRunStore {
             .fetch_optional(
                 sql(
                     "UPDATE runs SET claimed_from = owner, owner = $2, lease_until = $3, \
-                     lease_epoch = lease_epoch + 1 WHERE run_id = $1 \
+                     lease_epoch = lease_epoch + (CASE WHEN owner = $2 THEN 0 ELSE 1 END) WHERE run_id = $1 \
                      AND waiting AND (owner IS NULL OR lease_until IS NULL OR lease_until <= $4) \
                      RETURNING body, lease_epoch, claimed_from",
                 )

@@ -274,6 +274,7 @@ impl Append {
 /// the run events and the outbox events. [`write_appends`] writes those new since the
 /// last commit.
 pub(super) fn appends(run: &v1::Run, events: &Events) -> Vec<Append> {
+    let replica = (!run.owner.is_empty()).then(|| run.owner.clone());
     let updated_at = ts_micros(run.updated_at.as_ref());
     let mut out =
         Vec::with_capacity(run.delegations.len() + events.run.len() + events.cloud.len() + 1);
@@ -294,6 +295,7 @@ pub(super) fn appends(run: &v1::Run, events: &Events) -> Vec<Append> {
                 Arg::from(&d.worker_id),
                 Arg::from(d.attempts),
                 Arg::from(updated_at),
+                Arg::from(replica.clone()),
             ],
         });
     }
@@ -329,6 +331,7 @@ pub(super) fn appends(run: &v1::Run, events: &Events) -> Vec<Append> {
             .bind(&run.run_id)
             .bind(e.sequence)
             .bind(e.encode_to_vec())
+            .bind(replica.clone())
     });
     let outbox = OUTBOX_ROWS.all(&events.cloud, |insert, e| {
         insert
@@ -338,6 +341,7 @@ pub(super) fn appends(run: &v1::Run, events: &Events) -> Vec<Append> {
             .bind(&e.r#type)
             .bind(ts_micros(e.time.as_ref()))
             .bind(e.encode_to_vec())
+            .bind(replica.clone())
     });
     out.extend(run_events.into_iter().chain(outbox).map(Append::Always));
     // The commands this change applied are done in the same transaction.
@@ -362,18 +366,24 @@ pub(super) fn command_done(done: &CommandDone, at: i64) -> Statement {
 // A commit's rows of each kind go in one statement (in pieces of at most 32 rows: a
 // commit usually carries a handful, and a large fan-out's stays far inside both back
 // ends' limits on bound parameters).
-pub(super) static RUN_EVENT_ROWS: InsertRows =
-    InsertRows::new("INSERT INTO run_events (run_id, sequence, body)", 3, "", 32);
+// Each row names the replica that wrote it: the run's owner, whose lease the commit
+// holds (NULL when the supervisor leases no runs).
+pub(super) static RUN_EVENT_ROWS: InsertRows = InsertRows::new(
+    "INSERT INTO run_events (run_id, sequence, body, replica)",
+    4,
+    "",
+    32,
+);
 pub(super) static OUTBOX_ROWS: InsertRows = InsertRows::new(
-    "INSERT INTO outbox (event_id, run_id, tenant, type, created_at, body)",
-    6,
+    "INSERT INTO outbox (event_id, run_id, tenant, type, created_at, body, replica)",
+    7,
     "",
     32,
 );
 pub(super) static LEDGER_ROWS: InsertRows = InsertRows::new(
     "INSERT INTO delegation_ledger (run_id, delegation_id, run_version, state, \
-     parent_delegation_id, profile_id, worker_id, attempts, recorded_at)",
-    9,
+     parent_delegation_id, profile_id, worker_id, attempts, recorded_at, replica)",
+    10,
     "",
     32,
 );

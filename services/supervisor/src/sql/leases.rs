@@ -19,7 +19,7 @@ use crate::store::StoreError;
 /// lock, at every claim (every 5 s by default), and grows with the database; through
 /// the index it reads the unfinished runs only and sorts those.
 pub(super) const CLAIM_SQLITE: &str = "UPDATE runs SET claimed_from = owner, owner = $1, \
-     lease_until = $2, lease_epoch = lease_epoch + 1 WHERE run_id IN (\
+     lease_until = $2, lease_epoch = lease_epoch + (CASE WHEN owner = $1 THEN 0 ELSE 1 END) WHERE run_id IN (\
      SELECT run_id FROM runs INDEXED BY runs_unfinished WHERE NOT terminal \
      AND (owner IS NULL OR lease_until IS NULL OR lease_until <= $3) \
      ORDER BY run_id LIMIT $4) RETURNING body, lease_epoch, claimed_from";
@@ -77,7 +77,7 @@ impl SqlRunStore {
             Backend::Sqlite => sql(CLAIM_SQLITE),
             Backend::Postgres => sql(
                 "UPDATE runs SET claimed_from = owner, owner = $1, lease_until = $2, \
-                 lease_epoch = lease_epoch + 1 WHERE run_id IN (\
+                 lease_epoch = lease_epoch + (CASE WHEN owner = $1 THEN 0 ELSE 1 END) WHERE run_id IN (\
                  SELECT run_id FROM runs WHERE NOT terminal \
                  AND (owner IS NULL OR lease_until IS NULL OR lease_until <= $3) \
                  ORDER BY run_id LIMIT $4 FOR UPDATE SKIP LOCKED) \

@@ -42,6 +42,18 @@ fn dump_config_prints_the_effective_configuration() {
         String::from_utf8_lossy(&out.stderr)
     );
     let text = String::from_utf8(out.stdout).unwrap();
+    // Every key, the unset ones as comments.
+    for unset in [
+        "# advertise:",
+        "# profiles_file:",
+        "# model:",
+        "# credential_file:",
+    ] {
+        assert!(
+            text.lines().any(|l| l == unset),
+            "no {unset:?} line in:\n{text}"
+        );
+    }
     let config: convene_worker::Config = serde_yaml::from_str(&text).unwrap();
     assert_eq!(config.server.listen.port(), 7410);
     assert_eq!(

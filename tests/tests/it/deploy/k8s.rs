@@ -684,7 +684,7 @@ fn prod_runs_replicated_autoscaled_and_denied_by_default() {
             .unwrap_or_else(|| panic!("prod runs {name}"))
     };
 
-    for program in ["convene-supervisor", "convene-gateway"] {
+    for program in ["convene-supervisor", "convene-gateway", "convene-approval"] {
         let workload = by_program(program);
         let replicas = workload.object["spec"]["replicas"].as_u64().unwrap_or(1);
         assert!(

@@ -334,7 +334,8 @@ async fn the_nats_relay_delivers_every_outbox_event_once_to_a_consumer_resuming_
     // Mid-load the supervisor dies between publishing events and storing that they were
     // acknowledged: its cursor is where such a crash leaves it, a few events back. The
     // restarted relay resumes from there and publishes those events again.
-    let relay = format!("nats:{stream_name}");
+    // Each replica keeps a cursor row of its own.
+    let relay = format!("nats:{stream_name}@nats-replica");
     let left = LIMIT.saturating_sub(began.elapsed());
     let cursor = wait_for("the relay to acknowledge 30 events", left, async || {
         let row = db

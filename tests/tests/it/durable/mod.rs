@@ -10,12 +10,15 @@
 //! - under pause, partition and kill nemeses over playbook and model-driven runs, no
 //!   delegation runs under a superseded lease, and a frozen replica stalls the other's
 //!   commits for at most a second;
+//! - two approval service replicas under pauses and a kill keep every vote and execution
+//!   once and each request's events in order;
 //! - the outbox reaches a `WatchEvents` subscriber and a NATS JetStream consumer that
 //!   disconnect and resume from where they were: every event, once, in commit order.
 //!
 //! This module holds what the three share: seeded randomness, supervisor settings,
 //! specs, and starting and reading runs through a supervisor that may be down.
 
+mod approval_replicas;
 mod crash;
 mod cycle;
 mod events;

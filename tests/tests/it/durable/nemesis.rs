@@ -174,10 +174,10 @@ impl Kind {
     }
 }
 
-/// The example profiles: the playbook ones slowed by 300 ms, the model ones pointed at
+/// The example profiles: the playbook ones slowed by a second, the model ones pointed at
 /// `model`.
 fn profiles(model: &str) -> String {
-    let text = profiles_with_faults("{ delay: 300ms }").replace(
+    let text = profiles_with_faults("{ delay: 1s }").replace(
         "    provider: openai\n",
         &format!("    provider: openai\n    base_url: {model}\n"),
     );
@@ -202,11 +202,11 @@ impl Cluster {
     /// None when the test is skipped for want of PostgreSQL.
     async fn start() -> Option<Self> {
         let server = postgres_server().await?;
-        // The model answers as the playbooks investigate, each answer 150 ms late.
+        // The model answers as the playbooks investigate, each answer 300 ms late.
         let responder = PlaybookResponder::new(&convene_worker::profiles::example().unwrap())
             .expect("the playbook responder");
         let model = ScriptedModel::start(move |r: &Recorded| {
-            Reply::delayed(Duration::from_millis(150), responder.reply(r))
+            Reply::delayed(Duration::from_millis(300), responder.reply(r))
         })
         .expect("the scripted model");
         let mut mesh = TestMesh::start(
@@ -511,6 +511,66 @@ async fn nemeses(seed: u64) {
             "{label} ends unlike an unfaulted run"
         );
     }
+    // A run that changed hands says so: its owner, lease epoch and claims.
+    let moved =
+        c.db.fetch_all(sql(
+            "SELECT run_id, lease_epoch FROM runs WHERE lease_epoch > 1",
+        ))
+        .await
+        .expect("runs read");
+    let mut takeovers = 0;
+    for row in &moved {
+        let id: String = row.get("run_id").expect("run_id");
+        let epoch: i64 = row.get("lease_epoch").expect("lease_epoch");
+        if !ids.contains(&id) {
+            continue;
+        }
+        let run = super::get_run(&c.b, &c.credential, &id)
+            .await
+            .expect("the run");
+        let last = run
+            .claims
+            .last()
+            .unwrap_or_else(|| panic!("run {id} lists no claim"));
+        assert_eq!(
+            (run.lease_epoch, last.epoch, last.replica.as_str()),
+            (
+                u64::try_from(epoch).unwrap(),
+                run.lease_epoch,
+                run.owner.as_str()
+            ),
+            "run {id}: its last claim is its owner's"
+        );
+        takeovers += run
+            .claims
+            .iter()
+            .filter(|c| !c.previous_replica.is_empty())
+            .count();
+    }
+    // Every ledger row, run event and outbox event of the runs names the replica that
+    // wrote it, and both replicas wrote some.
+    // (The outbox also holds the approval service's events, which no replica wrote.)
+    for (table, only) in [
+        ("delegation_ledger", ""),
+        ("run_events", ""),
+        ("outbox", "WHERE type NOT LIKE 'dev.convene.approval.%'"),
+    ] {
+        let rows =
+            c.db.fetch_all(convene_store::Statement::built(format!(
+                "SELECT DISTINCT COALESCE(replica, '') AS replica FROM {table} {only}"
+            )))
+            .await
+            .expect("the rows read");
+        let writers: BTreeSet<String> = rows
+            .iter()
+            .map(|r| r.get::<String>("replica").expect("replica"))
+            .collect();
+        assert_eq!(
+            writers,
+            BTreeSet::from(["replica-a".to_owned(), "replica-b".to_owned()]),
+            "seed {seed}: the writers of {table}"
+        );
+    }
     // No work of a superseded owner.
     let calls = allowed_calls(&c.mesh.data_dir());
     let (late, rerun) = superseded_work(&calls, &ids);
@@ -529,7 +589,8 @@ async fn nemeses(seed: u64) {
         .unwrap_or_default();
     eprintln!(
         "nemesis seed {seed}: {} runs ({} model-driven), {} pauses, {} partitions, 1 kill; \
-         {taken} runs claimed by another replica, {rerun} delegations run again under a newer \
+         {taken} runs claimed by another replica ({takeovers} takeovers of an expired lease), \
+         {rerun} delegations run again under a newer \
          lease, {} run by a superseded owner; longest commit gap while a replica was frozen: \
          {gap:?}; {:?}",
         started.len(),
