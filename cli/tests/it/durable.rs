@@ -210,6 +210,21 @@ fn a_detached_run_survives_convene_up_being_killed_and_its_events_print_once() {
         Some(3),
         "{run:#}"
     );
+    // The restarted replica claimed the run: a new lease epoch, and the claim on record.
+    let number = |v: &serde_json::Value| v.to_string().trim_matches('"').to_owned();
+    let owner = run["owner"].as_str().unwrap_or_default();
+    assert!(!owner.is_empty(), "{run:#}");
+    assert_eq!(number(&run["leaseEpoch"]), "2", "{run:#}");
+    let claims = run["claims"].as_array().expect("the run's claims");
+    assert_eq!(claims.len(), 1, "{run:#}");
+    assert_eq!(claims[0]["replica"], owner, "{run:#}");
+    assert_eq!(number(&claims[0]["epoch"]), "2", "{run:#}");
+    let shown = stdout_of(&client(&dir, &endpoint, &["runs", "get", &run_id]));
+    assert!(
+        shown.contains(&format!("Replica: {owner} (lease epoch 2)"))
+            && shown.contains(&format!("claimed by {owner}")),
+        "{shown}"
+    );
 
     // The outbox as CloudEvents JSON lines: one event per transition, across the kill
     // (the approval service's event joins it as the supervisor follows that service).

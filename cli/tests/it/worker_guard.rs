@@ -360,6 +360,7 @@ fn execute(task: &v1::DelegationTask, token: &str) -> v1::WorkerExecuteRequest {
 
 fn plan_turn(token: &str) -> v1::PlanTurnRequest {
     v1::PlanTurnRequest {
+        lease_valid_until: None,
         run_id: RUN_ID.into(),
         profile_id: PLANNER.into(),
         round: 1,

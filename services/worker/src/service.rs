@@ -600,6 +600,39 @@ impl WorkerService {
         Ok(result)
     }
 
+    /// Refuses a call of a run's replica that arrives after `valid_until`, the end of its
+    /// lease as it knew it; for a planner turn (`Execute` checks its epoch when it starts
+    /// the task), also one under an epoch older than one seen for the run.
+    fn check_lease(
+        &self,
+        run_id: &str,
+        valid_until: Option<prost_types::Timestamp>,
+        lease_epoch: u64,
+    ) -> Result<(), ExecuteError> {
+        if let Some(until) = valid_until.and_then(|t| std::time::SystemTime::try_from(t).ok())
+            && let Ok(late) = self.inner.guard.now().duration_since(until)
+        {
+            let refused = ExecuteError::LeaseLapsed {
+                run_id: run_id.to_owned(),
+                late,
+            };
+            tracing::warn!(convene.run.id = %run_id, lease_epoch, refused = %refused, "refused a call that came after its replica's lease");
+            return Err(refused);
+        }
+        let seen = lock(&self.inner.tasks)
+            .epochs
+            .get(run_id)
+            .map_or(0, |(e, _)| *e);
+        if lease_epoch != 0 && seen > lease_epoch {
+            return Err(ExecuteError::Superseded {
+                run_id: run_id.to_owned(),
+                epoch: lease_epoch,
+                seen,
+            });
+        }
+        Ok(())
+    }
+
     /// Moves a finished delegation from running to the bounded result cache, unless a
     /// dispatch under a newer lease epoch replaced it meanwhile (then that one's result
     /// counts, and this one's is dropped).
@@ -655,24 +688,12 @@ impl worker_server::Worker for WorkerService {
             .await?;
         // A dispatch that arrives after its replica's lease may have run out is not run:
         // that replica was frozen or cut off, and another may run the run now.
-        if let Some(until) = request
-            .lease_valid_until
-            .and_then(|t| std::time::SystemTime::try_from(t).ok())
-            && let Ok(late) = self.inner.guard.now().duration_since(until)
-        {
-            let refused = ExecuteError::LeaseLapsed {
-                run_id: task.run_id.clone(),
-                late,
-            };
-            tracing::warn!(
-                convene.run.id = %task.run_id,
-                convene.delegation.id = %task.delegation_id,
-                lease_epoch = verified.claims.lease_epoch,
-                refused = %refused,
-                "refused a dispatch that came after its replica's lease"
-            );
-            return Err(into_status(&refused));
-        }
+        self.check_lease(
+            &task.run_id,
+            request.lease_valid_until,
+            verified.claims.lease_epoch,
+        )
+        .map_err(|e| into_status(&e))?;
         let attempt = request.attempt.max(1);
         let assignment = Assignment {
             task,
@@ -749,8 +770,10 @@ impl worker_server::Worker for WorkerService {
                 "give the task token the policy service issued for the run's planner",
             ));
         }
-        // The model is asked only under a planner token that holds for this run.
-        self.inner
+        // The model is asked only under a planner token that holds for this run, from a
+        // replica that still holds the run (by its epoch and its lease's deadline).
+        let verified = self
+            .inner
             .guard
             .task_token(
                 &request.task_token,
@@ -761,6 +784,12 @@ impl worker_server::Worker for WorkerService {
                 },
             )
             .await?;
+        self.check_lease(
+            &request.run_id,
+            request.lease_valid_until,
+            verified.claims.lease_epoch,
+        )
+        .map_err(|e| into_status(&e))?;
         let response = crate::planner::plan_turn(agent, &self.inner.worker_id, request).await?;
         Ok(Response::new(response))
     }

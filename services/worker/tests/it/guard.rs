@@ -71,6 +71,7 @@ fn plan_request(token: &str) -> v1::PlanTurnRequest {
         }],
         tools: Vec::new(),
         max_tokens: 0,
+        lease_valid_until: None,
     }
 }
 
@@ -292,4 +293,46 @@ async fn a_token_revoked_mid_task_stops_the_loop_before_the_next_model_turn() {
         1,
         "the model is not asked again under a revoked token"
     );
+}
+
+/// A planner turn asked by a supervisor replica that lost the run reaches no model: one
+/// sent after its lease may have run out, and one under a lease epoch the policy
+/// service fenced.
+#[tokio::test]
+async fn a_planner_turn_of_a_replica_that_lost_the_run_reaches_no_model() {
+    let mesh = Mesh::start().await;
+    let model = model();
+    let worker = worker(&mesh, &model, Duration::from_millis(50)).await;
+    let grant = |lease_epoch| {
+        mesh.issue_under(
+            v1::TokenGrantRequest {
+                delegation_id: "planner-token".into(),
+                profile_id: PLANNER.into(),
+                depth: 1,
+                ..v1::TokenGrantRequest::default()
+            },
+            lease_epoch,
+        )
+    };
+    let old = grant(1).await.token;
+
+    // Sent before a pause, arriving after the lease.
+    let mut late = plan_request(&old);
+    late.lease_valid_until = Some(convene_core::time::to_timestamp(
+        std::time::SystemTime::now() - Duration::from_secs(1),
+    ));
+    let refused = worker.plan_turn(late).await.unwrap_err();
+    assert_refused(
+        &refused,
+        tonic::Code::Aborted,
+        "after the sending supervisor replica's lease",
+    );
+
+    // Another replica took the run over: its first token fences epoch 1.
+    grant(2).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let refused = worker.plan_turn(plan_request(&old)).await.unwrap_err();
+    assert_refused(&refused, tonic::Code::Unauthenticated, "Superseded");
+
+    assert_eq!(model.request_count(), 0, "no model request was made");
 }

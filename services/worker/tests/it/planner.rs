@@ -68,6 +68,7 @@ fn request(
     messages: Vec<v1::ChatMessage>,
 ) -> v1::PlanTurnRequest {
     v1::PlanTurnRequest {
+        lease_valid_until: None,
         run_id: RUN_ID.into(),
         profile_id: profile.into(),
         round: turn,

@@ -321,8 +321,10 @@ impl RunActor {
             messages,
             tools: prompt::tools(&profiles),
             max_tokens: 0,
+            lease_valid_until: None,
         };
         let registry = self.deps.registry.clone();
+        let held = self.lease.clone();
         let clock = self.deps.clock.clone();
         let tx = self.tx.clone();
         let cancel = self.cancel.child_token();
@@ -341,6 +343,13 @@ impl RunActor {
                         &cancel,
                     )
                     .await?;
+                    // As a dispatch does: nothing is asked while the lease is unsure,
+                    // and the worker refuses the turn once it may have run out.
+                    let mut request = request;
+                    if let Some(held) = &held {
+                        request.lease_valid_until =
+                            Some(to_timestamp(clock.now() + held.sure().await));
+                    }
                     let limit = deadline.duration_since(clock.now()).unwrap_or_default();
                     let mut req = Request::new(request);
                     req.set_timeout(limit);
