@@ -320,14 +320,33 @@ fn name_unknown_keys(figment: &Figment, errors: figment::Error) -> Error {
 /// [`Error::Dump`] if the value has a shape the format cannot express.
 pub fn dump<T: Serialize>(value: &T, format: Format) -> Result<String, Error> {
     let fail = |message: String| Error::Dump { format, message };
+    // Written from the value itself, so keys keep their declared order; the unset ones
+    // are found through its JSON form, where they are nulls.
     let json = serde_json::to_value(value).map_err(|e| fail(e.to_string()))?;
     let mut unset = Vec::new();
     let set = without_nulls(json, &mut Vec::new(), &mut unset);
     let text = match format {
-        Format::Toml => toml::to_string_pretty(&set).map_err(|e| fail(e.to_string()))?,
-        Format::Yaml => serde_yaml::to_string(&set).map_err(|e| fail(e.to_string()))?,
+        Format::Toml => toml::to_string_pretty(value)
+            .or_else(|_| toml::to_string_pretty(&set))
+            .map_err(|e| fail(e.to_string()))?,
+        Format::Yaml => {
+            let text = serde_yaml::to_string(value).map_err(|e| fail(e.to_string()))?;
+            // serde_yaml writes an unset key as `key: null`: it is left out, and then
+            // put back as a comment like TOML's.
+            text.lines()
+                .filter(|l| !is_yaml_null(l))
+                .map(|l| format!("{l}\n"))
+                .collect()
+        }
     };
     Ok(with_unset_keys(&text, &unset, format))
+}
+
+/// Whether `line` is a mapping key whose value is null (`  key: null`).
+fn is_yaml_null(line: &str) -> bool {
+    line.trim_start().strip_suffix(": null").is_some_and(|key| {
+        !key.is_empty() && key.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+    })
 }
 
 /// `value` without its null members; the path of each null member of a table (not of

@@ -17,9 +17,10 @@
 //! measures the same gap.
 //!
 //! The schedule is drawn from a seed (printed; `CONVENE_TEST_SEED` repeats it). The test
-//! runs three seeds where the whole suite runs on PostgreSQL (`CONVENE_TEST_DATABASE_URL`,
-//! the second pass of `.ci/run`); `CONVENE_TEST_NEMESIS_FAULTS=N` makes each seed's schedule N
-//! faults of each kind, for a longer soak.
+//! runs three seeds, like every replica test where the whole suite runs on PostgreSQL
+//! (`CONVENE_TEST_DATABASE_URL`, the second pass of `.ci/run`);
+//! `CONVENE_TEST_NEMESIS_FAULTS=N` makes each seed's schedule N faults of each kind, for a
+//! longer soak.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
@@ -614,23 +615,10 @@ async fn nemeses(seed: u64) {
     );
 }
 
-/// Whether this pass runs the whole suite on PostgreSQL, where the nemeses run.
-fn on_postgres() -> bool {
-    let on = std::env::var(crate::harness::DATABASE_ENV)
-        .is_ok_and(|url| url.trim_start().starts_with("postgres"));
-    if !on {
-        eprintln!(
-            "the nemeses run where the whole suite runs on PostgreSQL: set {} (the second \
-             pass of .ci/run does)",
-            crate::harness::DATABASE_ENV
-        );
-    }
-    on
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pauses_partitions_and_a_kill_leave_no_work_to_a_superseded_owner() {
-    if !on_postgres() {
+    // Skipped, saying so, where the suite does not run on PostgreSQL.
+    if postgres_server().await.is_none() {
         return;
     }
     let (mut rng, seed) = Rng::seeded();

@@ -22,11 +22,24 @@ use super::{
 /// The local PostgreSQL server the replica test tries when none is named.
 const DEFAULT_POSTGRES: &str = "postgres://postgres@127.0.0.1:5432/postgres";
 
-/// The PostgreSQL server for the replica test: `CONVENE_TEST_POSTGRES_URL`, else the
+/// The PostgreSQL server for the replica tests: `CONVENE_TEST_POSTGRES_URL`, else the
 /// local default. Replicas share their runs through PostgreSQL, so without a server
 /// that answers the test cannot run: it is skipped, saying so, unless services are
 /// required. A server the variable names must answer.
+///
+/// They run where the whole suite runs on PostgreSQL (`CONVENE_TEST_DATABASE_URL`, the
+/// second pass of `.ci/run`): in a pass on SQLite they would only repeat themselves.
 pub(super) async fn postgres_server() -> Option<String> {
+    let on_postgres = std::env::var(crate::harness::DATABASE_ENV)
+        .is_ok_and(|url| url.trim_start().starts_with("postgres"));
+    if !on_postgres {
+        eprintln!(
+            "the replica tests run where the whole suite runs on PostgreSQL: set {} (the \
+             second pass of .ci/run does)",
+            crate::harness::DATABASE_ENV
+        );
+        return None;
+    }
     let named = convene_store::test_util::postgres_server();
     let url = named.clone().unwrap_or_else(|| DEFAULT_POSTGRES.to_owned());
     match convene_store::test_util::TestPostgres::create(&url).await {
