@@ -179,7 +179,7 @@ async fn reopening_a_database_finds_its_data_and_migrates_nothing_twice() {
         .await
         .unwrap();
     let versions: Vec<i64> = applied.iter().map(|r| r.get("version").unwrap()).collect();
-    assert_eq!(versions, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]);
+    assert_eq!(versions, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]);
 }
 
 #[tokio::test]
