@@ -14,7 +14,10 @@
 //! lease epoch after one of a newer epoch was. While a replica is paused, the other's
 //! commits go on: the longest gap between commits is reported, and must stay within a
 //! second. A second test freezes a session that holds every lock a replica can hold and
-//! measures the same gap.
+//! measures the same gap. A third stages the zombie the nemeses may or may not meet: a
+//! replica frozen with a delegation held at its worker and two waiting to be sent wakes
+//! after another replica finished the run (without the lease fence, its held
+//! delegation's tool calls are allowed, and the test fails).
 //!
 //! The schedule is drawn from a seed (printed; `CONVENE_TEST_SEED` repeats it). The test
 //! runs three seeds, like every replica test where the whole suite runs on PostgreSQL
@@ -685,4 +688,90 @@ async fn a_frozen_session_holding_every_lock_stalls_the_other_replica_at_most_a_
          seen at {seen:?})"
     );
     assert!(gap <= STALL_GOAL, "commits stopped for {gap:?}");
+}
+
+/// The zombie, staged: replica A holds a run whose first delegation runs, held, at the
+/// only slot of A's worker, and whose other two wait for that slot. A is frozen; B takes
+/// the run over and finishes it on its own worker. Then the held delegation is let go and
+/// A wakes, with epoch-1 tokens in hand and two dispatches still to send. None of it
+/// gets a tool call allowed: the held delegation's calls are refused by the fence B's
+/// first tokens set, and A sends nothing more.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_woken_replica_gets_no_tool_call_allowed_for_a_run_taken_from_it() {
+    let Some(server) = postgres_server().await else {
+        return;
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let release = dir.path().join("release");
+    let held = crate::harness::example_profiles().replace(
+        "    provider: playbook\n",
+        &format!(
+            "    provider: playbook\n    hold: {{ release: {} }}\n",
+            release.display()
+        ),
+    );
+    let mut mesh = TestMesh::start(
+        Mode::Processes,
+        MeshOptions {
+            // Replica A's one worker runs one delegation at a time.
+            workers: vec![Workers {
+                profiles: Some(held),
+                count: 1,
+                capacity: 1,
+            }],
+            database_url: Some(server),
+            supervisor_env: replica("replica-a", None),
+            ..MeshOptions::default()
+        },
+    )
+    .await;
+    let b_endpoint = mesh
+        .spawn_supervisor("supervisor-b", replica("replica-b", None))
+        .await;
+    let plain = mesh.write_profiles("plain", &crate::harness::example_profiles());
+    mesh.spawn_worker_at("worker-b", &plain, 32, &b_endpoint)
+        .await;
+    let credential = mesh.credential(ONCALL);
+    let db = mesh.open_database().await;
+    let run_id = start_until_accepted(mesh.supervisor(), credential, keyed_spec("zombie")).await;
+    // A dispatched the first delegation (held at its worker); the others wait for the slot.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+
+    mesh.signal("supervisor", Signal::STOP);
+    let settled = async || {
+        db.fetch_optional(sql("SELECT terminal FROM runs WHERE run_id = $1").bind(&run_id))
+            .await
+            .expect("the run reads")
+            .is_some_and(|r| r.get::<bool>("terminal").expect("terminal"))
+    };
+    crate::harness::wait_until("replica B to finish the run", SETTLE, settled).await;
+    // The held delegation goes on at A's worker, and A wakes.
+    std::fs::write(&release, b"").expect("released");
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    mesh.signal("supervisor", Signal::CONT);
+    tokio::time::sleep(Duration::from_secs(3 * LEASE_MS / 1000)).await;
+
+    let calls = allowed_calls(&mesh.data_dir());
+    let ids = BTreeSet::from([run_id.clone()]);
+    let (late, _) = superseded_work(&calls, &ids);
+    assert!(late.is_empty(), "work of a superseded owner: {late:#?}");
+    assert!(
+        calls.iter().any(|c| c.run_id == run_id && c.epoch == 2),
+        "replica B ran the run under epoch 2"
+    );
+    // The old owner's held delegation did try: its calls were refused as superseded.
+    let text = std::fs::read_to_string(mesh.data_dir().join("policy/decisions.jsonl"))
+        .expect("the decision log");
+    let refused = text
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|r| {
+            r["kind"] == "authorize"
+                && r["run_id"] == run_id.as_str()
+                && r["allowed"] == false
+                && r["lease_epoch"] == 1
+        })
+        .count();
+    assert!(refused > 0, "the held epoch-1 delegation called no tool");
+    eprintln!("staged zombie: {refused} tool calls of the old owner refused, none allowed");
 }
