@@ -164,7 +164,7 @@ impl PolicyService {
             },
         };
         let state: Arc<dyn PolicyState> = match database {
-            Some(db) => Arc::new(crate::sql::SqlPolicyState::new(db)),
+            Some(db) => Arc::new(crate::sql::SqlPolicyState::with_clock(db, clock.clone())),
             None => Arc::new(MemoryState::with_clock(clock.clone())),
         };
         tracing::info!(

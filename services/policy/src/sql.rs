@@ -45,8 +45,9 @@ fn revocations_of(token_id: &str, run_id: &str, lease_epoch: u64) -> Statement {
     .bind(i64::try_from(lease_epoch).unwrap_or(i64::MAX))
 }
 
-/// The upsert that fences `run_id` at lease epoch `epoch` (a fence never moves down).
-fn fence_statement(run_id: &str, epoch: u64) -> Statement {
+/// The upsert that fences `run_id` at lease epoch `epoch` at `now` (a fence never moves
+/// down).
+fn fence_statement(run_id: &str, epoch: u64, now: SystemTime) -> Statement {
     sql(
         "INSERT INTO lease_fences (run_id, epoch, fenced_at) VALUES ($1, $2, $3) \
          ON CONFLICT (run_id) DO UPDATE SET epoch = excluded.epoch, fenced_at = excluded.fenced_at \
@@ -54,7 +55,7 @@ fn fence_statement(run_id: &str, epoch: u64) -> Statement {
     )
     .bind(run_id)
     .bind(i64::try_from(epoch).unwrap_or(i64::MAX))
-    .bind(micros(SystemTime::now()))
+    .bind(micros(now))
 }
 
 /// The revocation that applies, from the rows of [`revocations_of`]: the token's own
@@ -129,14 +130,22 @@ impl From<convene_store::Error> for CallError {
 pub struct SqlPolicyState {
     db: Database,
     issued: AtomicU64,
+    /// When revocations and fences are made.
+    clock: convene_core::time::Clock,
 }
 
 impl SqlPolicyState {
     /// State kept in `db` (migrated, as [`Database::connect`] leaves it).
     pub fn new(db: Database) -> Self {
+        Self::with_clock(db, convene_core::time::Clock::system())
+    }
+
+    /// State kept in `db` that times its revocations and fences by `clock`.
+    pub fn with_clock(db: Database, clock: convene_core::time::Clock) -> Self {
         Self {
             db,
             issued: AtomicU64::new(0),
+            clock,
         }
     }
 
@@ -204,7 +213,8 @@ impl PolicyState for SqlPolicyState {
         // connection: no token is recorded (so none handed out) after its run's
         // revocation or a newer lease's fence committed.
         let revoked = revocations_of(token_id, run_id, lease_epoch);
-        let fence = (lease_epoch > 1).then(|| fence_statement(run_id, lease_epoch));
+        let fence =
+            (lease_epoch > 1).then(|| fence_statement(run_id, lease_epoch, self.clock.now()));
         let (token_id, run_id) = (token_id.to_owned(), run_id.to_owned());
         let inserts = issued_inserts(tokens);
         let revocation = self
@@ -298,7 +308,7 @@ impl PolicyState for SqlPolicyState {
         // Every revocation and its record commit together.
         let mut statements = Vec::with_capacity(2 * revocations.len());
         for (target, entry) in revocations {
-            statements.push(revocation(target, reason));
+            statements.push(revocation(target, reason, self.clock.now()));
             statements
                 .push(log_statement(entry).map_err(|e| log_error(&self.db, "encode a record", e))?);
         }
@@ -391,7 +401,9 @@ impl PolicyState for SqlPolicyState {
     }
 
     async fn fence(&self, run_id: &str, epoch: u64) -> Result<(), StateError> {
-        self.db.execute(fence_statement(run_id, epoch)).await?;
+        self.db
+            .execute(fence_statement(run_id, epoch, self.clock.now()))
+            .await?;
         Ok(())
     }
 
@@ -479,21 +491,23 @@ impl SqlPolicyState {
         let before = self.issued.fetch_add(n, Ordering::Relaxed);
         if before / PRUNE_EVERY != (before + n) / PRUNE_EVERY {
             // Tokens expire within hours; nothing older is worth keeping a row for.
-            self.prune(SystemTime::now()).await?;
+            self.prune(self.clock.now()).await?;
         }
         Ok(())
     }
 
     async fn revoke(&self, target: &RevokeTarget, reason: &str) -> Result<(), StateError> {
-        self.db.execute(revocation(target, reason)).await?;
+        self.db
+            .execute(revocation(target, reason, self.clock.now()))
+            .await?;
         Ok(())
     }
 }
 
-/// The insert that revokes `target`; revoking twice keeps the first reason.
-fn revocation(target: &RevokeTarget, reason: &str) -> Statement {
+/// The insert that revokes `target` at `now`; revoking twice keeps the first reason.
+fn revocation(target: &RevokeTarget, reason: &str, now: SystemTime) -> Statement {
     if let RevokeTarget::Lease { run_id, epoch } = target {
-        return fence_statement(run_id, *epoch);
+        return fence_statement(run_id, *epoch, now);
     }
     let (kind, id) = target.kind_and_id();
     sql(
@@ -503,7 +517,7 @@ fn revocation(target: &RevokeTarget, reason: &str) -> Statement {
     .bind(kind)
     .bind(id)
     .bind(reason)
-    .bind(micros(SystemTime::now()))
+    .bind(micros(now))
 }
 
 /// [`DecisionLog`] as rows of the `decision_log` table: an append is one committed

@@ -22,6 +22,7 @@
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use convene_core::recent::RecentMap;
 use convene_core::validate;
 use convene_mesh::handles::{EvidenceHandle, PolicyHandle, SupervisorHandle};
 use convene_proto::v1::{self, worker_server};
@@ -151,6 +152,9 @@ struct Inner {
     agents: BTreeMap<String, Agent>,
     capacity: usize,
     tasks: Mutex<Tasks>,
+    /// The newest lease epoch each run's dispatches came under, for the most recent
+    /// [`EPOCHS_KEPT`] runs.
+    epochs: RecentMap<String, u64>,
 }
 
 type ResultFuture = Shared<BoxFuture<'static, v1::TaskResult>>;
@@ -159,27 +163,26 @@ type ResultFuture = Shared<BoxFuture<'static, v1::TaskResult>>;
 struct Tasks {
     running: HashMap<String, Running>,
     done: ResultCache,
-    /// The newest lease epoch each run's dispatches came under, with when it was last
-    /// seen (forgotten after [`EPOCHS_KEPT`] once more than [`EPOCHS_PRUNE_AT`] runs
-    /// are known).
-    epochs: HashMap<String, (u64, std::time::Instant)>,
 }
 
-/// How long a run's lease epoch is remembered once it is no longer seen.
-const EPOCHS_KEPT: std::time::Duration = std::time::Duration::from_secs(3600);
-/// Known runs past which forgotten epochs are pruned.
-const EPOCHS_PRUNE_AT: usize = 4096;
+/// Runs whose lease epoch a worker remembers: a run it has not seen for this many others
+/// is one whose replica changes it no longer hears about.
+const EPOCHS_KEPT: usize = 16_384;
 
 impl Tasks {
     /// Enters lease epoch `epoch` of `run_id`: refused when a newer one was seen; a newer
     /// one than before cancels the run's delegations running under older epochs (their
     /// replica lost the run: its successor dispatches them again).
-    fn enter_epoch(&mut self, run_id: &str, epoch: u64) -> Result<(), ExecuteError> {
+    fn enter_epoch(
+        &mut self,
+        epochs: &RecentMap<String, u64>,
+        run_id: &str,
+        epoch: u64,
+    ) -> Result<(), ExecuteError> {
         if epoch == 0 {
             return Ok(());
         }
-        let now = std::time::Instant::now();
-        let seen = self.epochs.get(run_id).map_or(0, |(e, _)| *e);
+        let seen = epochs.get_with(run_id, |e| *e).unwrap_or(0);
         if seen > epoch {
             return Err(ExecuteError::Superseded {
                 run_id: run_id.to_owned(),
@@ -187,12 +190,8 @@ impl Tasks {
                 seen,
             });
         }
-        if self.epochs.len() >= EPOCHS_PRUNE_AT {
-            self.epochs
-                .retain(|_, (_, at)| now.duration_since(*at) < EPOCHS_KEPT);
-        }
-        self.epochs.insert(run_id.to_owned(), (epoch, now));
         if seen < epoch {
+            epochs.insert(run_id.to_owned(), epoch);
             for (id, running) in &self.running {
                 if running.run_id == run_id && running.lease_epoch < epoch {
                     tracing::info!(
@@ -402,6 +401,7 @@ impl WorkerService {
                 agents,
                 capacity: usize::try_from(options.capacity).unwrap_or(usize::MAX),
                 tasks: Mutex::new(Tasks::default()),
+                epochs: RecentMap::new(EPOCHS_KEPT),
             }),
         })
     }
@@ -432,6 +432,7 @@ impl WorkerService {
                 agents,
                 capacity: inner.capacity,
                 tasks: Mutex::new(Tasks::default()),
+                epochs: RecentMap::new(EPOCHS_KEPT),
             }),
         }
     }
@@ -494,7 +495,7 @@ impl WorkerService {
         let run_id = assignment.task.run_id.clone();
         let lease_epoch = assignment.verified.claims.lease_epoch;
         let mut tasks = lock(&self.inner.tasks);
-        tasks.enter_epoch(&run_id, lease_epoch)?;
+        tasks.enter_epoch(&self.inner.epochs, &run_id, lease_epoch)?;
         // A delegation running under an older epoch was just cancelled: it is run anew
         // (its end leaves this one alone, see `finish`).
         if let Some(running) = tasks.running.get(&id)
@@ -619,10 +620,7 @@ impl WorkerService {
             tracing::warn!(convene.run.id = %run_id, lease_epoch, refused = %refused, "refused a call that came after its replica's lease");
             return Err(refused);
         }
-        let seen = lock(&self.inner.tasks)
-            .epochs
-            .get(run_id)
-            .map_or(0, |(e, _)| *e);
+        let seen = self.inner.epochs.get_with(run_id, |e| *e).unwrap_or(0);
         if lease_epoch != 0 && seen > lease_epoch {
             return Err(ExecuteError::Superseded {
                 run_id: run_id.to_owned(),

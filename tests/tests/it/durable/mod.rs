@@ -137,6 +137,18 @@ fn profiles_with_faults(faults: &str) -> String {
     text
 }
 
+/// The example profiles, every playbook one holding its delegations at their start until
+/// `release` exists.
+fn profiles_held(release: &std::path::Path) -> String {
+    example_profiles().replace(
+        "    provider: playbook\n",
+        &format!(
+            "    provider: playbook\n    hold: {{ release: {} }}\n",
+            release.display()
+        ),
+    )
+}
+
 /// Aborting processes must not leave core files behind (in the test's directory).
 fn no_core_dumps() {
     use rustix::process::{Resource, getrlimit, setrlimit};

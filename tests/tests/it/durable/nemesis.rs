@@ -703,13 +703,7 @@ async fn a_woken_replica_gets_no_tool_call_allowed_for_a_run_taken_from_it() {
     };
     let dir = tempfile::tempdir().expect("tempdir");
     let release = dir.path().join("release");
-    let held = crate::harness::example_profiles().replace(
-        "    provider: playbook\n",
-        &format!(
-            "    provider: playbook\n    hold: {{ release: {} }}\n",
-            release.display()
-        ),
-    );
+    let held = super::profiles_held(&release);
     let mut mesh = TestMesh::start(
         Mode::Processes,
         MeshOptions {

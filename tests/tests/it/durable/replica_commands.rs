@@ -3,7 +3,7 @@
 //! run act on it, and a cancel stored while the owner cannot act is honoured by the
 //! replica that takes the run over after the owner is killed.
 
-use crate::harness::{MeshOptions, Mode, TestMesh, Workers, example_profiles};
+use crate::harness::{MeshOptions, Mode, TestMesh, Workers};
 use convene_mesh::auth::request;
 use convene_mesh::handles::SupervisorHandle;
 use convene_proto::v1::{self, approval_server::Approval as _, policy_server::Policy as _};
@@ -29,13 +29,7 @@ impl Two {
         let server = postgres_server().await?;
         let dir = tempfile::tempdir().expect("tempdir");
         let release = dir.keep().join("release");
-        let held = example_profiles().replace(
-            "    provider: playbook\n",
-            &format!(
-                "    provider: playbook\n    hold: {{ release: {} }}\n",
-                release.display()
-            ),
-        );
+        let held = super::profiles_held(&release);
         let mut mesh = TestMesh::start(
             Mode::Processes,
             MeshOptions {
